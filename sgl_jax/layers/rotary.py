@@ -1,0 +1,52 @@
+"""Rotary position embeddings (the rotate-half convention of Hugging Face checkpoints)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.models.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
+    """f32[rotary_dim // 2]: the angle per position of each rotated pair."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq = 1.0 / rope.theta**exponents
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, rope)
+    return inv_freq.astype(np.float32)
+
+
+def _llama3_scaled(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
+    # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, and the band
+    # between the two cut-offs blends linearly in 1/wavelength.
+    old_len = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions: i32[T] -> (cos, sin): f32[T, rotary_dim]."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, heads, head_dim], cos/sin: f32[T, head_dim] -> [T, heads, head_dim]."""
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,116 @@
+"""Model configuration parsed once from a Hugging Face `config.json`.
+
+Both spellings of the rotary settings are accepted: the hub's `rope_theta` + `rope_scaling`
+and the `rope_parameters` block that transformers >= 5 writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only: frequencies between these wavelengths are smoothly interpolated.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+        params = dict(hf.get("rope_parameters") or {})
+        params.update(hf.get("rope_scaling") or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        theta = hf.get("rope_theta", params.get("rope_theta", default_theta))
+        known = {f.name for f in dataclasses.fields(cls)} - {"theta", "rope_type"}
+        extra = {k: v for k, v in params.items() if k in known}
+        return cls(theta=float(theta), rope_type=rope_type, **extra)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs; hashable so jitted functions can close over it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always, Llama via attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+
+def dense_config_from_hf(hf: dict[str, Any], **arch_flags: Any) -> ModelConfig:
+    """Parse the fields every Llama-like decoder shares; `arch_flags` set what the family fixes."""
+    hidden_act = hf.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act {hidden_act!r} is not supported; only 'silu' is")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    num_heads = hf["num_attention_heads"]
+    attention_bias = bool(hf.get("attention_bias", False))
+    flags = {"qkv_bias": attention_bias, "o_bias": attention_bias} | arch_flags
+    config = ModelConfig(
+        architecture=hf["architectures"][0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig.from_hf(hf),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
+        checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        **flags,
+    )
+    config.validate()
+    return config
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)

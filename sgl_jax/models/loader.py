@@ -1,0 +1,211 @@
+"""Load a Hugging Face safetensors checkpoint (local directory or hub id) into a parameter pytree.
+
+Every problem is reported before any tensor data is read: the whole checkpoint is validated
+against the tensors the architecture expects (names, shapes, dtypes) from the file headers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.registry import ModelImpl, get_model_impl
+from sgl_jax.models.weights import WeightSpec
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+_CHECKPOINT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+_HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
+# Buffers some exporters save that carry no learned weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match what its config.json describes."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    impl: ModelImpl
+    config: ModelConfig
+    params: dict[str, Any]
+    model_dir: Path
+    dtype: Any
+
+
+def load_model(
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True
+) -> LoadedModel:
+    model_dir = resolve_model_dir(model_path, revision)
+    hf_config = read_hf_config(model_dir)
+    impl = get_model_impl(hf_config)
+    config = impl.config_from_hf(hf_config)
+    jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
+    params = load_params(model_dir, impl.hf_weight_specs(config), jax_dtype, progress=progress)
+    return LoadedModel(impl, config, params, model_dir, jax_dtype)
+
+
+def resolve_model_dir(model_path: str, revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found in the cache)."""
+    local = Path(model_path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise NotADirectoryError(f"model path {model_path!r} is a file, not a directory")
+    if not _HUB_ID.match(model_path):
+        raise FileNotFoundError(f"model directory {model_path!r} does not exist")
+    return _download_from_hub(model_path, revision)
+
+
+def _download_from_hub(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        path = snapshot_download(
+            repo_id, revision=revision, allow_patterns=_HUB_FILES, local_files_only=offline
+        )
+    except Exception as exc:  # the hub raises many types; all mean "not obtainable"
+        where = "in the local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub"
+        rev = f" at revision {revision!r}" if revision else ""
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local directory and was not found {where}{rev}: {exc}"
+        ) from exc
+    return Path(path)
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> Any:
+    """'auto' keeps a 16-bit checkpoint's dtype on accelerators; CPUs always compute in float32."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose from {', '.join(DTYPE_CHOICES)}")
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if jax.default_backend() == "cpu":
+        return jnp.float32
+    if checkpoint_dtype in ("bfloat16", "float16"):
+        return DTYPES[checkpoint_dtype]
+    return jnp.bfloat16
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"shard {shard.name!r} listed in {index_path} is missing")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        others = sorted(p.name for p in model_dir.glob("*.bin")) or ["nothing"]
+        raise FileNotFoundError(
+            f"no *.safetensors files in {str(model_dir)!r} (found {', '.join(others)}); "
+            "only safetensors checkpoints are supported"
+        )
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="numpy") as f:
+            files.update({name: shard for name in f.keys()})  # noqa: SIM118 (not a dict)
+    return files
+
+
+def load_params(
+    model_dir: Path, specs: dict[str, WeightSpec], dtype: Any, *, progress: bool = True
+) -> dict[str, Any]:
+    files = checkpoint_files(model_dir)
+    names = [n for n in files if n in specs or not n.endswith(_IGNORED_SUFFIXES)]
+    _check_tensor_names(names, specs)
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        if name in specs:
+            by_file.setdefault(files[name], []).append(name)
+    for path, file_names in by_file.items():
+        _check_headers(path, file_names, specs)
+    flat: dict[tuple, jax.Array] = {}
+    with tqdm(total=len(specs), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, file_names in by_file.items():
+            with safe_open(path, framework="numpy") as f:
+                for name in file_names:
+                    flat[specs[name].path] = _to_device(f.get_tensor(name), specs[name], dtype)
+                    bar.update()
+    return _unflatten(flat)
+
+
+def _check_tensor_names(names: list[str], specs: dict[str, WeightSpec]) -> None:
+    missing = sorted(set(specs) - set(names))
+    # lm_head is only absent from specs when tied; some exporters still save a copy of it.
+    unexpected = sorted(set(names) - set(specs) - {"lm_head.weight"})
+    if missing:
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} tensor(s) the config requires: {_listing(missing)}"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} unexpected tensor(s): {_listing(unexpected)}"
+        )
+
+
+def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -> None:
+    with safe_open(path, framework="numpy") as f:
+        for name in names:
+            tensor = f.get_slice(name)
+            shape, dtype = tuple(tensor.get_shape()), tensor.get_dtype()
+            if shape != specs[name].shape:
+                raise CheckpointError(
+                    f"tensor {name!r} in {path.name} has shape {list(shape)}, but the config "
+                    f"implies {list(specs[name].shape)}"
+                )
+            if dtype not in _CHECKPOINT_DTYPES:
+                raise CheckpointError(
+                    f"tensor {name!r} in {path.name} has dtype {dtype}; only floating-point "
+                    f"checkpoints ({', '.join(sorted(_CHECKPOINT_DTYPES))}) are supported"
+                )
+
+
+def _to_device(array: np.ndarray, spec: WeightSpec, dtype: Any) -> jax.Array:
+    array = array.astype(dtype, copy=False)
+    return jax.device_put(array.T if spec.transpose else array)
+
+
+def _unflatten(flat: dict[tuple, jax.Array]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    num_layers = 1 + max((p[1] for p in flat if p[0] == "layers"), default=-1)
+    if num_layers:
+        tree["layers"] = [{} for _ in range(num_layers)]
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return tree
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

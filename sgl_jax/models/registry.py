@@ -1,0 +1,42 @@
+"""Maps the `architectures` entry of a config.json to the code that implements it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_jax.models import llama, qwen2, qwen3
+from sgl_jax.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelImpl:
+    """One architecture: how to read its config; weights and forward come from the decoder."""
+
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    hf_weight_specs: Callable = llama.hf_weight_specs
+    forward: Callable = llama.forward
+    compute_logits: Callable = llama.compute_logits
+
+
+_REGISTRY: dict[str, ModelImpl] = {
+    arch: ModelImpl(config_from_hf=module.config_from_hf)
+    for module in (llama, qwen2, qwen3)
+    for arch in module.ARCHITECTURES
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_impl(hf_config: dict[str, Any]) -> ModelImpl:
+    architectures = hf_config.get("architectures") or []
+    for arch in architectures:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]
+    raise ValueError(
+        f"model architecture {architectures or '(none given)'} is not supported; "
+        f"supported architectures: {', '.join(supported_architectures())}"
+    )
