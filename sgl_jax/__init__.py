@@ -1,0 +1,15 @@
+"""sgl-jax: a JAX inference server for large language models with EAGLE3 speculative decoding."""
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so that `import sgl_jax.testing` does not pull in JAX and transformers.
+    if name == "Engine":
+        from sgl_jax.entrypoints.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'sgl_jax' has no attribute {name!r}")

@@ -1,0 +1,288 @@
+"""Tiny random checkpoints in the exact Hugging Face layout.
+
+Two writers produce the same files (config.json, generation_config.json, model.safetensors
+or shards + model.safetensors.index.json, tokenizer files):
+
+* ``torch``: instantiates the real transformers model, so names/shapes/init are HF's own.
+* ``numpy``: needs no torch (the built-in demo model runs without it); it mirrors the
+  transformers module layout tensor by tensor.
+
+``initializer_range`` is 0.2 (HF default 0.02): after the final RMSNorm the hidden state has
+unit RMS, so logit std is about 0.2 * sqrt(hidden_size) (1.6 for the presets).  A random
+model then has clearly peaked next-token distributions, which keeps greedy decoding stable
+under small numerical differences between implementations.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import transformers
+from transformers import GenerationConfig, PretrainedConfig
+
+from sgl_jax.testing.tokenizer import ENDOFTEXT_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer
+
+Backend = Literal["auto", "torch", "numpy"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+# Large enough that any tiny or benchmark-sized model is one file unless asked otherwise.
+DEFAULT_MAX_SHARD_SIZE = "100GB"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# Same metadata transformers writes; its loader accepts "pt"-format files.
+_SAFETENSORS_METADATA = {"format": "pt"}
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 512,
+    "num_hidden_layers": 4,
+    "bos_token_id": ENDOFTEXT_ID,
+    "eos_token_id": ENDOFTEXT_ID,
+    "initializer_range": 0.2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architecture": "LlamaForCausalLM",
+        "config": {
+            **_COMMON,
+            "num_key_value_heads": 2,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        },
+    },
+    "llama3": {
+        "architecture": "LlamaForCausalLM",
+        "config": {
+            **_COMMON,
+            "num_key_value_heads": 4,
+            "rope_theta": 500000.0,
+            # original_max_position_embeddings=32 puts most of the 512 positions in the
+            # scaled regime, so tests exercise the llama3 frequency remapping.
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "tie_word_embeddings": False,
+        },
+    },
+    "qwen2": {
+        "architecture": "Qwen2ForCausalLM",
+        "config": {
+            **_COMMON,
+            "num_key_value_heads": 1,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+    },
+    "qwen3": {
+        "architecture": "Qwen3ForCausalLM",
+        "config": {
+            **_COMMON,
+            "num_key_value_heads": 2,
+            # Deliberately != hidden_size / num_attention_heads (16).
+            "head_dim": 32,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": True,
+        },
+    },
+}
+
+
+def write_tiny_checkpoint(
+    path: str | os.PathLike,
+    preset: str = "llama",
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_shard_size: int | str | None = None,
+    with_tokenizer: bool = True,
+    backend: Backend = "auto",
+    **config_overrides: Any,
+) -> Path:
+    """Write a random ``preset`` model (plus tokenizer) to ``path`` and return the path.
+
+    ``config_overrides`` update the preset's HF config kwargs.  ``backend="auto"`` uses torch
+    when it imports and numpy otherwise.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_weights(out)
+    shard_size = max_shard_size or DEFAULT_MAX_SHARD_SIZE
+    if _resolve_backend(backend) == "torch":
+        _write_with_torch(out, tiny_config(preset, **config_overrides), dtype, seed, shard_size)
+    else:
+        config = tiny_config(preset, torch_dtype=dtype, **config_overrides)
+        _write_with_numpy(out, config, dtype, seed, shard_size)
+    if with_tokenizer:
+        write_tiny_tokenizer(out)
+    return out
+
+
+def tiny_config(preset: str, **overrides: Any) -> PretrainedConfig:
+    """The transformers config object for ``preset`` with ``overrides`` applied."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    architecture = PRESETS[preset]["architecture"]
+    kwargs = {**copy.deepcopy(PRESETS[preset]["config"]), **overrides}
+    # LlamaForCausalLM -> LlamaConfig; these config classes import without torch.
+    config_cls = getattr(transformers, architecture.removesuffix("ForCausalLM") + "Config")
+    return config_cls(architectures=[architecture], **kwargs)
+
+
+def _resolve_backend(backend: Backend) -> Literal["torch", "numpy"]:
+    if backend not in ("auto", "torch", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'numpy', got {backend!r}")
+    if backend != "auto":
+        return backend
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "numpy"
+    return "torch"
+
+
+def _remove_stale_weights(out: Path) -> None:
+    # A leftover index or shard from an earlier write would make loaders pick wrong files.
+    for old in [*out.glob("model*.safetensors"), out / WEIGHTS_INDEX_NAME]:
+        old.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- torch writer
+
+
+def _write_with_torch(
+    out: Path, config: PretrainedConfig, dtype: str, seed: int, max_shard_size: int | str
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    # config.dtype is unset, so the model is built (and initialised) in float32; casting
+    # afterwards makes a bf16/fp16 model the rounding of the float32 one for the same seed.
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    _randomize_biases(model, config.initializer_range)
+    model.to(getattr(torch, dtype))
+    # save_pretrained records the parameters' dtype in config.json.
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+
+
+def _randomize_biases(model: Any, std: float) -> None:
+    # HF initialises biases to zero, which would let a loader that drops them pass tests.
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+
+
+# --------------------------------------------------------------------------- numpy writer
+
+
+def weight_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor names and [out, in] shapes of the HF checkpoint, in module order."""
+    arch = config.architectures[0]
+    hidden, vocab = config.hidden_size, config.vocab_size
+    inter = config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_dim = config.num_attention_heads * head_dim
+    kv_dim = config.num_key_value_heads * head_dim
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    # Qwen2 hard-codes q/k/v bias and no o_proj bias; Llama/Qwen3 follow attention_bias.
+    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+    o_bias = arch != "Qwen2ForCausalLM" and attention_bias
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        for proj, rows in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+            shapes[f"{attn}.{proj}_proj.weight"] = (rows, hidden)
+            if qkv_bias:
+                shapes[f"{attn}.{proj}_proj.bias"] = (rows,)
+        shapes[f"{attn}.o_proj.weight"] = (hidden, q_dim)
+        if o_bias:
+            shapes[f"{attn}.o_proj.bias"] = (hidden,)
+        if arch == "Qwen3ForCausalLM":
+            shapes[f"{attn}.q_norm.weight"] = (head_dim,)
+            shapes[f"{attn}.k_norm.weight"] = (head_dim,)
+        for proj, shape in (
+            ("gate", (inter, hidden)),
+            ("up", (inter, hidden)),
+            ("down", (hidden, inter)),
+        ):
+            shapes[f"{mlp}.{proj}_proj.weight"] = shape
+            if mlp_bias:
+                shapes[f"{mlp}.{proj}_proj.bias"] = shape[:1]
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes  # ships with jax; safetensors.numpy stores it as BF16
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _random_state_dict(config: PretrainedConfig, dtype: str, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    std = np.float32(config.initializer_range)
+    target = _numpy_dtype(dtype)
+    tensors = {}
+    for name, shape in weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            value = np.ones(shape, dtype=np.float32)
+        else:
+            value = rng.standard_normal(shape, dtype=np.float32) * std
+        tensors[name] = value.astype(target)
+    return tensors
+
+
+def _write_with_numpy(
+    out: Path, config: PretrainedConfig, dtype: str, seed: int, max_shard_size: int | str
+) -> None:
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+    from safetensors.numpy import save_file
+
+    tensors = _random_state_dict(config, dtype, seed)
+    # The same splitting routine (key order, byte sizes) transformers uses for torch tensors.
+    split = split_state_dict_into_shards_factory(
+        tensors,
+        get_storage_size=lambda array: array.nbytes,
+        filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=max_shard_size,
+    )
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: tensors[name] for name in names}
+        save_file(shard, out / filename, metadata=_SAFETENSORS_METADATA)
+    if split.is_sharded:
+        total_parameters = sum(array.size for array in tensors.values())
+        index = {
+            "metadata": {"total_parameters": total_parameters, **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        (out / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
