@@ -100,7 +100,8 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> Any:
     """'auto' keeps a 16-bit checkpoint's dtype on accelerators; CPUs always compute in float32."""
     if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose from {', '.join(DTYPE_CHOICES)}")
+        choices = ", ".join(DTYPE_CHOICES)
+        raise ValueError(f"dtype {dtype!r} is not supported; choose from {choices}")
     if dtype != "auto":
         return DTYPES[dtype]
     if jax.default_backend() == "cpu":
@@ -163,7 +164,8 @@ def _check_tensor_names(names: list[str], specs: dict[str, WeightSpec]) -> None:
     unexpected = sorted(set(names) - set(specs) - {"lm_head.weight"})
     if missing:
         raise CheckpointError(
-            f"checkpoint is missing {len(missing)} tensor(s) the config requires: {_listing(missing)}"
+            f"checkpoint is missing {len(missing)} tensor(s) the config requires: "
+            f"{_listing(missing)}"
         )
     if unexpected:
         raise CheckpointError(
@@ -173,7 +175,13 @@ def _check_tensor_names(names: list[str], specs: dict[str, WeightSpec]) -> None:
 
 def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -> None:
     with safe_open(path, framework="numpy") as f:
+        present = set(f.keys())  # noqa: SIM118 (not a dict)
         for name in names:
+            if name not in present:
+                raise CheckpointError(
+                    f"tensor {name!r} is listed in the checkpoint index under {path.name!r}, "
+                    "but that file does not contain it"
+                )
             tensor = f.get_slice(name)
             shape, dtype = tuple(tensor.get_shape()), tensor.get_dtype()
             if shape != specs[name].shape:

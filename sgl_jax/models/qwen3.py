@@ -1,4 +1,4 @@
-"""Qwen3: the Llama decoder with per-head RMSNorm on q and k before RoPE and an explicit head_dim."""
+"""Qwen3: the Llama decoder with per-head q/k RMSNorm before RoPE and an explicit head_dim."""
 
 from typing import Any
 

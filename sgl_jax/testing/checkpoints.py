@@ -51,6 +51,9 @@ _COMMON: dict[str, Any] = {
     "num_attention_heads": 4,
 }
 
+# Norm weights are drawn around 1 (not exactly 1) so that a loader ignoring them fails tests.
+NORM_WEIGHT_STD = 0.1
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama": {
         "architecture": "LlamaForCausalLM",
@@ -176,20 +179,23 @@ def _write_with_torch(
     # config.dtype is unset, so the model is built (and initialised) in float32; casting
     # afterwards makes a bf16/fp16 model the rounding of the float32 one for the same seed.
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
-    _randomize_biases(model, config.initializer_range)
+    _randomize_biases_and_norms(model, config.initializer_range)
     model.to(getattr(torch, dtype))
     # save_pretrained records the parameters' dtype in config.json.
     model.save_pretrained(out, max_shard_size=max_shard_size)
 
 
-def _randomize_biases(model: Any, std: float) -> None:
-    # HF initialises biases to zero, which would let a loader that drops them pass tests.
+def _randomize_biases_and_norms(model: Any, std: float) -> None:
+    # HF initialises biases to zero and norm weights to one, which would let a loader that
+    # drops them pass tests.
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, std)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, NORM_WEIGHT_STD)
 
 
 # --------------------------------------------------------------------------- numpy writer
@@ -253,7 +259,7 @@ def _random_state_dict(config: PretrainedConfig, dtype: str, seed: int) -> dict[
     tensors = {}
     for name, shape in weight_shapes(config).items():
         if name.endswith("norm.weight"):
-            value = np.ones(shape, dtype=np.float32)
+            value = 1.0 + rng.standard_normal(shape, dtype=np.float32) * NORM_WEIGHT_STD
         else:
             value = rng.standard_normal(shape, dtype=np.float32) * std
         tensors[name] = value.astype(target)
