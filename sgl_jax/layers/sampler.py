@@ -1,0 +1,282 @@
+"""On-device sampling for a batch where every row has its own sampling parameters.
+
+Runs inside the model's jitted step: logits f32[S, V] in, next tokens out, no host round trip.
+
+Pipeline, in this order (each step is one small function below):
+
+1. Penalties, from the row's slot in `PenaltyState` (vLLM's order):
+   repetition (HF/CTRL, over prompt and output tokens: logit / rp if logit > 0 else logit * rp),
+   then frequency (logit -= fp * count) and presence (logit -= pp * [count > 0]) over output tokens.
+   A row with slot < 0 has no state: it is not penalised.
+2. `suppress_ids` -> -inf (min_new_tokens bans EOS and stop ids this way), for greedy rows too.
+3. Greedy rows (temperature == 0): argmax of the penalised logits.
+4. Sampling rows: divide by temperature, softmax, then on the descending sort
+   top-k (exactly k ranks; ties keep the lower token id),
+   top-p on the top-k distribution renormalised (vLLM's `apply_top_k_top_p` and FlashInfer's
+   `top_k_first` order; SGLang's torch fallback instead cuts on the un-renormalised cumsum):
+   keep the smallest prefix whose mass reaches top_p, the top token always,
+   min-p: drop p < min_p * p_max. The top token survives every filter and every filter keeps a
+   prefix of the sort, and p / p_max is unchanged by renormalising, so min-p gives the same
+   set whether it runs first or last.
+   The kept mass is renormalised and drawn from by inverse CDF with one uniform whose key is
+   `fold_in(key(seed), position)`: a request's draw depends on its own seed and output position,
+   never on its row or the other rows. (The float reductions that build the CDF may round
+   differently for another bucket size; a draw only changes if u falls within that rounding of
+   a CDF boundary.)
+
+Log-probabilities are those of the model's RAW distribution, log_softmax of the logits given
+to `sample` before penalties, suppression, temperature and filters: that is what the OpenAI API
+reports for the model, and it does not change with the sampling knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingBatch:
+    temperature: jax.Array  # f32[S]; 0 = greedy
+    top_p: jax.Array  # f32[S]; >= 1.0 = off
+    top_k: jax.Array  # i32[S]; <= 0 or >= V = off
+    min_p: jax.Array  # f32[S]; 0.0 = off
+    frequency_penalty: jax.Array  # f32[S]; logit -= fp * count(token in output)
+    presence_penalty: jax.Array  # f32[S]; logit -= pp * (count(token in output) > 0)
+    repetition_penalty: jax.Array  # f32[S]; 1.0 = off; over prompt and output tokens
+    seed: jax.Array  # u32[S]; per-request seed
+    position: jax.Array  # i32[S]; index in the request's output of the token being sampled
+    suppress_ids: jax.Array  # i32[S, E]; ids banned for this row at this step; -1 = padding
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyState:
+    output_counts: jax.Array  # i32[R, V]; per slot, occurrences of each token in the output
+    seen: jax.Array  # bool[R, V]; per slot, tokens in the prompt or the output
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SampleOutput:
+    tokens: jax.Array  # i32[S]
+    logprob: jax.Array  # f32[S]; raw log-probability of `tokens`
+    top_logprob_ids: jax.Array  # i32[S, K]; by descending raw logprob
+    top_logprobs: jax.Array  # f32[S, K]
+
+
+# ---------------------------------------------------------------- penalty state (device side)
+
+
+def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
+    return PenaltyState(
+        output_counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
+        seen=jnp.zeros((num_slots, vocab_size), jnp.bool_),
+    )
+
+
+def _drop_negative(index: jax.Array, bound: int) -> jax.Array:
+    """Send padding (-1) out of bounds, so scatters with mode='drop' skip it instead of
+    wrapping to the last row or column as negative indices otherwise would."""
+    return jnp.where(index < 0, bound, index)
+
+
+def reset_slots(
+    state: PenaltyState,
+    slots: jax.Array,  # i32[N]; -1 = padding
+    prompt_ids: jax.Array,  # i32[N, L]; -1 = padding
+    prompt_lens: jax.Array | None = None,  # i32[N]; ids at or past a row's length are ignored
+) -> PenaltyState:
+    """Start fresh requests in `slots`: zero their counts, mark their prompt tokens as seen."""
+    num_slots, vocab = state.seen.shape
+    rows = _drop_negative(slots, num_slots)  # i32[N]
+    ids = prompt_ids
+    if prompt_lens is not None:
+        in_prompt = jnp.arange(ids.shape[1])[None, :] < prompt_lens[:, None]
+        ids = jnp.where(in_prompt, ids, -1)
+    ids = _drop_negative(ids, vocab)  # i32[N, L]
+    counts = state.output_counts.at[rows].set(0, mode="drop")
+    seen = state.seen.at[rows].set(False, mode="drop")
+    seen = seen.at[rows[:, None], ids].set(True, mode="drop")
+    return PenaltyState(output_counts=counts, seen=seen)
+
+
+def record_tokens(
+    state: PenaltyState,
+    slots: jax.Array,  # i32[S]; -1 = no state
+    tokens: jax.Array,  # i32[S]
+    valid: jax.Array,  # bool[S]
+) -> PenaltyState:
+    """Count the tokens just emitted. A slot may repeat (several tokens per request, as in
+    speculative decoding): the scatter-add counts each occurrence."""
+    num_slots, vocab = state.seen.shape
+    rows = _drop_negative(jnp.where(valid, slots, -1), num_slots)  # i32[S]
+    cols = _drop_negative(tokens, vocab)  # i32[S]
+    return PenaltyState(
+        output_counts=state.output_counts.at[rows, cols].add(1, mode="drop"),
+        seen=state.seen.at[rows, cols].set(True, mode="drop"),
+    )
+
+
+# ---------------------------------------------------------------- steps 1-2: logits the rows see
+
+
+def _apply_penalties(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+    penalties: PenaltyState,
+    slots: jax.Array,  # i32[S]
+) -> jax.Array:  # f32[S, V]
+    has_state = (slots >= 0)[:, None]  # bool[S, 1]
+    rows = jnp.maximum(slots, 0)  # a valid gather index; masked by has_state
+    counts = jnp.where(has_state, penalties.output_counts[rows], 0).astype(logits.dtype)
+    seen = has_state & penalties.seen[rows]  # bool[S, V]
+    rp = params.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - params.frequency_penalty[:, None] * counts
+    return logits - params.presence_penalty[:, None] * (counts > 0)
+
+
+def _suppress(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
+    """logits f32[S, V], suppress_ids i32[S, E] -> f32[S, V] with the banned ids at -inf."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    cols = _drop_negative(suppress_ids, logits.shape[1])
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def _penalised_logits(logits, params, penalties, slots) -> jax.Array:  # f32[S, V]
+    logits = _apply_penalties(logits.astype(jnp.float32), params, penalties, slots)
+    return _suppress(logits, params.suppress_ids)
+
+
+# ---------------------------------------------------------------- step 4: the filtered distribution
+
+
+def _top_k_mask(rank: jax.Array, top_k: jax.Array) -> jax.Array:
+    """rank i32[1, V], top_k i32[S] -> bool[S, V]."""
+    vocab = rank.shape[1]
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    return rank < k[:, None]
+
+
+def _top_p_mask(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """probs f32[S, V] sorted descending and renormalised after top-k -> bool[S, V].
+
+    A token is kept when the mass strictly before it is still short of top_p; rank 0 always.
+    top_p >= 1 is tested explicitly because the float cumsum of the tail can round past 1."""
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p[:, None]
+    keep = keep.at[:, 0].set(True)
+    return keep | (top_p[:, None] >= 1.0)
+
+
+def _min_p_mask(probs: jax.Array, min_p: jax.Array) -> jax.Array:
+    """probs f32[S, V] sorted descending -> bool[S, V]; the ratio to p_max ignores scaling."""
+    return probs >= min_p[:, None] * probs[:, :1]
+
+
+def _renormalise(probs: jax.Array, keep: jax.Array) -> jax.Array:
+    kept = jnp.where(keep, probs, 0.0)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def _sorted_filtered_probs(
+    logits: jax.Array,  # f32[S, V], penalised and suppressed
+    params: SamplingBatch,
+) -> tuple[jax.Array, jax.Array]:  # (f32[S, V] probs by descending rank, i32[S, V] token ids)
+    """The distribution a sampling row draws from, in sorted order; greedy rows are garbage."""
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    order = jnp.argsort(scaled, axis=-1, descending=True, stable=True).astype(jnp.int32)
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    rank = jnp.arange(probs.shape[1])[None, :]
+    keep = _top_k_mask(rank, params.top_k)
+    keep &= _top_p_mask(_renormalise(probs, keep), params.top_p)
+    keep &= _min_p_mask(probs, params.min_p)
+    return _renormalise(probs, keep), order
+
+
+def filtered_probs(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+    penalties: PenaltyState,
+    slots: jax.Array,  # i32[S]
+) -> jax.Array:  # f32[S, V]
+    """The distribution `sample` draws each row from, in vocabulary order; greedy rows give the
+    one-hot of their argmax. (Also the target distribution speculative verification needs.)"""
+    penalised = _penalised_logits(logits, params, penalties, slots)
+    sorted_probs, order = _sorted_filtered_probs(penalised, params)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    probs = jnp.zeros_like(sorted_probs).at[rows, order].set(sorted_probs)
+    greedy = jax.nn.one_hot(jnp.argmax(penalised, axis=-1), logits.shape[1], dtype=probs.dtype)
+    return jnp.where((params.temperature == 0)[:, None], greedy, probs)
+
+
+# ---------------------------------------------------------------- the draw
+
+
+def _row_uniform(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """u32[], i32[] -> f32[] in [0, 1), a function of (seed, position) alone."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position))
+
+
+def _draw(
+    sorted_probs: jax.Array,  # f32[S, V], descending, renormalised
+    order: jax.Array,  # i32[S, V]
+    seed: jax.Array,  # u32[S]
+    position: jax.Array,  # i32[S]
+) -> jax.Array:  # i32[S]
+    """Inverse CDF: rank r is chosen when cdf[r-1] <= u * total < cdf[r]; zero-mass ranks have
+    an empty interval. Scaling u by the total, and capping at the last positive rank, keeps
+    float rounding of the cumsum from ever picking a filtered-out token."""
+    u = jax.vmap(_row_uniform)(seed, position)  # f32[S]
+    cdf = jnp.cumsum(sorted_probs, axis=-1)
+    rank = jnp.sum(cdf <= u[:, None] * cdf[:, -1:], axis=-1)
+    last_kept = jnp.sum(sorted_probs > 0, axis=-1) - 1
+    rank = jnp.minimum(rank, last_kept)
+    return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
+
+
+def _sampled_tokens(penalised: jax.Array, params: SamplingBatch) -> jax.Array:  # i32[S]
+    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    drawn = _draw(*_sorted_filtered_probs(penalised, params), params.seed, params.position)
+    return jnp.where(params.temperature == 0, greedy, drawn)
+
+
+def _raw_logprobs(
+    logits: jax.Array,  # f32[S, V]
+    tokens: jax.Array,  # i32[S]
+    k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[S], i32[S, K], f32[S, K]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if k == 0:  # lax.top_k rejects k=0; callers still get arrays of a fixed rank
+        s = logits.shape[0]
+        return chosen, jnp.zeros((s, 0), jnp.int32), jnp.zeros((s, 0), jnp.float32)
+    top_vals, top_ids = jax.lax.top_k(logp, k)
+    return chosen, top_ids.astype(jnp.int32), top_vals
+
+
+def sample(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+    penalties: PenaltyState,
+    slots: jax.Array,  # i32[S]; row -> penalty slot; -1 = none
+    *,
+    num_top_logprobs: int = 0,  # K, static
+) -> SampleOutput:
+    """Next token per row. An all-greedy batch skips the vocabulary sort at run time through
+    lax.cond, so one compiled function serves greedy and sampling batches."""
+    penalised = _penalised_logits(logits, params, penalties, slots)
+    tokens = jax.lax.cond(
+        jnp.all(params.temperature == 0),
+        lambda x, p: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        _sampled_tokens,
+        penalised,
+        params,
+    )
+    logprob, top_ids, top_logprobs = _raw_logprobs(logits, tokens, num_top_logprobs)
+    return SampleOutput(tokens, logprob, top_ids, top_logprobs)
