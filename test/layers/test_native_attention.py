@@ -6,7 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.layers.attention.native import native_attention
+from sgl_jax.layers.attention.native import (
+    native_attention,
+    ragged_paged_attention_reference,
+    write_kv,
+)
 from sgl_jax.model_executor.forward_batch import SeqChunk, build_forward_batch
 
 
@@ -63,13 +67,11 @@ CASES = {
 
 @pytest.mark.parametrize(
     "case,page_size,gqa,tree",
-    [
-        (c, ps, g, False)
-        for c, ps, g in itertools.product(CASES, [1, 4, 16], [1, 4])
-    ]
+    [(c, ps, g, False) for c, ps, g in itertools.product(CASES, [1, 4, 16], [1, 4])]
     + [("mixed", ps, g, True) for ps, g in itertools.product([1, 16], [1, 2])],
 )
-def test_matches_per_token_loop(case, page_size, gqa, tree):
+@pytest.mark.parametrize("block_tokens", [4, 256])  # several blocks per sequence, or one
+def test_matches_per_token_loop(case, page_size, gqa, tree, block_tokens):
     rng = np.random.default_rng(0)
     n_kv, hd = 2, 8
     n_heads = n_kv * gqa
@@ -85,11 +87,12 @@ def test_matches_per_token_loop(case, page_size, gqa, tree):
     new_k = np.concatenate([new_k, np.zeros((pad, n_kv, hd), np.float32)])
     new_v = np.concatenate([new_v, np.zeros((pad, n_kv, hd), np.float32)])
 
-    out, (k_after, _) = native_attention(
-        q, new_k, new_v, (jnp.asarray(k_pages), jnp.asarray(v_pages)), batch.attention,
-        scale=hd**-0.5,
+    layer_kv = write_kv((jnp.asarray(k_pages), jnp.asarray(v_pages)), new_k, new_v,
+                        batch.attention.slot_mapping)
+    out = ragged_paged_attention_reference(
+        q, *layer_kv, batch.attention, scale=hd**-0.5, block_tokens=block_tokens
     )
-    out = np.asarray(out)
+    out, k_after = np.asarray(out), layer_kv[0]
 
     token = 0
     for chunk, k, v in zip(chunks, full_k, full_v, strict=True):
