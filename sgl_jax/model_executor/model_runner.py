@@ -1,20 +1,53 @@
-"""ModelRunner: owns the parameters and the KV cache and runs one jitted step per batch."""
+"""ModelRunner: owns the parameters, the KV cache and the sampling state, and runs jitted steps.
+
+Every step is padded to a bucketed shape (`Buckets`), so a warm-up that compiles each bucket
+once leaves nothing to compile while serving. Two kinds of batch exist:
+decode (one new token per sequence) and extend (prefill chunks or verify windows).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers.attention import LayerKV, get_attention_backend
+from sgl_jax.layers.sampler import (
+    PenaltyState,
+    SamplingBatch,
+    init_penalty_state,
+    record_tokens,
+    reset_slots,
+    sample,
+)
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax.model_executor.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from sgl_jax.model_executor.forward_batch import (
+    BatchShape,
+    Buckets,
+    ForwardBatch,
+    SeqChunk,
+    build_forward_batch,
+)
 from sgl_jax.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Host copies of one sampling step's results, one row per chunk."""
+
+    tokens: np.ndarray  # i32[n]
+    logprobs: np.ndarray  # f32[n]: raw log-probability of each token
+    top_logprob_ids: np.ndarray  # i32[n, MAX_TOP_LOGPROBS] (zeros unless asked for)
+    top_logprobs: np.ndarray  # f32[n, MAX_TOP_LOGPROBS]
 
 
 class ModelRunner:
@@ -24,57 +57,175 @@ class ModelRunner:
         *,
         num_pages: int,
         page_size: int,
+        buckets: Buckets | None = None,
         attention_backend: str = "native",
         capture_layers: tuple[int, ...] = (),
+        num_penalty_slots: int = 1,
     ):
         self.model = model
         self.config = model.config
         self.page_size = page_size
-        self.num_compilations = 0  # traces of the step function; steady state adds none
+        self.buckets = buckets or Buckets.automatic(
+            max_tokens=4096, max_seqs=64, context_len=model.config.max_position_embeddings,
+            page_size=page_size,
+        )
+        self.num_compilations = 0  # traces of the jitted functions; steady serving adds none
         self.kv_cache: list[LayerKV] = allocate_kv_cache(
             model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype
         )
-        step = functools.partial(
-            self._step,
-            attention=get_attention_backend(attention_backend),
-            capture_layers=capture_layers,
+        self.penalties: PenaltyState = init_penalty_state(num_penalty_slots, self.config.vocab_size)
+        attention = get_attention_backend(attention_backend)
+        forward = functools.partial(self._forward, attention=attention, capture=capture_layers)
+        self._logits_step = jax.jit(
+            functools.partial(self._logits_step_impl, forward=forward), donate_argnums=(1,)
         )
-        self._jitted_step = jax.jit(step, donate_argnums=(1,))
+        self._sampling_step = jax.jit(
+            functools.partial(self._sampling_step_impl, forward=forward), donate_argnums=(1, 2)
+        )
+        self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
+
+    # ------------------------------------------------------------------ public steps
 
     def forward(
         self, chunks: Sequence[SeqChunk], *, all_logits: bool = False
     ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-        """Run chunks through the model, updating the KV cache.
+        """Run chunks and return raw logits (no sampling): for tests and benchmarks.
 
-        Returns logits f32[num_chunks, V] for each chunk's last token (f32[num_tokens, V] for
-        every token with all_logits) and the captured hidden states, each f[num_tokens, H].
+        Logits are f32[num_chunks, V] for each chunk's last token, or f32[num_tokens, V] for
+        every token with all_logits; captured hidden states are f[num_tokens, H] each.
         """
-        batch = build_forward_batch(chunks, page_size=self.page_size, all_logits=all_logits)
-        self.kv_cache, logits, captured = self._jitted_step(
-            self.model.params, self.kv_cache, batch
-        )
+        shape = self.buckets.shape_for(chunks)
+        if all_logits:
+            shape = shape.with_logits_for_every_token()
+        batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
+        self.kv_cache, logits, captured = self._logits_step(self.model.params, self.kv_cache, batch)
         num_tokens = sum(len(c.token_ids) for c in chunks)
         num_rows = num_tokens if all_logits else len(chunks)
         return np.asarray(logits)[:num_rows], tuple(np.asarray(h)[:num_tokens] for h in captured)
 
-    def _step(self, params, kv_cache: list[LayerKV], batch: ForwardBatch, *, attention,
-              capture_layers):
+    def step(
+        self,
+        chunks: Sequence[SeqChunk],
+        sampling: SamplingBatch,  # host arrays, one row per chunk (padded here)
+        penalty_slots: np.ndarray,  # i32[n]: -1 for requests without penalties
+        emits: np.ndarray,  # bool[n]: whether the row's token is kept (False mid-prefill)
+        want_top_logprobs: bool,
+    ) -> StepOutput:
+        """Run chunks and sample the next token of each on the device."""
+        shape = self.buckets.shape_for(chunks)
+        batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
+        rows = shape.num_seqs
+        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
+        self.kv_cache, self.penalties, out, top = self._sampling_step(
+            self.model.params, self.kv_cache, self.penalties, batch, sampling,
+            _pad_rows(penalty_slots.astype(np.int32), rows, fill=-1),
+            _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
+        )
+        n = len(chunks)
+        top_ids, top_values = (np.asarray(a)[:n] for a in top)
+        return StepOutput(np.asarray(out.tokens)[:n], np.asarray(out.logprob)[:n], top_ids,
+                          top_values)
+
+    def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
+        """Start a request with penalties in `slot`: clear its counts, mark its prompt as seen."""
+        width = self.buckets.prompt_width(len(prompt_ids))
+        ids = np.full((1, width), -1, np.int32)
+        ids[0, : len(prompt_ids)] = prompt_ids
+        self.penalties = self._reset_slots(self.penalties, np.array([slot], np.int32), ids)
+
+    def warmup(self) -> None:
+        """Compile every bucket now, so serving never waits on the compiler."""
+        for shape in self.buckets.all_shapes():
+            self._run_dummy(shape)
+        for width in self.buckets.prompt_widths():
+            self.reset_penalty_slot(0, [0] * width)
+        self.reset_penalty_slot(0, [])
+        logger.info("Warm-up done: %d compilations", self.num_compilations)
+
+    # ------------------------------------------------------------------ jitted bodies
+
+    def _forward(self, params, kv_cache, batch: ForwardBatch, *, attention, capture):
         self._log_compilation(batch)
         impl, config = self.model.impl, self.config
         hidden, kv_cache, captured = impl.forward(
             params, kv_cache, batch.input_ids, batch.positions, batch.attention,
-            config=config, attention=attention, capture_layers=capture_layers,
+            config=config, attention=attention, capture_layers=capture,
         )
         logits = impl.compute_logits(params, hidden[batch.logits_indices], config)
         return kv_cache, logits, captured
+
+    def _logits_step_impl(self, params, kv_cache, batch, *, forward):
+        return forward(params, kv_cache, batch)
+
+    def _sampling_step_impl(
+        self, params, kv_cache, penalties, batch, sampling, slots, emits, want_top, *, forward
+    ):
+        kv_cache, logits, _ = forward(params, kv_cache, batch)
+        out = sample(logits, sampling, penalties, slots)
+        penalties = record_tokens(penalties, slots, out.tokens, emits)
+        top = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
+        return kv_cache, penalties, out, top
+
+    def _reset_slots_impl(self, penalties, slots, prompt_ids):
+        self.num_compilations += 1
+        return reset_slots(penalties, slots, prompt_ids)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _run_dummy(self, shape: BatchShape) -> None:
+        """A batch of the given shape whose tokens all write into the null page."""
+        chunks = [SeqChunk([0] * shape.max_q_len, 0, [0])] if shape.max_q_len > 1 else [
+            SeqChunk([0], 0, [0]) for _ in range(shape.num_seqs)
+        ]
+        batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
+        rows = shape.num_seqs
+        sampling = greedy_sampling_batch(rows)
+        slots = np.full(rows, -1, np.int32)
+        self.kv_cache, self.penalties, out, _ = self._sampling_step(
+            self.model.params, self.kv_cache, self.penalties, batch, sampling, slots,
+            np.zeros(rows, bool), np.bool_(False),
+        )
+        out.tokens.block_until_ready()
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.
         self.num_compilations += 1
         meta = batch.attention
         logger.info(
-            "Compiling forward step #%d: tokens=%d seqs=%d pages/seq=%d max_q_len=%d logits=%d%s",
+            "Compiling step #%d: tokens=%d seqs=%d pages/seq=%d max_q_len=%d logits=%d%s",
             self.num_compilations, batch.input_ids.shape[0], meta.num_seqs,
             meta.page_table.shape[1], meta.max_q_len, batch.logits_indices.shape[0],
             " tree-mask" if meta.custom_mask is not None else "",
         )
+
+
+def _top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), MAX_TOP_LOGPROBS)
+    return ids.astype(jnp.int32), values
+
+
+def _no_top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    rows = logits.shape[0]
+    return (jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32))
+
+
+def _pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
+    pad = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
+    return np.pad(array, pad, constant_values=fill)
+
+
+def greedy_sampling_batch(rows: int, suppress_width: int = 1) -> SamplingBatch:
+    """Host arrays for `rows` greedy rows without penalties (padding and warm-up)."""
+    return SamplingBatch(
+        temperature=np.zeros(rows, np.float32),
+        top_p=np.ones(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        min_p=np.zeros(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32),
+        presence_penalty=np.zeros(rows, np.float32),
+        repetition_penalty=np.ones(rows, np.float32),
+        seed=np.zeros(rows, np.uint32),
+        position=np.zeros(rows, np.int32),
+        suppress_ids=np.full((rows, suppress_width), -1, np.int32),
+    )

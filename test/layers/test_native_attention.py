@@ -11,7 +11,12 @@ from sgl_jax.layers.attention.native import (
     ragged_paged_attention_reference,
     write_kv,
 )
-from sgl_jax.model_executor.forward_batch import SeqChunk, build_forward_batch
+from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
+
+
+def pack(chunks, page_size):
+    buckets = Buckets.automatic(max_tokens=64, max_seqs=8, context_len=64, page_size=page_size)
+    return build_forward_batch(chunks, page_size=page_size, shape=buckets.shape_for(chunks))
 
 
 def naive_attention(q, keys, values, visible, scale):
@@ -78,7 +83,7 @@ def test_matches_per_token_loop(case, page_size, gqa, tree, block_tokens):
     chunks, k_pages, v_pages, full_k, full_v = make_case(
         rng, **CASES[case], page_size=page_size, n_heads=n_heads, n_kv=n_kv, hd=hd, tree=tree
     )
-    batch = build_forward_batch(chunks, page_size=page_size)
+    batch = pack(chunks, page_size)
     num_tokens = batch.input_ids.shape[0]
     q = rng.normal(size=(num_tokens, n_heads, hd)).astype(np.float32)
     new_k = np.concatenate([k[c.prefix_len :] for c, k in zip(chunks, full_k, strict=True)])
@@ -114,7 +119,7 @@ def test_hand_worked_single_query():
     k_pages = np.zeros((3, 2, 1, 1), np.float32)
     v_pages = np.zeros((3, 2, 1, 1), np.float32)
     k_pages[1, :, 0, 0], v_pages[1, :, 0, 0] = [0, 1], [10, 20]
-    batch = build_forward_batch([SeqChunk([0], 2, [1, 2])], page_size=2)
+    batch = pack([SeqChunk([0], 2, [1, 2])], page_size=2)
     q = np.ones((1, 1, 1), np.float32)
     new = np.full((1, 1, 1), 2.0, np.float32)
     layer_kv = (jnp.asarray(k_pages), jnp.asarray(v_pages))
