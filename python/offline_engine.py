@@ -22,7 +22,10 @@ def main() -> None:
     args = parser.parse_args()
     model_path = args.model_path or str(demo_model_dir())
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
-    with sgl_jax.Engine(model_path=model_path, dtype="float32") as engine:
+    # A few small shape buckets: start-up compiles each one (see docs/engine.md).
+    buckets = dict(precompile_token_paddings=[64, 256], precompile_bs_paddings=[1, 2, 4],
+                   max_prefill_tokens=256)
+    with sgl_jax.Engine(model_path=model_path, dtype="float32", **buckets) as engine:
         outputs = engine.generate(prompt=PROMPTS, sampling_params=params)
         for prompt, out in zip(PROMPTS, outputs, strict=True):
             meta = out["meta_info"]

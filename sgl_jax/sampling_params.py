@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, validated before anything runs."""
+"""Per-request sampling parameters, validated before anything runs; errors name the parameter."""
 
 from __future__ import annotations
 
@@ -9,19 +9,34 @@ from typing import Any
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 1.0
+    min_new_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # CTRL / transformers semantics, over prompt and output
+    seed: int | None = None  # None: drawn from the engine's random generator
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string in the text
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.temperature > 0:
-            raise NotImplementedError(
-                "sampling with temperature > 0 is not implemented yet; pass temperature=0 "
-                "for greedy decoding"
-            )
+        for check in _CHECKS:
+            check(self)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -32,4 +47,63 @@ class SamplingParams:
             raise ValueError(
                 f"unsupported sampling parameter(s) {unknown}; supported: {sorted(known)}"
             )
+        if isinstance(params.get("stop"), str):
+            params["stop"] = (params["stop"],)
+        for name in ("stop", "stop_token_ids"):
+            if params.get(name) is None:
+                params.pop(name, None)
+            elif not isinstance(params[name], (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {params[name]!r}")
+            else:
+                params[name] = tuple(params[name])
         return cls(**params)
+
+
+def _require(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_lengths(p: SamplingParams) -> None:
+    _require(_is_int(p.max_new_tokens) and p.max_new_tokens >= 0, "max_new_tokens",
+             "an integer >= 0", p.max_new_tokens)
+    _require(_is_int(p.min_new_tokens) and 0 <= p.min_new_tokens <= p.max_new_tokens,
+             "min_new_tokens", "an integer between 0 and max_new_tokens", p.min_new_tokens)
+    _require(_is_int(p.n) and 1 <= p.n <= 128, "n", "an integer between 1 and 128", p.n)
+
+
+def _check_filters(p: SamplingParams) -> None:
+    _require(_is_number(p.temperature) and p.temperature >= 0, "temperature", "a number >= 0",
+             p.temperature)
+    _require(_is_number(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
+    _require(_is_int(p.top_k) and (p.top_k == -1 or p.top_k >= 1), "top_k",
+             "-1 (off) or an integer >= 1", p.top_k)
+    _require(_is_number(p.min_p) and 0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
+
+
+def _check_penalties(p: SamplingParams) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        _require(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+    _require(_is_number(p.repetition_penalty) and 0 < p.repetition_penalty <= 2,
+             "repetition_penalty", "in (0, 2]", p.repetition_penalty)
+
+
+def _check_stops(p: SamplingParams) -> None:
+    _require(all(isinstance(s, str) and s for s in p.stop), "stop",
+             "a string or a list of non-empty strings", p.stop)
+    _require(all(_is_int(t) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",
+             "a list of token ids >= 0", p.stop_token_ids)
+    _require(p.seed is None or (_is_int(p.seed) and 0 <= p.seed < 2**32), "seed",
+             "an integer in [0, 2**32)", p.seed)
+
+
+_CHECKS = (_check_lengths, _check_filters, _check_penalties, _check_stops)

@@ -1,78 +1,223 @@
-"""The offline Python API: `sgl_jax.Engine(model_path=..., **server_args).generate(...)`."""
+"""The offline Python API: `sgl_jax.Engine(model_path=..., **server_args)`.
+
+The engine loop owns the device in its own thread; `generate` (blocking or streaming) and
+`async_generate` (awaitable or async-iterable) submit requests to it, so an HTTP server and
+offline callers can share one engine.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+
+from sgl_jax.entrypoints.output_stream import OutputStream
+from sgl_jax.mem_cache.kv_cache import kv_pool_pages
 from sgl_jax.mem_cache.page_allocator import PageAllocator
-from sgl_jax.model_executor.model_runner import ModelRunner
+from sgl_jax.mem_cache.radix_cache import RadixCache
+from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings, powers_of_two
+from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, ModelRunner
 from sgl_jax.models.loader import load_model
 from sgl_jax.sampling_params import SamplingParams
+from sgl_jax.scheduler.cache_manager import CacheManager
+from sgl_jax.scheduler.engine_loop import EngineLoop
+from sgl_jax.scheduler.prefill_manager import PrefillLimits
 from sgl_jax.scheduler.req import Req
-from sgl_jax.scheduler.static_batch import run_static_batch
+from sgl_jax.scheduler.scheduler import Scheduler
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.tokenizer import load_tokenizer
+from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
 Params = dict[str, Any] | list[dict[str, Any]] | None
+_SEED_STRIDE = 0x9E3779B1  # spreads the n samples of one seeded request over distinct seeds
 
 
 class Engine:
-    """Loads a model once and generates for one prompt or a batch of prompts."""
+    """Loads a model once and serves generation requests from any thread or event loop."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
         if model_path is None:
             raise ValueError("Engine needs model_path (a local directory or a Hugging Face id)")
-        self.server_args = ServerArgs(model_path=model_path, **server_args)
-        args = self.server_args
+        self.server_args = args = ServerArgs(model_path=model_path, **server_args)
         self.model = load_model(model_path, dtype=args.dtype, revision=args.revision)
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir)
         self.context_length = args.context_length or self.model.config.max_position_embeddings
-        self._allocator = PageAllocator(args.num_pages)
-        self._runner: ModelRunner | None = ModelRunner(
-            self.model,
-            num_pages=args.num_pages,
-            page_size=args.page_size,
-            attention_backend=args.attention_backend,
-        )
-        self._eos_ids = self._collect_eos_ids()
+        self.eos_ids = self._collect_eos_ids()
+        self._rng = np.random.default_rng(args.random_seed)
         self._request_ids = itertools.count()
-        logger.info("Engine ready: %s, %s", self.model.config.architecture, args)
+        self._streams: dict[str, OutputStream] = {}
+        self._build_runtime()
+        logger.info("Engine ready: %s on %s", self.model.config.architecture, jax.devices()[0])
+
+    # ------------------------------------------------------------------ start-up
+
+    def _build_runtime(self) -> None:
+        args, config = self.server_args, self.model.config
+        buckets = self._buckets()
+        num_pages = kv_pool_pages(
+            config, page_size=args.page_size, dtype=self.model.dtype,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static or _default_mem_fraction(),
+            param_bytes=sum(x.nbytes for x in jax.tree.leaves(self.model.params)),
+            max_useful_tokens=buckets.max_seqs * self.context_length,
+        )
+        self._allocator = PageAllocator(num_pages)
+        self._runner = ModelRunner(
+            self.model, num_pages=num_pages, page_size=args.page_size, buckets=buckets,
+            attention_backend=args.attention_backend, num_penalty_slots=buckets.max_seqs,
+        )
+        if not args.skip_server_warmup:
+            self._runner.warmup()
+        radix = None if args.disable_radix_cache else RadixCache(self._allocator, args.page_size)
+        cache = CacheManager(self._allocator, radix, args.page_size)
+        limits = PrefillLimits(
+            max_prefill_tokens=min(args.max_prefill_tokens, buckets.max_tokens),
+            chunk_size=min(args.chunk_size, buckets.max_tokens),
+            max_running_requests=buckets.max_seqs,
+        )
+        scheduler = Scheduler(self._runner, cache, limits, on_output=self._deliver,
+                              decode_log_interval=args.decode_log_interval)
+        self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
+        logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
+                    num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
+
+    def _buckets(self) -> Buckets:
+        args = self.server_args
+        tokens = args.precompile_token_paddings or default_token_paddings(args.max_prefill_tokens)
+        seqs = args.precompile_bs_paddings or powers_of_two(1, args.max_running_requests)
+        seqs = tuple(s for s in seqs if s <= args.max_running_requests) or seqs[:1]
+        return Buckets(tokens, seqs, self.context_length, args.page_size)
+
+    # ------------------------------------------------------------------ generation
 
     def generate(
-        self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """One prompt (a str or a list of ids) gives a dict; a batch gives a list of dicts."""
-        if self._runner is None:
-            raise RuntimeError("the engine has been shut down")
-        batch_ids, single = self._token_batch(prompt, input_ids)
-        params = self._params_batch(sampling_params, len(batch_ids))
-        reqs = [
-            Req(str(next(self._request_ids)), ids, p)
-            for ids, p in zip(batch_ids, params, strict=True)
-        ]
-        for req in reqs:
-            self._check_request(req)
-        run_static_batch(self._runner, self._allocator, reqs, self._eos_ids)
-        outputs = [self._output(req) for req in reqs]
-        return outputs[0] if single else outputs
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """One prompt gives a dict (a list of n dicts when n > 1), a batch gives a list.
+        With stream=True (one prompt, n == 1) it yields chunks with the new text and ids."""
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob,
+                                           top_logprobs_num, stream)
+        streams = self._submit(reqs, loop=None)
+        if stream:
+            return self._stream_chunks(reqs[0], streams[0])
+        outputs = [self._collect(req, s) for req, s in zip(reqs, streams, strict=True)]
+        return outputs[0] if single and len(outputs) == 1 else outputs
+
+    async def async_generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """As generate, awaited; with stream=True the result is an async iterator of chunks."""
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob,
+                                           top_logprobs_num, stream)
+        streams = self._submit(reqs, loop=asyncio.get_running_loop())
+        if stream:
+            return self._astream_chunks(reqs[0], streams[0])
+        outputs = await asyncio.gather(
+            *(self._acollect(req, s) for req, s in zip(reqs, streams, strict=True))
+        )
+        return outputs[0] if single and len(outputs) == 1 else list(outputs)
+
+    def abort(self, rid: str) -> None:
+        self._require_loop().submit(lambda scheduler: scheduler.abort(rid))
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running."""
+        def flush(scheduler: Scheduler) -> bool:
+            if scheduler.has_work:
+                return False
+            scheduler.cache.flush()
+            return True
+        return self._require_loop().call(flush)
+
+    def get_server_info(self) -> dict[str, Any]:
+        def info(scheduler: Scheduler) -> dict[str, Any]:
+            cache = scheduler.cache
+            return {
+                **self.server_args.to_dict(),
+                "context_length": self.context_length,
+                "max_total_num_tokens": cache.allocator.capacity * self.server_args.page_size,
+                "num_running_reqs": len(scheduler.running),
+                "num_queued_reqs": len(scheduler.prefill.waiting),
+                "token_usage": cache.used_pages / cache.allocator.capacity,
+                "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
+                "num_retractions": scheduler.decode.num_retractions,
+                "num_compilations": scheduler.runner.num_compilations,
+                "version": __import__("sgl_jax").__version__,
+            }
+        return self._require_loop().call(info)
 
     def shutdown(self) -> None:
-        """Release the KV cache and weights; the engine cannot generate afterwards."""
-        self._runner = None
+        """Abort what is still running, stop the engine thread, release the device memory."""
+        if self._loop is None:
+            return
+        self._loop.call(lambda scheduler: [scheduler.abort(rid, "engine shut down")
+                                           for rid in list(self._streams)])
+        self._loop.stop()
+        self._loop = None
+        self._runner.kv_cache = []
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+    # ------------------------------------------------------------------ requests
+
+    def _make_requests(self, prompt, sampling_params, input_ids, return_logprob,
+                       top_logprobs_num, stream) -> tuple[list[Req], bool]:
+        self._require_loop()
+        token_batch, single = self._token_batch(prompt, input_ids)
+        params = self._params_batch(sampling_params, len(token_batch))
+        if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {top_logprobs_num}")
+        reqs = []
+        for ids, p in zip(token_batch, params, strict=True):
+            self._check_request(ids, p)
+            base_seed = p.seed if p.seed is not None else int(self._rng.integers(2**32))
+            for i in range(p.n):
+                seed = (base_seed + i * _SEED_STRIDE) % 2**32
+                reqs.append(self._new_req(ids, p, seed, return_logprob, top_logprobs_num))
+        if stream and len(reqs) != 1:
+            raise ValueError("stream=True takes a single prompt with n == 1")
+        return reqs, single
+
+    def _new_req(self, ids, params, seed, return_logprob, top_logprobs_num) -> Req:
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids=ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop_strings=params.stop, include_stop_string=params.no_stop_trim,
+        )
+        return Req(
+            rid=str(next(self._request_ids)), prompt_ids=list(ids), params=params, seed=seed,
+            eos_ids=self.eos_ids, context_len=self.context_length, detokenizer=detokenizer,
+            return_logprob=return_logprob or top_logprobs_num > 0,
+            top_logprobs_num=top_logprobs_num,
+        )
 
     def _token_batch(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):
@@ -81,7 +226,7 @@ class Engine:
             single = isinstance(prompt, str)
             texts = [prompt] if single else list(prompt)
             return [self.tokenizer(t).input_ids for t in texts], single
-        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+        single = bool(input_ids) and all(isinstance(t, (int, np.integer)) for t in input_ids)
         return ([list(input_ids)] if single else [list(ids) for ids in input_ids]), single
 
     def _params_batch(self, sampling_params: Params, n: int) -> list[SamplingParams]:
@@ -94,32 +239,120 @@ class Engine:
             return [SamplingParams.from_dict(p) for p in sampling_params]
         return [SamplingParams.from_dict(sampling_params)] * n
 
-    def _check_request(self, req: Req) -> None:
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
-        if not req.prompt_ids:
+        if not ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        bad += [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        total = len(req.prompt_ids) + req.params.max_new_tokens
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(ids) + params.max_new_tokens
         if total > self.context_length:
             raise ValueError(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
-                f"({req.params.max_new_tokens}) = {total} exceeds the context length "
-                f"({self.context_length})"
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{total} exceeds the context length ({self.context_length})"
             )
+        pool = self._allocator.capacity * self.server_args.page_size
+        if total > pool:
+            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceeds the KV pool "
+                             f"({pool} tokens); raise max_total_tokens or mem_fraction_static")
+        stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
+        if params.min_new_tokens and len(stop_ids) > MAX_SUPPRESSED_IDS:
+            raise ValueError(f"min_new_tokens supports at most {MAX_SUPPRESSED_IDS} EOS + stop "
+                             f"token ids, got {len(stop_ids)}")
 
-    def _output(self, req: Req) -> dict[str, Any]:
-        return {
-            "text": self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
-            "output_ids": req.output_ids,
-            "meta_info": {
-                "id": req.rid,
-                "prompt_tokens": len(req.prompt_ids),
-                "completion_tokens": len(req.output_ids),
-                "finish_reason": req.finish_reason,
-            },
+    def _submit(self, reqs: list[Req], loop: asyncio.AbstractEventLoop | None
+                ) -> list[OutputStream]:
+        streams = [OutputStream(loop) for _ in reqs]
+        for req, s in zip(reqs, streams, strict=True):
+            self._streams[req.rid] = s
+
+        def add_all(scheduler: Scheduler) -> None:
+            for req in reqs:
+                scheduler.add_request(req)
+        self._require_loop().call(add_all)
+        return streams
+
+    # ------------------------------------------------------------------ outputs
+
+    def _deliver(self, req: Req, text: str, token_ids: list[int]) -> None:
+        """Engine thread: route a request's new output to whoever waits for it."""
+        stream = self._streams.get(req.rid)
+        if stream is None:
+            return
+        if req.finished:
+            del self._streams[req.rid]
+        stream.put({"text": text, "output_ids": token_ids, "finished": req.finished})
+
+    def _collect(self, req: Req, stream: OutputStream) -> dict[str, Any]:
+        while not stream.get()["finished"]:
+            pass
+        return self._final_output(req)
+
+    async def _acollect(self, req: Req, stream: OutputStream) -> dict[str, Any]:
+        while not (await stream.aget())["finished"]:
+            pass
+        return self._final_output(req)
+
+    def _stream_chunks(self, req: Req, stream: OutputStream) -> Iterator[dict[str, Any]]:
+        finished = False
+        try:
+            while not finished:
+                chunk = stream.get()
+                finished = chunk["finished"]
+                yield self._chunk_output(req, chunk)
+        finally:
+            if not finished:  # the consumer stopped early: free the request's KV pages
+                self.abort(req.rid)
+
+    async def _astream_chunks(self, req: Req, stream: OutputStream) -> AsyncIterator[dict]:
+        finished = False
+        try:
+            while not finished:
+                chunk = await stream.aget()
+                finished = chunk["finished"]
+                yield self._chunk_output(req, chunk)
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def _chunk_output(self, req: Req, chunk: dict[str, Any]) -> dict[str, Any]:
+        return {"text": chunk["text"], "output_ids": chunk["output_ids"],
+                "meta_info": self._meta_info(req) if chunk["finished"] else {"id": req.rid}}
+
+    def _final_output(self, req: Req) -> dict[str, Any]:
+        return {"text": req.detokenizer.text, "output_ids": list(req.output_ids),
+                "meta_info": self._meta_info(req)}
+
+    def _meta_info(self, req: Req) -> dict[str, Any]:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finish_reason,
+            "e2e_latency": (req.finished_at or req.created_at) - req.created_at,
         }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids,
+                                                     strict=True))
+            meta["output_top_logprobs"] = [[(lp, t) for t, lp in top]
+                                           for top in req.output_top_logprobs]
+        return meta
+
+    # ------------------------------------------------------------------ misc
+
+    def _require_loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise RuntimeError("the engine has been shut down")
+        return self._loop
+
+    def _on_crash(self, exc: BaseException) -> None:
+        """Engine thread: a step raised; fail every request instead of hanging its caller."""
+        scheduler = self._loop.scheduler
+        for req in list(scheduler.running) + list(scheduler.prefill.waiting):
+            scheduler.abort(req.rid, f"internal error: {exc!r}")
 
     def _collect_eos_ids(self) -> frozenset[int]:
         """EOS ids from config.json, generation_config.json and the tokenizer, together."""
@@ -131,3 +364,8 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+
+def _default_mem_fraction() -> float:
+    # On a CPU the "device memory" is the host's RAM, shared with everything else.
+    return 0.1 if jax.default_backend() == "cpu" else 0.8

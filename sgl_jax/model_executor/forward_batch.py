@@ -44,11 +44,11 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """low, 2*low, ... up to the first power of two >= high (low a power of two)."""
+def powers_of_two(low: int, high: int, step: int = 2) -> tuple[int, ...]:
+    """low, low*step, ... up to the first such size >= high."""
     sizes = [low]
     while sizes[-1] < high:
-        sizes.append(sizes[-1] * 2)
+        sizes.append(sizes[-1] * step)
     return tuple(sizes)
 
 
@@ -84,8 +84,8 @@ class Buckets:
     def automatic(
         cls, *, max_tokens: int, max_seqs: int, context_len: int, page_size: int
     ) -> Buckets:
-        tokens = powers_of_two(16, max_tokens)
-        return cls(tokens, powers_of_two(1, max_seqs), context_len, page_size)
+        return cls(default_token_paddings(max_tokens), powers_of_two(1, max_seqs), context_len,
+                   page_size)
 
     @property
     def pages_per_seq(self) -> int:
@@ -115,17 +115,29 @@ class Buckets:
         decode = [BatchShape(s, s, self.pages_per_seq, 1, s) for s in self.bs_paddings]
         extend = [
             BatchShape(t, s, self.pages_per_seq, t, s)
-            for t in self.token_paddings
+            for i, t in enumerate(self.token_paddings)
             for s in self.extend_seq_paddings
-            if s <= t
+            if s <= t and self._reachable(i, s)
         ]
         return decode + extend
+
+    def _reachable(self, token_bucket: int, seqs: int) -> bool:
+        """Can s sequences (each at most a context long) fill more than the bucket below?"""
+        below = self.token_paddings[token_bucket - 1] if token_bucket else 0
+        return below < seqs * self.context_len
 
     def prompt_width(self, length: int) -> int:
         return _pad_to(self.prompt_widths(), length, "prompt tokens")
 
     def prompt_widths(self) -> tuple[int, ...]:
         return powers_of_two(16, self.context_len)
+
+
+def default_token_paddings(max_tokens: int) -> tuple[int, ...]:
+    """64, 256, 1024, ... capped at max_tokens: each extend bucket costs a compilation, and
+    prefill tolerates padding far better than decode does."""
+    sizes = [s for s in powers_of_two(64, max_tokens, step=4) if s < max_tokens]
+    return (*sizes, max_tokens)
 
 
 def _pad_to(paddings: tuple[int, ...], n: int, what: str) -> int:

@@ -38,6 +38,7 @@ from sgl_jax.models.loader import LoadedModel
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_SUPPRESSED_IDS = 16  # EOS + stop ids a row can ban while min_new_tokens is unmet
 
 
 @dataclass(frozen=True)
@@ -174,9 +175,11 @@ class ModelRunner:
 
     def _run_dummy(self, shape: BatchShape) -> None:
         """A batch of the given shape whose tokens all write into the null page."""
-        chunks = [SeqChunk([0] * shape.max_q_len, 0, [0])] if shape.max_q_len > 1 else [
-            SeqChunk([0], 0, [0]) for _ in range(shape.num_seqs)
-        ]
+        if shape.max_q_len == 1:
+            chunks = [SeqChunk([0], 0, [0]) for _ in range(shape.num_seqs)]
+        else:  # one chunk padded up to the shape; it never needs more than a context's pages
+            length = min(shape.max_q_len, self.buckets.context_len)
+            chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_seqs
         sampling = greedy_sampling_batch(rows)
@@ -215,7 +218,7 @@ def _pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
     return np.pad(array, pad, constant_values=fill)
 
 
-def greedy_sampling_batch(rows: int, suppress_width: int = 1) -> SamplingBatch:
+def greedy_sampling_batch(rows: int) -> SamplingBatch:
     """Host arrays for `rows` greedy rows without penalties (padding and warm-up)."""
     return SamplingBatch(
         temperature=np.zeros(rows, np.float32),
@@ -227,5 +230,5 @@ def greedy_sampling_batch(rows: int, suppress_width: int = 1) -> SamplingBatch:
         repetition_penalty=np.ones(rows, np.float32),
         seed=np.zeros(rows, np.uint32),
         position=np.zeros(rows, np.int32),
-        suppress_ids=np.full((rows, suppress_width), -1, np.int32),
+        suppress_ids=np.full((rows, MAX_SUPPRESSED_IDS), -1, np.int32),
     )

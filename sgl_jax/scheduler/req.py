@@ -1,33 +1,88 @@
-"""Req: one generation request's host-side state."""
+"""Req: one generation request's host-side state, and the rules that finish it."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from sgl_jax.sampling_params import SamplingParams
+from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    seed: int  # the request's sampling seed (its own, or drawn by the engine)
+    eos_ids: frozenset[int]
+    context_len: int
+    detokenizer: IncrementalDetokenizer
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
     output_ids: list[int] = field(default_factory=list)
-    page_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
 
+    # KV bookkeeping, owned by the cache manager.
+    page_ids: list[int] = field(default_factory=list)
+    kv_len: int = 0  # leading tokens of all_ids whose K/V are in the cache
+    cached_tokens: int = 0  # tokens the prefix cache served at admission
+    prefix_node: Any = None  # radix-cache handle locked while the request holds its pages
+    penalty_slot: int = -1  # row of the device penalty state; -1 = no penalties
+
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
     @property
-    def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def tokens_to_compute(self) -> int:
+        """Tokens whose K/V are still missing; the last one's logits give the next token."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token: int, eos_ids: frozenset[int]) -> None:
+    @property
+    def suppressing_eos(self) -> bool:
+        return len(self.output_ids) < self.params.min_new_tokens
+
+    def stop_ids(self) -> frozenset[int]:
+        eos = frozenset() if self.params.ignore_eos else self.eos_ids
+        return eos | frozenset(self.params.stop_token_ids)
+
+    def append_token(self, token: int, logprob: float, top: list[tuple[int, float]]) -> str:
+        """Record a sampled token, finish the request if it should; returns the new text."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         self.output_ids.append(token)
-        if token in eos_ids and not self.params.ignore_eos:
-            self.finish_reason = {"type": "stop", "matched": token}
-        elif len(self.output_ids) >= self.params.max_new_tokens:
-            self.finish_reason = {"type": "length", "length": self.params.max_new_tokens}
+        if self.return_logprob:
+            self.output_logprobs.append(logprob)
+            self.output_top_logprobs.append(top[: self.top_logprobs_num])
+        text = self.detokenizer.push([token])
+        self.finish_reason = self._finish_reason(token)
+        if self.finished:
+            text += self.detokenizer.flush()
+        return text
+
+    def abort(self, message: str) -> None:
+        self.finish_reason = {"type": "abort", "message": message}
+
+    def _finish_reason(self, token: int) -> dict[str, Any] | None:
+        if token in self.stop_ids() and not self.suppressing_eos:
+            return {"type": "stop", "matched": token}
+        if self.detokenizer.stopped:
+            return {"type": "stop", "matched": self.detokenizer.matched_stop}
+        if len(self.output_ids) >= self.params.max_new_tokens:
+            return {"type": "length", "length": self.params.max_new_tokens}
+        if len(self.prompt_ids) + len(self.output_ids) >= self.context_len:
+            return {"type": "length", "length": len(self.output_ids)}
+        return None

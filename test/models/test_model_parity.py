@@ -118,7 +118,10 @@ def test_greedy_continuation_matches_transformers(checkpoint):
 
     _, path, reference, _ = checkpoint
     seqs = prompts(seed=3)
-    engine = Engine(model_path=str(path), dtype="float32", page_size=16)
+    engine = Engine(
+        model_path=str(path), dtype="float32", page_size=16, skip_server_warmup=True,
+        precompile_token_paddings=[128], precompile_bs_paddings=[4], max_prefill_tokens=128,
+    )
     outputs = engine.generate(
         input_ids=seqs,
         sampling_params={"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},

@@ -1,0 +1,68 @@
+"""KV pages for requests: prefix reuse through the radix cache, allocation, eviction, release."""
+
+from __future__ import annotations
+
+from sgl_jax.mem_cache.page_allocator import PageAllocator
+from sgl_jax.mem_cache.radix_cache import RadixCache
+from sgl_jax.scheduler.req import Req
+
+
+class CacheManager:
+    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, page_size: int):
+        self.allocator = allocator
+        self.radix = radix
+        self.page_size = page_size
+        self.cache_hit_tokens = 0
+        self.cache_query_tokens = 0
+
+    def match_prefix(self, req: Req) -> None:
+        """Give a request the cached pages of its longest known prefix (and lock them)."""
+        if self.radix is None:
+            return
+        # At least the last token is computed, because its logits pick the next token.
+        match = self.radix.match_prefix(req.all_ids[:-1])
+        self.radix.lock(match.node)
+        req.prefix_node = match.node
+        req.page_ids = list(match.page_ids)
+        req.kv_len = req.cached_tokens = match.num_tokens
+        self.cache_hit_tokens += match.num_tokens
+        self.cache_query_tokens += len(req.all_ids)
+
+    def reserve(self, req: Req, num_tokens: int) -> bool:
+        """Make req.page_ids cover `num_tokens` tokens, evicting cached pages if needed."""
+        missing = -(-num_tokens // self.page_size) - len(req.page_ids)
+        if missing <= 0:
+            return True
+        if missing > self.allocator.num_free and self.radix is not None:
+            self.radix.evict(missing - self.allocator.num_free)
+        if missing > self.allocator.num_free:
+            return False
+        req.page_ids.extend(self.allocator.allocate(missing))
+        return True
+
+    def release(self, req: Req) -> None:
+        """Return a request's pages; with the radix cache its computed full pages stay cached."""
+        pages, req.page_ids = req.page_ids, []
+        if self.radix is None:
+            self.allocator.free(pages)
+            return
+        duplicates = self.radix.insert(req.all_ids[: req.kv_len], pages)
+        full_pages = req.kv_len // self.page_size
+        self.allocator.free(duplicates + pages[full_pages:])
+        if req.prefix_node is not None:
+            self.radix.unlock(req.prefix_node)
+            req.prefix_node = None
+
+    @property
+    def available_pages(self) -> int:
+        evictable = self.radix.evictable_pages if self.radix is not None else 0
+        return self.allocator.num_free + evictable
+
+    @property
+    def used_pages(self) -> int:
+        """Pages held by requests (cached but evictable pages do not count)."""
+        return self.allocator.capacity - self.available_pages
+
+    def flush(self) -> None:
+        if self.radix is not None:
+            self.radix.reset()

@@ -1,0 +1,29 @@
+"""Decode batches: every running request one token further, retracting requests when KV runs out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sgl_jax.scheduler.cache_manager import CacheManager
+from sgl_jax.scheduler.req import Req
+
+
+class DecodeManager:
+    def __init__(self, cache: CacheManager, retract: Callable[[Req], None]):
+        self.cache = cache
+        self.retract = retract  # frees a request's pages and sends it back to the queue
+        self.num_retractions = 0
+
+    def schedule(self, running: list[Req]) -> list[tuple[Req, int]]:
+        """One token for each request whose prompt is fully computed. When pages run out, the
+        most recently admitted requests are retracted until the rest fit."""
+        ready = [r for r in running if r.tokens_to_compute == 1]
+        while ready and not self._reserve_all(ready):
+            victim = ready.pop()
+            running.remove(victim)
+            self.retract(victim)
+            self.num_retractions += 1
+        return [(req, 1) for req in ready]
+
+    def _reserve_all(self, reqs: list[Req]) -> bool:
+        return all(self.cache.reserve(req, req.kv_len + 1) for req in reqs)

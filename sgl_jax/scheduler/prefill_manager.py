@@ -1,0 +1,67 @@
+"""The waiting queue and extend batches: unfinished chunked prefills first, then new requests."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sgl_jax.model_executor.forward_batch import MAX_EXTEND_SEQS
+from sgl_jax.scheduler.cache_manager import CacheManager
+from sgl_jax.scheduler.req import Req
+
+
+@dataclass(frozen=True)
+class PrefillLimits:
+    max_prefill_tokens: int  # new tokens in one extend batch
+    chunk_size: int  # new tokens of one request in one extend batch
+    max_running_requests: int
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, limits: PrefillLimits):
+        self.cache = cache
+        self.limits = limits
+        self.waiting: deque[Req] = deque()
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def requeue(self, req: Req) -> None:
+        """A retracted request goes first, so it resumes before newer ones start."""
+        self.waiting.appendleft(req)
+
+    def schedule(self, running: list[Req]) -> list[tuple[Req, int]]:
+        """Pick (request, tokens to compute) pairs for one extend batch; admitted requests
+        are appended to `running`."""
+        batch: list[tuple[Req, int]] = []
+        budget = self.limits.max_prefill_tokens
+        for req in running:
+            if req.tokens_to_compute > 1 and len(batch) < MAX_EXTEND_SEQS and budget > 0:
+                budget -= self._take_chunk(req, budget, batch)
+        while self._can_admit(running, batch, budget):
+            req = self.waiting[0]
+            self.cache.match_prefix(req)
+            taken = self._take_chunk(req, budget, batch)
+            if not taken:
+                self.cache.release(req)
+                req.kv_len = 0
+                break
+            self.waiting.popleft()
+            running.append(req)
+            budget -= taken
+        return batch
+
+    def _can_admit(self, running: list[Req], batch: list, budget: int) -> bool:
+        return (
+            bool(self.waiting)
+            and budget > 0
+            and len(batch) < MAX_EXTEND_SEQS
+            and len(running) < self.limits.max_running_requests
+        )
+
+    def _take_chunk(self, req: Req, budget: int, batch: list[tuple[Req, int]]) -> int:
+        count = min(req.tokens_to_compute, budget, self.limits.chunk_size)
+        if not self.cache.reserve(req, req.kv_len + count):
+            return 0
+        batch.append((req, count))
+        return count

@@ -1,0 +1,203 @@
+"""The scheduler: one step = schedule -> run -> postprocess.
+
+Extend batches (new prompts, chunked prefill, recomputation after retraction) have priority;
+otherwise every running request decodes one token. All state here is host-side and owned by
+the engine loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.model_executor.forward_batch import SeqChunk
+from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, ModelRunner, StepOutput
+from sgl_jax.scheduler.cache_manager import CacheManager
+from sgl_jax.scheduler.decode_manager import DecodeManager
+from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
+from sgl_jax.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+# Called after each step for every request that produced a token or finished:
+# (request, new text, new token ids).
+OutputCallback = Callable[[Req, str, list[int]], None]
+
+
+@dataclass
+class SchedulerStats:
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_decode_steps: int = 0
+    last_log_time: float = 0.0
+    last_log_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: CacheManager,
+        limits: PrefillLimits,
+        *,
+        on_output: OutputCallback,
+        decode_log_interval: int = 40,
+    ):
+        self.runner = runner
+        self.cache = cache
+        self.prefill = PrefillManager(cache, limits)
+        self.decode = DecodeManager(cache, self._retract)
+        self.running: list[Req] = []
+        self.on_output = on_output
+        self.decode_log_interval = decode_log_interval
+        self.stats = SchedulerStats(last_log_time=time.perf_counter())
+        self._free_penalty_slots = list(range(limits.max_running_requests - 1, -1, -1))
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, req: Req) -> None:
+        if req.params.max_new_tokens == 0:  # nothing to generate: done without touching KV
+            req.finish_reason = {"type": "length", "length": 0}
+            req.finished_at = req.created_at
+            self.on_output(req, "", [])
+            return
+        if req.params.uses_penalties:
+            req.penalty_slot = self._free_penalty_slots.pop()
+            self.runner.reset_penalty_slot(req.penalty_slot, req.prompt_ids)
+        self.prefill.add(req)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        for queue in (self.prefill.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    req.abort(message)
+                    self._finish(req)
+                    self.on_output(req, "", [])
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.prefill.waiting)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> None:
+        batch, kind = self._schedule()
+        if not batch:
+            return
+        output = self._run(batch)
+        self._postprocess(batch, output, kind)
+
+    def _schedule(self) -> tuple[list[tuple[Req, int]], str]:
+        batch = self.prefill.schedule(self.running)
+        if batch:
+            return batch, "prefill"
+        batch = self.decode.schedule(self.running)
+        if batch:
+            return batch, "decode"
+        if self.running:  # partial prefills hold every page: make room for the others
+            self._retract(self.running.pop())
+        return [], "idle"
+
+    def _run(self, batch: list[tuple[Req, int]]) -> StepOutput:
+        chunks = [
+            SeqChunk(req.all_ids[req.kv_len : req.kv_len + n], req.kv_len, req.page_ids)
+            for req, n in batch
+        ]
+        emits = np.array([n == req.tokens_to_compute for req, n in batch])
+        want_top = any(req.top_logprobs_num > 0 for req, _ in batch)
+        slots = np.array([req.penalty_slot for req, _ in batch], np.int32)
+        return self.runner.step(chunks, sampling_batch(batch), slots, emits, want_top)
+
+    def _postprocess(self, batch: list[tuple[Req, int]], output: StepOutput, kind: str) -> None:
+        for row, (req, n) in enumerate(batch):
+            emits = n == req.tokens_to_compute
+            req.kv_len += n
+            if not emits:
+                continue
+            top = _top_logprobs(output, row) if req.top_logprobs_num else []
+            token = int(output.tokens[row])
+            text = req.append_token(token, float(output.logprobs[row]), top)
+            if req.finished:
+                self.running.remove(req)
+                self._finish(req)
+            self.on_output(req, text, [token])
+        self._log(batch, kind)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's pages; it recomputes its tokens when readmitted."""
+        self.cache.release(req)
+        req.kv_len = 0
+        self.prefill.requeue(req)
+        logger.info("Retracted request %s (KV cache full): %d tokens to recompute", req.rid,
+                    len(req.all_ids))
+
+    def _finish(self, req: Req) -> None:
+        req.finished_at = time.perf_counter()
+        self.cache.release(req)
+        if req.penalty_slot >= 0:
+            self._free_penalty_slots.append(req.penalty_slot)
+            req.penalty_slot = -1
+
+    def _log(self, batch: list[tuple[Req, int]], kind: str) -> None:
+        stats = self.stats
+        usage = self.cache.used_pages / self.cache.allocator.capacity
+        if kind == "prefill":
+            new_tokens = sum(n for _, n in batch)
+            stats.num_prefill_tokens += new_tokens
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
+                "token usage: %.2f, #running-req: %d, #queue-req: %d",
+                len(batch), new_tokens, sum(r.cached_tokens for r, _ in batch), usage,
+                len(self.running), len(self.prefill.waiting),
+            )
+            return
+        stats.num_decode_steps += 1
+        stats.num_generated_tokens += len(batch)
+        if stats.num_decode_steps % self.decode_log_interval:
+            return
+        now = time.perf_counter()
+        rate = (stats.num_generated_tokens - stats.last_log_tokens) / (now - stats.last_log_time)
+        stats.last_log_time, stats.last_log_tokens = now, stats.num_generated_tokens
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            len(self.running), sum(r.kv_len for r in self.running), usage, rate,
+            len(self.prefill.waiting),
+        )
+
+
+def _top_logprobs(output: StepOutput, row: int) -> list[tuple[int, float]]:
+    ids, values = output.top_logprob_ids[row].tolist(), output.top_logprobs[row].tolist()
+    return list(zip(ids, values, strict=True))
+
+
+def sampling_batch(batch: list[tuple[Req, int]]) -> SamplingBatch:
+    """Host arrays of each row's sampling parameters."""
+    params = [req.params for req, _ in batch]
+    suppress = np.full((len(batch), MAX_SUPPRESSED_IDS), -1, np.int32)
+    for row, (req, _) in enumerate(batch):
+        if req.suppressing_eos:
+            ids = sorted(req.stop_ids())
+            suppress[row, : len(ids)] = ids
+    return SamplingBatch(
+        temperature=np.array([p.temperature for p in params], np.float32),
+        top_p=np.array([p.top_p for p in params], np.float32),
+        top_k=np.array([p.top_k for p in params], np.int32),
+        min_p=np.array([p.min_p for p in params], np.float32),
+        frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32),
+        presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+        repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
+        seed=np.array([req.seed for req, _ in batch], np.uint32),
+        position=np.array([len(req.output_ids) for req, _ in batch], np.int32),
+        suppress_ids=suppress,
+    )
