@@ -66,9 +66,6 @@ class Scheduler:
             req.finished_at = req.created_at
             self.on_output(req, "", [])
             return
-        if req.params.uses_penalties:
-            req.penalty_slot = self._free_penalty_slots.pop()
-            self.runner.reset_penalty_slot(req.penalty_slot, req.prompt_ids)
         self.prefill.add(req)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
@@ -98,6 +95,8 @@ class Scheduler:
     def _schedule(self) -> tuple[list[tuple[Req, int]], str]:
         batch = self.prefill.schedule(self.running)
         if batch:
+            for req, _ in batch:
+                self._assign_penalty_slot(req)
             return batch, "prefill"
         batch = self.decode.schedule(self.running)
         if batch:
@@ -132,6 +131,14 @@ class Scheduler:
         self._log(batch, kind)
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def _assign_penalty_slot(self, req: Req) -> None:
+        """Penalised requests get a row of device penalty state when first admitted. They keep
+        it through retraction; admission is first come first served, so running plus
+        retracted requests never outnumber the slots (max_running_requests)."""
+        if req.params.uses_penalties and req.penalty_slot < 0:
+            req.penalty_slot = self._free_penalty_slots.pop()
+            self.runner.reset_penalty_slot(req.penalty_slot, req.prompt_ids)
 
     def _retract(self, req: Req) -> None:
         """Free a running request's pages; it recomputes its tokens when readmitted."""
