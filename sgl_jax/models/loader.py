@@ -148,13 +148,14 @@ def load_params(
             by_file.setdefault(files[name], []).append(name)
     for path, file_names in by_file.items():
         _check_headers(path, file_names, specs)
-    flat: dict[tuple, jax.Array] = {}
+    host: dict[tuple, np.ndarray] = {}
     with tqdm(total=len(specs), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path, file_names in by_file.items():
             with safe_open(path, framework="numpy") as f:
                 for name in file_names:
-                    flat[specs[name].path] = _to_device(f.get_tensor(name), specs[name], dtype)
+                    _place(host, f.get_tensor(name), specs[name], specs, dtype)
                     bar.update()
+    flat = {path: jax.device_put(array) for path, array in host.items()}
     return _unflatten(flat)
 
 
@@ -196,9 +197,21 @@ def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -
                 )
 
 
-def _to_device(array: np.ndarray, spec: WeightSpec, dtype: Any) -> jax.Array:
+def _place(
+    host: dict[tuple, np.ndarray], array: np.ndarray, spec: WeightSpec,
+    specs: dict[str, WeightSpec], dtype: Any,
+) -> None:
+    """Put a checkpoint tensor (converted to dtype) into its parameter, or into its rows of a
+    fused parameter, which is allocated when its first piece arrives."""
     array = array.astype(dtype, copy=False)
-    return jax.device_put(array.T if spec.transpose else array)
+    if spec.rows is None:
+        host[spec.path] = array
+        return
+    if spec.path not in host:
+        height = max(s.rows[1] for s in specs.values() if s.path == spec.path)
+        host[spec.path] = np.empty((height,) + array.shape[1:], array.dtype)
+    start, stop = spec.rows
+    host[spec.path][start:stop] = array
 
 
 def _unflatten(flat: dict[tuple, jax.Array]) -> dict[str, Any]:

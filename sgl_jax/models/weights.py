@@ -9,4 +9,6 @@ from dataclasses import dataclass
 class WeightSpec:
     path: tuple[str | int, ...]  # where the tensor goes in the parameter pytree
     shape: tuple[int, ...]  # its shape in the checkpoint (PyTorch layout, [out, in])
-    transpose: bool = False  # PyTorch stores [out, in]; we keep [in, out] for x @ W
+    # Rows (first axis) of a fused parameter this tensor fills, e.g. k_proj inside the fused
+    # q|k|v matrix; None when the tensor is the whole parameter.
+    rows: tuple[int, int] | None = None

@@ -58,8 +58,10 @@ def ragged_paged_attention_reference(
         pages = jax.lax.dynamic_slice_in_dim(page_table, b * pages_per_block, pages_per_block, 1)
         kv_index = b * block_len + jnp.arange(block_len)  # i32[B]: KV positions of this block
         kv_valid = kv_index[None, :] < metadata.kv_lens[:, None]  # bool[S, B]
-        keys = _gather_pages(k_pages, pages, kv_valid)  # [S, B, n_kv, hd]
-        values = _gather_pages(v_pages, pages, kv_valid)
+        # Scores of invisible keys are overwritten, so garbage keys need no masking; values
+        # must be zeroed, since 0 * NaN would still poison the weighted sum.
+        keys = _gather_pages(k_pages, pages)  # [S, B, n_kv, hd]
+        values = jnp.where(kv_valid[:, :, None, None], _gather_pages(v_pages, pages), 0)
         visible = _visibility(kv_index, prefix_lens, mask_rows, metadata.max_q_len, kv_valid)
         return _online_softmax_step(carry, queries, keys, values, visible, scale)
 
@@ -108,12 +110,11 @@ def _online_softmax_step(carry, queries, keys, values, visible, scale):
     return new_max, denominator, acc * correction[..., None] + update
 
 
-def _gather_pages(pages: jax.Array, page_ids: jax.Array, kv_valid: jax.Array) -> jax.Array:
-    """pages [N, ps, n_kv, hd], page_ids i32[S, P] -> [S, P * ps, n_kv, hd], invalid = 0."""
+def _gather_pages(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """pages [N, ps, n_kv, hd], page_ids i32[S, P] -> [S, P * ps, n_kv, hd]."""
     num_seqs, num_pages = page_ids.shape
     _, page_size, n_kv, hd = pages.shape
-    dense = pages[page_ids].reshape(num_seqs, num_pages * page_size, n_kv, hd)
-    return jnp.where(kv_valid[:, :, None, None], dense, jnp.zeros((), pages.dtype))
+    return pages[page_ids].reshape(num_seqs, num_pages * page_size, n_kv, hd)
 
 
 def _visibility(
