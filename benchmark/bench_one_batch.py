@@ -46,7 +46,13 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.mem_cache.page_allocator import PageAllocator
-from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, bucket, build_forward_batch
+from sgl_jax.model_executor.forward_batch import (
+    Buckets,
+    SeqChunk,
+    aligned,
+    bucket,
+    build_forward_batch,
+)
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models.loader import LoadedModel, load_model
 
@@ -232,15 +238,20 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], page_ids: list) -> np.ndarray:
-    """Prefill every prompt; an extend batch holds at most a few sequences, so larger batches
-    are prefilled in consecutive groups (the time reported covers all of them)."""
-    group = runner.buckets.extend_seq_paddings[-1]
+    """Prefill every prompt; an extend batch holds at most the largest token bucket, so larger
+    batches are prefilled in consecutive groups (the time reported covers all of them)."""
+    group = prefill_group(runner, len(prompts[0]))
     logits = []
     for start in range(0, len(prompts), group):
         chunks = [SeqChunk(p, 0, pages) for p, pages in
                   zip(prompts[start:start + group], page_ids[start:start + group], strict=True)]
         logits.append(runner.forward(chunks)[0])
     return np.concatenate(logits)
+
+
+def prefill_group(runner: ModelRunner, prompt_len: int) -> int:
+    """Prompts per extend batch: each takes its length rounded up to a query block."""
+    return max(1, runner.buckets.max_tokens // aligned(prompt_len))
 
 
 def run_once(runner: ModelRunner, prompts: list[list[int]], page_ids: list, steps: int):
@@ -274,7 +285,7 @@ def bench_batch(runner: ModelRunner, page_ids: list, batch: int, args, vocab: in
         "batch_size": batch,
         "prefill_ms": prefill_s * 1e3,
         "prefill_tok_s": batch * args.input_len / prefill_s,
-        "prefill_forwards": -(-batch // runner.buckets.extend_seq_paddings[-1]),
+        "prefill_forwards": -(-batch // prefill_group(runner, args.input_len)),
         "decode_ms": decode_s * 1e3,
         "decode_ms_p10": float(np.percentile(step_times, 10)) * 1e3,
         "decode_ms_p90": float(np.percentile(step_times, 90)) * 1e3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
 
 
@@ -63,6 +64,11 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
                 raise ValueError(f"{name} must be a non-empty list of sizes >= 1, got {value}")
+        tokens = self.precompile_token_paddings or ()
+        if any(t % EXTEND_Q_BLOCK for t in tokens):
+            raise ValueError(f"precompile_token_paddings must be multiples of {EXTEND_Q_BLOCK} "
+                             f"(prefill chunks start on {EXTEND_Q_BLOCK}-token blocks), "
+                             f"got {tokens}")
 
     @property
     def chunk_size(self) -> int:

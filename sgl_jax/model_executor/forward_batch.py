@@ -56,29 +56,44 @@ def powers_of_two(low: int, high: int, step: int = 2) -> tuple[int, ...]:
 class BatchShape:
     """The static shape of one compiled step."""
 
-    num_tokens: int  # T: flat new tokens
-    num_seqs: int  # S: sequences (rows of the page table, of logits)
+    num_tokens: int  # T: flat new tokens, padding included
+    q_block: int  # tokens per query block; every sequence starts on a block boundary
     pages_per_seq: int  # P: page table width, fixed by the context length
-    max_q_len: int  # Q: query rows per sequence in attention
     num_logits: int  # N: tokens whose logits are computed
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_tokens // self.q_block
 
     def with_logits_for_every_token(self) -> BatchShape:
         return dataclasses.replace(self, num_logits=self.num_tokens)
 
 
-# An extend batch lays queries out as [S, T] in attention, so it holds only a few sequences.
-MAX_EXTEND_SEQS = 8
+# Extend batches align each sequence's chunk to blocks of this many tokens, so attention can
+# treat a block as part of one sequence. Small blocks waste little on short prompts.
+EXTEND_Q_BLOCK = 16
+
+
+def aligned(num_tokens: int, q_block: int = EXTEND_Q_BLOCK) -> int:
+    """Tokens a chunk occupies in an extend batch."""
+    return -(-num_tokens // q_block) * q_block
 
 
 @dataclass(frozen=True)
 class Buckets:
     """The padded shapes steps may take: a decode batch is padded to a batch-size bucket, an
-    extend batch (prefill chunks, verify windows) to a token bucket and a small sequence count."""
+    extend batch (prefill chunks, verify windows) to a token bucket."""
 
-    token_paddings: tuple[int, ...]  # ascending
+    token_paddings: tuple[int, ...]  # ascending multiples of EXTEND_Q_BLOCK
     bs_paddings: tuple[int, ...]  # ascending
     context_len: int  # longest sequence (prompt + output) a request may reach
     page_size: int
+
+    def __post_init__(self) -> None:
+        if any(t % EXTEND_Q_BLOCK for t in self.token_paddings):
+            raise ValueError(
+                f"token paddings must be multiples of {EXTEND_Q_BLOCK}, got {self.token_paddings}"
+            )
 
     @classmethod
     def automatic(
@@ -99,32 +114,21 @@ class Buckets:
     def max_seqs(self) -> int:
         return self.bs_paddings[-1]
 
-    @property
-    def extend_seq_paddings(self) -> tuple[int, ...]:
-        return tuple(s for s in self.bs_paddings if s <= MAX_EXTEND_SEQS) or self.bs_paddings[:1]
-
     def shape_for(self, chunks: Sequence[SeqChunk]) -> BatchShape:
         if all(len(c.token_ids) == 1 and c.tree_mask is None for c in chunks):
             seqs = _pad_to(self.bs_paddings, len(chunks), "sequences in a decode batch")
-            return BatchShape(seqs, seqs, self.pages_per_seq, 1, seqs)
-        tokens = _pad_to(self.token_paddings, sum(len(c.token_ids) for c in chunks), "tokens")
-        seqs = _pad_to(self.extend_seq_paddings, len(chunks), "sequences in an extend batch")
-        return BatchShape(tokens, seqs, self.pages_per_seq, tokens, seqs)
+            return BatchShape(seqs, 1, self.pages_per_seq, seqs)
+        needed = sum(aligned(len(c.token_ids)) for c in chunks)
+        tokens = _pad_to(self.token_paddings, needed, "tokens (block-aligned) in an extend batch")
+        return BatchShape(tokens, EXTEND_Q_BLOCK, self.pages_per_seq, tokens // EXTEND_Q_BLOCK)
 
     def all_shapes(self) -> list[BatchShape]:
-        decode = [BatchShape(s, s, self.pages_per_seq, 1, s) for s in self.bs_paddings]
+        decode = [BatchShape(s, 1, self.pages_per_seq, s) for s in self.bs_paddings]
         extend = [
-            BatchShape(t, s, self.pages_per_seq, t, s)
-            for i, t in enumerate(self.token_paddings)
-            for s in self.extend_seq_paddings
-            if s <= t and self._reachable(i, s)
+            BatchShape(t, EXTEND_Q_BLOCK, self.pages_per_seq, t // EXTEND_Q_BLOCK)
+            for t in self.token_paddings
         ]
         return decode + extend
-
-    def _reachable(self, token_bucket: int, seqs: int) -> bool:
-        """Can s sequences (each at most a context long) fill more than the bucket below?"""
-        below = self.token_paddings[token_bucket - 1] if token_bucket else 0
-        return below < seqs * self.context_len
 
     def prompt_width(self, length: int) -> int:
         return _pad_to(self.prompt_widths(), length, "prompt tokens")
@@ -134,10 +138,11 @@ class Buckets:
 
 
 def default_token_paddings(max_tokens: int) -> tuple[int, ...]:
-    """64, 256, 1024, ... capped at max_tokens: each extend bucket costs a compilation, and
-    prefill tolerates padding far better than decode does."""
-    sizes = [s for s in powers_of_two(64, max_tokens, step=4) if s < max_tokens]
-    return (*sizes, max_tokens)
+    """64, 256, 1024, ... capped at max_tokens (rounded to a block): each extend bucket costs a
+    compilation, and prefill tolerates padding far better than decode does."""
+    top = aligned(max_tokens)
+    sizes = [s for s in powers_of_two(64, top, step=4) if s < top]
+    return (*sizes, top)
 
 
 def _pad_to(paddings: tuple[int, ...], n: int, what: str) -> int:
@@ -150,46 +155,62 @@ def _pad_to(paddings: tuple[int, ...], n: int, what: str) -> int:
 def build_forward_batch(
     chunks: Sequence[SeqChunk], *, page_size: int, shape: BatchShape
 ) -> ForwardBatch:
-    """Pack chunks into arrays of the given padded shape; logits are for each chunk's last
-    token, or for every token when shape.num_logits == shape.num_tokens."""
+    """Pack chunks into arrays of the given padded shape, each chunk starting on a query-block
+    boundary. Logits are for each chunk's last token, or for every token position when
+    shape.num_logits == shape.num_tokens."""
     q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
     if (q_lens == 0).any():
         raise ValueError("every chunk needs at least one new token")
-    num_tokens, num_seqs = shape.num_tokens, shape.num_seqs
-    cu_q_lens = np.zeros(num_seqs + 1, np.int32)
-    cu_q_lens[1 : len(chunks) + 1] = np.cumsum(q_lens)
-    cu_q_lens[len(chunks) + 1 :] = cu_q_lens[len(chunks)]
+    qb = shape.q_block
+    starts = np.concatenate([[0], np.cumsum(-(-q_lens // qb) * qb)[:-1]]).astype(np.int32)
+    if len(chunks) and starts[-1] + aligned(int(q_lens[-1]), qb) > shape.num_tokens:
+        raise ValueError(f"chunks need more than the batch's {shape.num_tokens} tokens")
 
-    input_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.zeros(num_tokens, np.int32)  # padding writes into the null page
-    kv_lens = np.zeros(num_seqs, np.int32)
-    page_table = np.zeros((num_seqs, shape.pages_per_seq), np.int32)
-    for s, chunk in enumerate(chunks):
-        span = slice(cu_q_lens[s], cu_q_lens[s + 1])
-        kv_index = chunk.prefix_len + np.arange(q_lens[s])
+    input_ids = np.zeros(shape.num_tokens, np.int32)
+    positions = np.zeros(shape.num_tokens, np.int32)
+    slot_mapping = np.zeros(shape.num_tokens, np.int32)  # padding writes into the null page
+    page_table = np.zeros((shape.num_blocks, shape.pages_per_seq), np.int32)
+    kv_lens = np.zeros(shape.num_blocks, np.int32)
+    window_starts = np.zeros(shape.num_blocks, np.int32)
+    q_starts = np.zeros(shape.num_blocks, np.int32)
+    for chunk, start, q_len in zip(chunks, starts, q_lens, strict=True):
+        span = slice(start, start + q_len)
+        kv_index = chunk.prefix_len + np.arange(q_len)
         input_ids[span] = chunk.token_ids
         positions[span] = kv_index if chunk.positions is None else chunk.positions
         pages = np.asarray(chunk.page_ids, np.int32)
         _check_pages(chunk, pages, shape, page_size)
         slot_mapping[span] = pages[kv_index // page_size] * page_size + kv_index % page_size
-        kv_lens[s] = chunk.prefix_len + q_lens[s]
-        page_table[s, : len(pages)] = pages
+        blocks = slice(start // qb, (start + aligned(int(q_len), qb)) // qb)
+        page_table[blocks, : len(pages)] = pages
+        kv_lens[blocks] = chunk.prefix_len + q_len
+        window_starts[blocks] = chunk.prefix_len
+        q_starts[blocks] = np.arange(blocks.stop - blocks.start) * qb
 
-    if shape.num_logits == num_tokens:
-        logits_indices = np.arange(num_tokens, dtype=np.int32)
+    if shape.num_logits == shape.num_tokens:
+        logits_indices = np.arange(shape.num_tokens, dtype=np.int32)
     else:
-        logits_indices = np.zeros(num_seqs, np.int32)
-        logits_indices[: len(chunks)] = cu_q_lens[1 : len(chunks) + 1] - 1
+        logits_indices = np.zeros(shape.num_logits, np.int32)
+        logits_indices[: len(chunks)] = starts + q_lens - 1
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping,
-        cu_q_lens=cu_q_lens,
-        kv_lens=kv_lens,
         page_table=page_table,
-        custom_mask=_custom_mask(chunks, cu_q_lens, num_tokens, shape.max_q_len),
-        max_q_len=shape.max_q_len,
+        kv_lens=kv_lens,
+        window_starts=window_starts,
+        q_starts=q_starts,
+        custom_mask=_custom_mask(chunks, starts, shape.num_tokens),
+        q_block=qb,
     )
     return ForwardBatch(input_ids, positions, logits_indices, metadata)
+
+
+def token_positions(chunks: Sequence[SeqChunk], shape: BatchShape) -> list[np.ndarray]:
+    """Where each chunk's tokens sit in the flat (block-aligned) batch."""
+    starts, position = [], 0
+    for chunk in chunks:
+        starts.append(np.arange(position, position + len(chunk.token_ids)))
+        position += aligned(len(chunk.token_ids), shape.q_block)
+    return starts
 
 
 def _check_pages(chunk: SeqChunk, pages: np.ndarray, shape: BatchShape, page_size: int) -> None:
@@ -204,18 +225,19 @@ def _check_pages(chunk: SeqChunk, pages: np.ndarray, shape: BatchShape, page_siz
 
 
 def _custom_mask(
-    chunks: Sequence[SeqChunk], cu_q_lens: np.ndarray, num_tokens: int, width: int
+    chunks: Sequence[SeqChunk], starts: np.ndarray, num_tokens: int
 ) -> np.ndarray | None:
-    """bool[T, W] rows of each chunk's tree mask, or None when every chunk is causal."""
+    """bool[T, T] rows of each chunk's tree mask (columns = window positions), or None when
+    every chunk is causal."""
     has_mask = [c.tree_mask is not None for c in chunks]
     if not any(has_mask):
         return None
     if not all(has_mask):
         raise ValueError("a batch with tree masks must give one for every chunk")
-    mask = np.zeros((num_tokens, width), bool)
-    for s, chunk in enumerate(chunks):
+    mask = np.zeros((num_tokens, num_tokens), bool)
+    for chunk, start in zip(chunks, starts, strict=True):
         n = len(chunk.token_ids)
         if chunk.tree_mask.shape != (n, n):
             raise ValueError(f"tree_mask must be [{n}, {n}], got {list(chunk.tree_mask.shape)}")
-        mask[cu_q_lens[s] : cu_q_lens[s] + n, :n] = chunk.tree_mask
+        mask[start : start + n, :n] = chunk.tree_mask
     return mask

@@ -32,6 +32,7 @@ from sgl_jax.model_executor.forward_batch import (
     ForwardBatch,
     SeqChunk,
     build_forward_batch,
+    token_positions,
 )
 from sgl_jax.models.loader import LoadedModel
 
@@ -100,9 +101,9 @@ class ModelRunner:
             shape = shape.with_logits_for_every_token()
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         self.kv_cache, logits, captured = self._logits_step(self.model.params, self.kv_cache, batch)
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        num_rows = num_tokens if all_logits else len(chunks)
-        return np.asarray(logits)[:num_rows], tuple(np.asarray(h)[:num_tokens] for h in captured)
+        tokens = np.concatenate(token_positions(chunks, shape))  # real tokens in the padded batch
+        logits = np.asarray(logits)[tokens if all_logits else slice(len(chunks))]
+        return logits, tuple(np.asarray(h)[tokens] for h in captured)
 
     def step(
         self,
@@ -115,7 +116,7 @@ class ModelRunner:
         """Run chunks and sample the next token of each on the device."""
         shape = self.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
-        rows = shape.num_seqs
+        rows = shape.num_logits
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
         self.kv_cache, self.penalties, out, top = self._sampling_step(
             self.model.params, self.kv_cache, self.penalties, batch, sampling,
@@ -175,13 +176,13 @@ class ModelRunner:
 
     def _run_dummy(self, shape: BatchShape) -> None:
         """A batch of the given shape whose tokens all write into the null page."""
-        if shape.max_q_len == 1:
-            chunks = [SeqChunk([0], 0, [0]) for _ in range(shape.num_seqs)]
+        if shape.q_block == 1:
+            chunks = [SeqChunk([0], 0, [0]) for _ in range(shape.num_tokens)]
         else:  # one chunk padded up to the shape; it never needs more than a context's pages
-            length = min(shape.max_q_len, self.buckets.context_len)
+            length = min(shape.num_tokens, self.buckets.context_len)
             chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
-        rows = shape.num_seqs
+        rows = shape.num_logits
         sampling = greedy_sampling_batch(rows)
         slots = np.full(rows, -1, np.int32)
         self.kv_cache, self.penalties, out, _ = self._sampling_step(
@@ -195,9 +196,9 @@ class ModelRunner:
         self.num_compilations += 1
         meta = batch.attention
         logger.info(
-            "Compiling step #%d: tokens=%d seqs=%d pages/seq=%d max_q_len=%d logits=%d%s",
-            self.num_compilations, batch.input_ids.shape[0], meta.num_seqs,
-            meta.page_table.shape[1], meta.max_q_len, batch.logits_indices.shape[0],
+            "Compiling step #%d: tokens=%d q_block=%d pages/seq=%d logits=%d%s",
+            self.num_compilations, batch.input_ids.shape[0], meta.q_block,
+            meta.page_table.shape[1], batch.logits_indices.shape[0],
             " tree-mask" if meta.custom_mask is not None else "",
         )
 

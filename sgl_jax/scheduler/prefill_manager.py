@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from sgl_jax.model_executor.forward_batch import MAX_EXTEND_SEQS
+from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK, aligned
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.req import Req
 
 
 @dataclass(frozen=True)
 class PrefillLimits:
-    max_prefill_tokens: int  # new tokens in one extend batch
+    max_prefill_tokens: int  # tokens in one extend batch, each chunk rounded up to a block
     chunk_size: int  # new tokens of one request in one extend batch
     max_running_requests: int
 
@@ -36,7 +36,7 @@ class PrefillManager:
         batch: list[tuple[Req, int]] = []
         budget = self.limits.max_prefill_tokens
         for req in running:
-            if req.tokens_to_compute > 1 and len(batch) < MAX_EXTEND_SEQS and budget > 0:
+            if req.tokens_to_compute > 1 and budget > 0:
                 budget -= self._take_chunk(req, budget, batch)
         while self._can_admit(running, batch, budget):
             req = self.waiting[0]
@@ -55,13 +55,15 @@ class PrefillManager:
         return (
             bool(self.waiting)
             and budget > 0
-            and len(batch) < MAX_EXTEND_SEQS
             and len(running) < self.limits.max_running_requests
         )
 
     def _take_chunk(self, req: Req, budget: int, batch: list[tuple[Req, int]]) -> int:
-        count = min(req.tokens_to_compute, budget, self.limits.chunk_size)
-        if not self.cache.reserve(req, req.kv_len + count):
+        """Add up to a chunk of the request's tokens; returns the batch space it takes."""
+        count = min(req.tokens_to_compute, self.limits.chunk_size)
+        if aligned(count) > budget:  # a chunk that does not fit stops at a block boundary
+            count = budget // EXTEND_Q_BLOCK * EXTEND_Q_BLOCK
+        if not count or not self.cache.reserve(req, req.kv_len + count):
             return 0
         batch.append((req, count))
-        return count
+        return aligned(count)

@@ -11,12 +11,20 @@ from sgl_jax.layers.attention.native import (
     ragged_paged_attention_reference,
     write_kv,
 )
-from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
+from sgl_jax.model_executor.forward_batch import (
+    Buckets,
+    SeqChunk,
+    build_forward_batch,
+    token_positions,
+)
 
 
 def pack(chunks, page_size):
-    buckets = Buckets.automatic(max_tokens=64, max_seqs=8, context_len=64, page_size=page_size)
-    return build_forward_batch(chunks, page_size=page_size, shape=buckets.shape_for(chunks))
+    """The batch, and where each chunk's tokens sit in it (chunks start on block boundaries)."""
+    buckets = Buckets.automatic(max_tokens=128, max_seqs=8, context_len=64, page_size=page_size)
+    shape = buckets.shape_for(chunks)
+    batch = build_forward_batch(chunks, page_size=page_size, shape=shape)
+    return batch, token_positions(chunks, shape)
 
 
 def naive_attention(q, keys, values, visible, scale):
@@ -83,14 +91,13 @@ def test_matches_per_token_loop(case, page_size, gqa, tree, block_tokens):
     chunks, k_pages, v_pages, full_k, full_v = make_case(
         rng, **CASES[case], page_size=page_size, n_heads=n_heads, n_kv=n_kv, hd=hd, tree=tree
     )
-    batch = pack(chunks, page_size)
+    batch, where = pack(chunks, page_size)
     num_tokens = batch.input_ids.shape[0]
     q = rng.normal(size=(num_tokens, n_heads, hd)).astype(np.float32)
-    new_k = np.concatenate([k[c.prefix_len :] for c, k in zip(chunks, full_k, strict=True)])
-    new_v = np.concatenate([v[c.prefix_len :] for c, v in zip(chunks, full_v, strict=True)])
-    pad = num_tokens - len(new_k)
-    new_k = np.concatenate([new_k, np.zeros((pad, n_kv, hd), np.float32)])
-    new_v = np.concatenate([new_v, np.zeros((pad, n_kv, hd), np.float32)])
+    new_k = np.zeros((num_tokens, n_kv, hd), np.float32)
+    new_v = np.zeros((num_tokens, n_kv, hd), np.float32)
+    for chunk, k, v, rows in zip(chunks, full_k, full_v, where, strict=True):
+        new_k[rows], new_v[rows] = k[chunk.prefix_len :], v[chunk.prefix_len :]
 
     layer_kv = write_kv((jnp.asarray(k_pages), jnp.asarray(v_pages)), new_k, new_v,
                         batch.attention.slot_mapping)
@@ -99,18 +106,16 @@ def test_matches_per_token_loop(case, page_size, gqa, tree, block_tokens):
     )
     out, k_after = np.asarray(out), layer_kv[0]
 
-    token = 0
-    for chunk, k, v in zip(chunks, full_k, full_v, strict=True):
-        for j in range(len(chunk.token_ids)):
+    for chunk, k, v, rows in zip(chunks, full_k, full_v, where, strict=True):
+        for j, token in enumerate(rows):
             visible = np.arange(len(k)) <= chunk.prefix_len + j
             if chunk.tree_mask is not None:
                 visible[chunk.prefix_len :] = chunk.tree_mask[j]
             expected = naive_attention(q[token], k, v, visible, hd**-0.5)
             np.testing.assert_allclose(out[token], expected, rtol=1e-5, atol=1e-5)
-            token += 1
         last = chunk.page_ids[(len(k) - 1) // page_size]
         np.testing.assert_array_equal(np.asarray(k_after)[last, (len(k) - 1) % page_size], k[-1])
-    assert not np.isnan(out[:token]).any()
+    assert not np.isnan(out[np.concatenate(where)]).any()
 
 
 def test_hand_worked_single_query():
@@ -119,7 +124,7 @@ def test_hand_worked_single_query():
     k_pages = np.zeros((3, 2, 1, 1), np.float32)
     v_pages = np.zeros((3, 2, 1, 1), np.float32)
     k_pages[1, :, 0, 0], v_pages[1, :, 0, 0] = [0, 1], [10, 20]
-    batch = pack([SeqChunk([0], 2, [1, 2])], page_size=2)
+    batch, _ = pack([SeqChunk([0], 2, [1, 2])], page_size=2)
     q = np.ones((1, 1, 1), np.float32)
     new = np.full((1, 1, 1), 2.0, np.float32)
     layer_kv = (jnp.asarray(k_pages), jnp.asarray(v_pages))

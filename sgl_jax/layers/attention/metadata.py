@@ -1,10 +1,13 @@
 """What every attention backend receives besides q/k/v: where a ragged batch lives in the cache.
 
-A batch is the concatenation of S sequences' *new* tokens (prefill chunks, single decode tokens
-or verify windows). Sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1] of the flat array; its
-KV after this step has kv_lens[s] entries, the first kv_lens[s] - q_len[s] of which (the
-prefix) were written by earlier steps. Padding sequences have q_len = kv_len = 0; padding
-tokens write their K/V into the reserved null page 0.
+A batch is the concatenation of several sequences' *new* tokens (prefill chunks, single decode
+tokens or verify windows), laid out in query blocks of `q_block` tokens: each sequence's
+tokens start on a block boundary, so every block belongs to exactly one sequence (a decode
+batch uses q_block = 1). Per block the metadata gives that sequence's pages and lengths. The
+sequence's KV after this step has kv_len entries; its new tokens occupy KV indices
+window_start .. kv_len - 1, and everything before window_start (the prefix) was written by
+earlier steps. Padding tokens write their K/V into the reserved null page 0; padding blocks
+have kv_len 0.
 """
 
 from __future__ import annotations
@@ -17,24 +20,26 @@ import jax
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: jax.Array  # i32[T]: flat cache slot (page * page_size + offset) of each new token
-    cu_q_lens: jax.Array  # i32[S + 1]: start of each sequence's new tokens in the flat batch
-    kv_lens: jax.Array  # i32[S]: KV length of each sequence after this step
-    page_table: jax.Array  # i32[S, P]: pages of each sequence, in order (padding -> page 0)
+    slot_mapping: jax.Array  # i32[T]: flat cache slot (page * page_size + offset) of each token
+    page_table: jax.Array  # i32[NB, P]: pages of each query block's sequence (padding -> 0)
+    kv_lens: jax.Array  # i32[NB]: KV length of the block's sequence after this step
+    window_starts: jax.Array  # i32[NB]: KV index of the sequence's first new token
+    q_starts: jax.Array  # i32[NB]: index among the sequence's new tokens of the block's first
     # bool[T, W] or None: custom_mask[t, w] says whether token t sees the w-th new token of its
     # own sequence (tree verification). The prefix is always fully visible. None = causal.
     custom_mask: jax.Array | None = None
-    max_q_len: int = 1  # static: the longest q_len in the batch, rounded to a bucket
+    q_block: int = 1  # static: tokens per query block (T = NB * q_block)
 
     @property
-    def num_seqs(self) -> int:
+    def num_blocks(self) -> int:
         return self.kv_lens.shape[0]
 
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
-    data_fields=["slot_mapping", "cu_q_lens", "kv_lens", "page_table", "custom_mask"],
-    meta_fields=["max_q_len"],
+    data_fields=["slot_mapping", "page_table", "kv_lens", "window_starts", "q_starts",
+                 "custom_mask"],
+    meta_fields=["q_block"],
 )
 
 LayerKV = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_pages, page_size, n_kv, hd]

@@ -1,9 +1,10 @@
 """The `native` attention backend: ragged paged attention in plain jnp.
 
-It is also the reference every attention kernel is tested against. Queries are laid out per
-sequence as [S, max_q_len]; keys and values are gathered a block of pages at a time and folded
-in with an online softmax, so memory stays bounded by the block, and a loop over as many blocks
-as the longest sequence needs keeps sequence length out of the compiled shapes. Masked keys and
+It is also the reference every attention kernel is tested against. Queries come in blocks
+that each belong to one sequence (see metadata.py); keys and values are gathered a block of
+pages at a time and folded in with an online softmax, so memory stays bounded by the block,
+and a loop over as many blocks as the longest sequence needs keeps sequence length out of the
+compiled shapes. Masked keys and
 values are zeroed so that garbage (even NaN) in unused pages can never leak into an output.
 """
 
@@ -36,46 +37,44 @@ def ragged_paged_attention_reference(
     scale: float,
     block_tokens: int = 256,
 ) -> jax.Array:  # [T, n_heads, hd]
-    """Walks each sequence's KV in blocks of pages with an online softmax.
+    """Each query block walks its sequence's KV in blocks of pages with an online softmax.
 
-    The loop runs as many blocks as the longest sequence needs (a traced count), so the
+    The loop runs as many KV blocks as the longest sequence needs (a traced count), so the
     compiled shape does not depend on how long the sequences are, only on the page table width.
     """
     num_tokens, n_heads, hd = q.shape
-    n_kv = k_pages.shape[2]
-    num_seqs = metadata.kv_lens.shape[0]
-    page_size = k_pages.shape[1]
+    n_kv, page_size = k_pages.shape[2], k_pages.shape[1]
+    num_blocks, q_block = metadata.num_blocks, metadata.q_block
     page_table, pages_per_block = _pad_page_table(metadata.page_table, page_size, block_tokens)
     block_len = pages_per_block * page_size
-    starts = metadata.cu_q_lens[:-1]  # i32[S]
-    prefix_lens = metadata.kv_lens - (metadata.cu_q_lens[1:] - starts)  # i32[S]
-    token_index = starts[:, None] + jnp.arange(metadata.max_q_len)[None, :]  # i32[S, Q]
-    token_index = jnp.clip(token_index, 0, num_tokens - 1)
-    queries = q[token_index].reshape(num_seqs, metadata.max_q_len, n_kv, n_heads // n_kv, hd)
-    mask_rows = None if metadata.custom_mask is None else metadata.custom_mask[token_index]
+    queries = q.reshape(num_blocks, q_block, n_kv, n_heads // n_kv, hd)
+    q_offsets = metadata.q_starts[:, None] + jnp.arange(q_block)[None, :]  # i32[NB, Bq]
+    mask_rows = None
+    if metadata.custom_mask is not None:
+        mask_rows = metadata.custom_mask.reshape(num_blocks, q_block, -1)  # bool[NB, Bq, W]
 
-    def block(b: jax.Array, carry: tuple) -> tuple:
+    def kv_block(b: jax.Array, carry: tuple) -> tuple:
         pages = jax.lax.dynamic_slice_in_dim(page_table, b * pages_per_block, pages_per_block, 1)
         kv_index = b * block_len + jnp.arange(block_len)  # i32[B]: KV positions of this block
-        kv_valid = kv_index[None, :] < metadata.kv_lens[:, None]  # bool[S, B]
+        kv_valid = kv_index[None, :] < metadata.kv_lens[:, None]  # bool[NB, B]
         # Scores of invisible keys are overwritten, so garbage keys need no masking; values
         # must be zeroed, since 0 * NaN would still poison the weighted sum.
-        keys = _gather_pages(k_pages, pages)  # [S, B, n_kv, hd]
+        keys = _gather_pages(k_pages, pages)  # [NB, B, n_kv, hd]
         values = jnp.where(kv_valid[:, :, None, None], _gather_pages(v_pages, pages), 0)
-        visible = _visibility(kv_index, prefix_lens, mask_rows, metadata.max_q_len, kv_valid)
+        visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_rows, kv_valid)
         return _online_softmax_step(carry, queries, keys, values, visible, scale)
 
-    num_blocks = _cdiv(jnp.max(metadata.kv_lens), block_len)
-    shape = (num_seqs, n_kv, n_heads // n_kv, metadata.max_q_len)
+    num_kv_blocks = _cdiv(jnp.max(metadata.kv_lens), block_len)
+    shape = (num_blocks, n_kv, n_heads // n_kv, q_block)
     init = (
         jnp.full(shape, _MASKED, jnp.float32),  # running max of the scores
         jnp.zeros(shape, jnp.float32),  # running sum of exp(score - max)
         jnp.zeros(shape + (hd,), jnp.float32),  # running weighted sum of values
     )
-    _, denominator, acc = jax.lax.fori_loop(0, num_blocks, block, init)
+    _, denominator, acc = jax.lax.fori_loop(0, num_kv_blocks, kv_block, init)
     out = acc / jnp.maximum(denominator, 1e-30)[..., None]  # fully masked rows stay 0
-    out = jnp.moveaxis(out, 3, 1).reshape(num_seqs, metadata.max_q_len, n_heads, hd)
-    return _unpad_tokens(out.astype(q.dtype), metadata.cu_q_lens, num_tokens)
+    out = jnp.moveaxis(out, 3, 1).reshape(num_tokens, n_heads, hd)
+    return out.astype(q.dtype)
 
 
 def _pad_page_table(page_table: jax.Array, page_size: int, block_tokens: int):
@@ -119,16 +118,15 @@ def _gather_pages(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
 
 def _visibility(
     kv_index: jax.Array,  # i32[B]: positions in the sequences' KV of this block's keys
-    prefix_lens: jax.Array,  # i32[S]
-    mask_rows: jax.Array | None,  # bool[S, Q, W]: custom mask rows of each query, or None
-    max_q_len: int,
-    kv_valid: jax.Array,  # bool[S, B]
-) -> jax.Array:  # bool[S, Q, B]
+    window_starts: jax.Array,  # i32[NB]
+    q_offsets: jax.Array,  # i32[NB, Bq]: each query's index among its sequence's new tokens
+    mask_rows: jax.Array | None,  # bool[NB, Bq, W]: custom mask rows of each query, or None
+    kv_valid: jax.Array,  # bool[NB, B]
+) -> jax.Array:  # bool[NB, Bq, B]
     # Position of each key inside the window of new tokens; negative means prefix.
-    window_offset = (kv_index[None, :] - prefix_lens[:, None])[:, None, :]  # i32[S, 1, B]
-    q_offsets = jnp.arange(max_q_len)[None, :, None]  # i32[1, Q, 1]
+    window_offset = (kv_index[None, :] - window_starts[:, None])[:, None, :]  # i32[NB, 1, B]
     if mask_rows is None:
-        in_window_visible = window_offset <= q_offsets
+        in_window_visible = window_offset <= q_offsets[:, :, None]
     else:
         width = mask_rows.shape[2]
         column = jnp.clip(window_offset, 0, width - 1)
@@ -137,14 +135,6 @@ def _visibility(
         in_window_visible &= window_offset < width
     visible = (window_offset < 0) | in_window_visible
     return visible & kv_valid[:, None, :]
-
-
-def _unpad_tokens(padded: jax.Array, cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """[S, Q, ...] per-sequence layout -> [T, ...] flat layout."""
-    tokens = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), 0, padded.shape[0] - 1)
-    offset = jnp.clip(tokens - cu_q_lens[seq], 0, padded.shape[1] - 1)
-    return padded[seq, offset]
 
 
 def native_attention(
