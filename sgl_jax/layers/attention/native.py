@@ -35,7 +35,7 @@ def ragged_paged_attention_reference(
     metadata: AttentionMetadata,
     *,
     scale: float,
-    block_tokens: int = 256,
+    block_tokens: int = 64,
 ) -> jax.Array:  # [T, n_heads, hd]
     """Each query block walks its sequence's KV in blocks of pages with an online softmax.
 
