@@ -209,3 +209,12 @@ def test_no_compilation_after_warm_up(model_dir):
         eng.generate(input_ids=prompts, sampling_params=params)
         eng.generate(input_ids=prompts[:2], sampling_params=params[:2], top_logprobs_num=2)
         assert eng.get_server_info()["num_compilations"] == after_warmup
+
+
+def test_prefill_and_decode_log_lines(engine, caplog):
+    with caplog.at_level("INFO", logger="sgl_jax.scheduler.scheduler"):
+        engine.generate(input_ids=random_prompts(7, [10, 20]), sampling_params=greedy(45))
+    prefill = [r.message for r in caplog.records if r.message.startswith("Prefill batch.")]
+    decode = [r.message for r in caplog.records if r.message.startswith("Decode batch.")]
+    assert prefill and "#new-seq: 2, #new-token: 30" in prefill[0]
+    assert decode and "#running-req: 2" in decode[0] and "gen throughput (token/s)" in decode[0]
