@@ -1,0 +1,479 @@
+"""Offline throughput of the real sgl_jax.Engine, beside transformers' batched generate.
+
+Like SGLang's bench_offline_throughput: N random prompts of --input-len tokens are submitted
+at once, in one `engine.generate(input_ids=[...], sampling_params=...)` call, and each
+generates exactly --output-len tokens (greedy, `ignore_eos`). The concurrency c is the
+engine's `max_running_requests`, as on a server: the scheduler admits up to c requests and
+admits the next ones as the running ones finish. One Engine is started per concurrency level,
+with its start-up (weights, KV pool, compilation of every bucket) timed separately, and shut
+down afterwards. The timed call compiles nothing (the script checks the engine's counter).
+
+transformers runs the same prompts in batches of c through `model.generate` on the same
+checkpoint, right after our run at that level (so the two are measured minutes apart at most
+on a machine whose memory bandwidth drifts). A full pass at c=1 takes long, so by default it
+times only --transformers-requests prompts (rounded up to whole batches) and reports their
+rate; every batch has the same shape, so the rate stands for all N.
+
+    python benchmark/bench_offline_throughput.py                  # random ~66M Llama, float32
+    python benchmark/bench_offline_throughput.py --concurrency 16 --json /tmp/offline.json
+    python benchmark/bench_offline_throughput.py --model-path DIR --no-compare-transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# transformers runs on torch's OpenMP pool; with OpenMP's default spin-waiting its steps on a
+# 2-vCPU VM were bimodal from one process to the next (see docs/benchmarks.md). Set before
+# torch loads; override freely.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+try:
+    import sgl_jax
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(_HERE.parent))
+    import sgl_jax
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+from bench_one_batch import machine_info  # noqa: E402
+
+from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK  # noqa: E402
+
+TARGET_CONCURRENCY = 16
+TARGET_RATIO = 3.0  # ours >= 3x transformers' output tok/s at batch 16
+
+# The random Llama of bench_one_batch: 66.3M parameters, 265 MB in float32.
+TINY_LLAMA = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                  vocab_size=32000, num_attention_heads=8, num_key_value_heads=8,
+                  max_position_embeddings=4096)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", default=None,
+                        help="an existing checkpoint; default: generate a random ~66M Llama")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where to write the generated checkpoint (default: a temp dir); "
+                             "reused if it already holds a matching one")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16],
+                        help="max requests in flight (the engine's max_running_requests)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="the engine's context_length (default: the model's)")
+    parser.add_argument("--token-paddings", type=_int_list, default=None,
+                        help="the engine's precompile_token_paddings (default: the extend "
+                             "batches this run makes: 1, 4, 16, ... prompts up to c, capped at "
+                             "--max-prefill-tokens)")
+    parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the same N prompts with max_new_tokens=1 (prefill "
+                             "only) to split the time into prefill and decode")
+    parser.add_argument("--compare-transformers", action=argparse.BooleanOptionalAction,
+                        default=True, help="time transformers' batched generate")
+    parser.add_argument("--transformers-requests", type=int, default=32,
+                        help="prompts transformers runs per level (rounded up to whole batches "
+                             "of c, at most N); its tok/s is a rate, so it stands for all N")
+    parser.add_argument("--engine-log", action="store_true",
+                        help="show the engine's INFO log (compilations, prefill/decode lines)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    args = parser.parse_args(argv)
+    for name in ("num_requests", "input_len", "output_len", "transformers_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16, got {text!r}")
+    return values
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def prepare_checkpoint(args: argparse.Namespace, scratch: contextlib.ExitStack) -> str:
+    """--model-path, or the random Llama written into --checkpoint-dir (reused when its
+    config matches) or into a temporary directory removed when `scratch` closes."""
+    if args.model_path:
+        return args.model_path
+    from sgl_jax.testing import write_tiny_checkpoint
+
+    if args.checkpoint_dir:
+        out = Path(args.checkpoint_dir)
+    else:
+        out = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench_offline_")))
+    overrides = dict(TINY_LLAMA, max_position_embeddings=max(
+        TINY_LLAMA["max_position_embeddings"], args.input_len + args.output_len))
+    if not _checkpoint_matches(out, overrides, args.dtype):
+        print(f"Writing a random Llama checkpoint to {out} ...", flush=True)
+        write_tiny_checkpoint(out, "llama", dtype=args.dtype, backend="numpy", **overrides)
+    return str(out)
+
+
+def _checkpoint_matches(out: Path, overrides: dict, dtype: str) -> bool:
+    config_path = out / "config.json"
+    if not config_path.is_file() or not list(out.glob("*.safetensors")):
+        return False
+    config = json.loads(config_path.read_text())
+    saved_dtype = config.get("dtype", config.get("torch_dtype"))
+    return saved_dtype == dtype and all(config.get(k) == v for k, v in overrides.items())
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(0, vocab, size=(n, length)).tolist()
+
+
+def engine_settings(args: argparse.Namespace, c: int) -> dict:
+    """Server arguments for concurrency c: decode buckets 1, 2, 4, ... up to c; extend buckets
+    for the batches this workload makes (1, 4, 16, ... prompts, up to c), so a 128-token
+    prompt is not padded to a 256-token bucket."""
+    q = EXTEND_Q_BLOCK  # extend buckets are multiples of it; each prompt is block-aligned
+    prompt = -(-args.input_len // q) * q
+    cap = max(q, args.max_prefill_tokens // q * q)
+    if args.token_paddings:
+        tokens = sorted(set(args.token_paddings))
+    else:
+        tokens, k = set(), 1
+        while True:
+            tokens.add(min(k * prompt, cap))
+            if k >= c:
+                break
+            k = min(4 * k, c)
+        tokens = sorted(tokens)
+    bs, b = [], 1
+    while b < c:
+        bs.append(b)
+        b *= 2
+    settings = dict(
+        dtype=args.dtype, page_size=args.page_size, max_running_requests=c,
+        max_prefill_tokens=args.max_prefill_tokens,
+        precompile_bs_paddings=[*bs, c], precompile_token_paddings=tokens,
+        random_seed=args.seed,
+    )
+    if args.context_length:
+        settings["context_length"] = args.context_length
+    return settings
+
+
+# --------------------------------------------------------------------------- our engine
+
+
+def bench_engine(path: str, prompts: list[list[int]], c: int, args) -> dict:
+    """Start an Engine with max_running_requests=c, time all prompts through it, shut it down."""
+    settings = engine_settings(args, c)
+    start = time.perf_counter()
+    engine = sgl_jax.Engine(model_path=path, **settings)
+    startup_s = time.perf_counter() - start
+    try:
+        greedy = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
+        # One untimed round on other prompts warms the host-side paths; then forget its KV.
+        warm = random_prompts(min(c, len(prompts)), args.input_len,
+                              engine.model.config.vocab_size, args.seed + 1)
+        engine.generate(input_ids=warm, sampling_params={**greedy, "max_new_tokens": 2})
+        engine.flush_cache()
+        compilations = engine.get_server_info()["num_compilations"]
+
+        start = time.perf_counter()
+        outputs = engine.generate(input_ids=prompts, sampling_params=greedy)
+        wall_s = time.perf_counter() - start
+
+        info = engine.get_server_info()
+        new_compilations = info["num_compilations"] - compilations
+        latencies = np.array([o["meta_info"]["e2e_latency"] for o in outputs])
+        tokens = [o["output_ids"] for o in outputs]
+        wrong = [i for i, t in enumerate(tokens) if len(t) != args.output_len]
+        if wrong:
+            raise RuntimeError(f"requests {wrong[:5]} did not produce {args.output_len} tokens")
+        n, out_tokens = len(prompts), len(prompts) * args.output_len
+        result = {
+            "concurrency": c, "engine_settings": settings, "startup_s": startup_s,
+            "wall_s": wall_s, "output_tok_s": out_tokens / wall_s,
+            "total_tok_s": (out_tokens + n * args.input_len) / wall_s,
+            "request_s": n / wall_s,
+            "mean_e2e_s": float(latencies.mean()), "p50_e2e_s": float(np.median(latencies)),
+            "max_e2e_s": float(latencies.max()),
+            "compilations_at_startup": compilations,
+            "recompilations_while_timed": new_compilations,
+            "kv_pool_tokens": info["max_total_num_tokens"],
+            "num_retractions": info["num_retractions"],
+            "tokens": tokens,
+        }
+        if args.breakdown:
+            engine.flush_cache()  # the same prompts again, so nothing may come from the cache
+            start = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 1})
+            prefill_s = time.perf_counter() - start
+            waves = -(-n // c)  # prompts are admitted c at a time, all finishing together
+            decode_steps = waves * (args.output_len - 1)
+            result.update(
+                prefill_only_s=prefill_s, prefill_share=prefill_s / wall_s,
+                decode_s=wall_s - prefill_s, decode_steps=decode_steps,
+                decode_ms_per_step=(wall_s - prefill_s) / max(decode_steps, 1) * 1e3,
+                prefill_tok_s=n * args.input_len / prefill_s,
+            )
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+    return result
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def load_transformers(path: str, args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # Our requests use ignore_eos. generate's min_new_tokens instead bans EOS until the last
+    # token, which changes the greedy token wherever EOS is the argmax (a random model's EOS
+    # is an ordinary id). Without an EOS id, generate neither bans nor stops on it. generate
+    # fills an eos_token_id=None argument from the model's config, so clear it there.
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    return model
+
+
+def bench_transformers(model, prompts: list[list[int]], c: int, args) -> dict:
+    """The first K prompts (K = --transformers-requests rounded up to batches of c, at most N)
+    in batches of c through greedy generate; output tok/s over the whole pass."""
+    import torch
+
+    k = min(len(prompts), max(c, -(-args.transformers_requests // c) * c))
+    kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                  do_sample=False)
+    batches = [torch.tensor(prompts[i:i + c], dtype=torch.long) for i in range(0, k, c)]
+    with torch.no_grad():
+        warm = batches[0]  # untimed: the first call at a batch size allocates and warms up
+        model.generate(input_ids=warm, attention_mask=torch.ones_like(warm),
+                       **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        tokens, batch_s = [], []
+        start = time.perf_counter()
+        for batch in batches:
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **kwargs)
+            batch_s.append(time.perf_counter() - t0)
+            tokens.extend(out[:, batch.shape[1]:].tolist())
+        wall_s = time.perf_counter() - start
+    if any(len(t) != args.output_len for t in tokens):
+        raise RuntimeError(f"transformers did not generate {args.output_len} tokens per prompt")
+    return {
+        "concurrency": c, "requests": k, "batches": len(batches), "wall_s": wall_s,
+        "batch_s": batch_s, "output_tok_s": k * args.output_len / wall_s,
+        "total_tok_s": k * (args.output_len + args.input_len) / wall_s,
+        "extrapolated": k < len(prompts), "tokens": tokens,
+    }
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Over the requests both ran: the share of identical token positions and of identical
+    requests, and the first position where they part (None if never)."""
+    n = min(len(a), len(b))
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    same = x == y
+    diverged = [int(np.argmin(row)) for row in same if not row.all()]
+    return {"requests": n, "token_agreement": float(same.mean()),
+            "identical_requests": int(same.all(axis=1).sum()),
+            "first_divergence": min(diverged) if diverged else None}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def print_table(ours: list[dict], hf: dict[int, dict], args) -> None:
+    header = (f"{'conc':>4} {'ours out tok/s':>14} {'ours total tok/s':>16} {'mean e2e s':>10} "
+              f"{'HF out tok/s':>12} {'HF reqs':>7} {'ours/HF':>8} {'startup s':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in ours:
+        h = hf.get(r["concurrency"])
+        hf_rate = f"{h['output_tok_s']:.1f}" if h else "-"
+        hf_reqs = f"{h['requests']}" if h else "-"
+        ratio = f"{r['output_tok_s'] / h['output_tok_s']:.2f}x" if h else "-"
+        print(f"{r['concurrency']:>4} {r['output_tok_s']:>14.1f} {r['total_tok_s']:>16.1f} "
+              f"{r['mean_e2e_s']:>10.2f} {hf_rate:>12} {hf_reqs:>7} {ratio:>8} "
+              f"{r['startup_s']:>9.1f}")
+    if any(h["extrapolated"] for h in hf.values()):
+        print(f"HF reqs < {args.num_requests}: transformers timed that many of the prompts; its "
+              "tok/s is the rate over them (every batch has the same shape), not a full pass.")
+    if ours and "prefill_only_s" in ours[0]:
+        print("\nWhere our time goes (prefill-only = the same prompts with max_new_tokens=1):")
+        head = (f"{'conc':>4} {'total s':>8} {'prefill-only s':>14} {'prefill share':>13} "
+                f"{'prefill tok/s':>13} {'decode s':>8} {'decode ms/step':>14} "
+                f"{'decode tok/s':>12}")
+        print(head)
+        print("-" * len(head))
+        for r in ours:
+            c = r["concurrency"]
+            print(f"{c:>4} {r['wall_s']:>8.2f} {r['prefill_only_s']:>14.2f} "
+                  f"{r['prefill_share']:>13.0%} {r['prefill_tok_s']:>13.0f} "
+                  f"{r['decode_s']:>8.2f} {r['decode_ms_per_step']:>14.2f} "
+                  f"{c / r['decode_ms_per_step'] * 1e3 if r['decode_ms_per_step'] else 0:>12.1f}")
+
+
+def summarize(ours: list[dict], hf: dict[int, dict], args) -> dict:
+    summary: dict = {}
+    base = ours[0]
+    consistency = {r["concurrency"]: agreement(base["tokens"], r["tokens"]) for r in ours[1:]}
+    summary["consistency_vs_first_level"] = consistency
+    all_same = (all(a["token_agreement"] == 1.0 for a in consistency.values())
+                if consistency else None)  # None: a single level, nothing to compare
+    summary["outputs_identical_across_concurrency"] = all_same
+    if consistency:
+        detail = ", ".join(f"c={c}: {a['identical_requests']}/{a['requests']} requests, "
+                           f"{a['token_agreement']:.1%} of tokens" for c, a in consistency.items())
+        print(f"Outputs identical across concurrency levels (vs c={base['concurrency']}): "
+              f"{'YES' if all_same else 'NO'} ({detail})")
+    recompiled = {r["concurrency"]: r["recompilations_while_timed"] for r in ours}
+    summary["recompilations_while_timed"] = recompiled
+    print(f"Compilations during the timed runs: {recompiled}")
+
+    agree = {}
+    for r in ours:
+        h = hf.get(r["concurrency"])
+        if h:
+            agree[r["concurrency"]] = agreement(r["tokens"], h["tokens"])
+    summary["greedy_agreement_with_transformers"] = agree
+    if agree:
+        print("Greedy tokens vs transformers: " + ", ".join(
+            f"c={c}: {a['token_agreement']:.1%} of tokens, {a['identical_requests']}/"
+            f"{a['requests']} requests identical" for c, a in agree.items()))
+
+    target = next((r for r in ours if r["concurrency"] == TARGET_CONCURRENCY), None)
+    h = hf.get(TARGET_CONCURRENCY)
+    if target is None or h is None:
+        summary["target_met"] = None
+        print(f"Target (ours >= {TARGET_RATIO:g}x transformers' output tok/s at concurrency "
+              f"{TARGET_CONCURRENCY}): NOT EVALUATED (needs concurrency {TARGET_CONCURRENCY} "
+              "and the transformers comparison)")
+    else:
+        ratio = target["output_tok_s"] / h["output_tok_s"]
+        summary.update(target_ratio=ratio, target_met=ratio >= TARGET_RATIO)
+        print(f"Target: ours >= {TARGET_RATIO:g}x transformers' output tok/s at concurrency "
+              f"{TARGET_CONCURRENCY}: {target['output_tok_s']:.1f} vs {h['output_tok_s']:.1f} "
+              f"tok/s = {ratio:.2f}x -> {'MET' if ratio >= TARGET_RATIO else 'MISSED'}")
+    return summary
+
+
+def _versions() -> dict:
+    out = {}
+    for name in ("jax", "jaxlib", "numpy", "torch", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.engine_log else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    with contextlib.ExitStack() as scratch:
+        return run(args, prepare_checkpoint(args, scratch))
+
+
+def run(args: argparse.Namespace, path: str) -> dict:
+    info = machine_info()
+    info["versions"] = _versions()
+    print(f"Machine: {info['platform']}, {info['cpu_count']} CPUs, "
+          f"{info['memory_gib'] or 0:.0f} GiB, JAX {info['jax_version']} on {info['devices']}, "
+          f"OMP_WAIT_POLICY={info['omp_wait_policy']}, commit {info['git_commit']}")
+    print(f"Workload: {args.num_requests} requests x ({args.input_len} prompt + "
+          f"{args.output_len} output tokens), greedy, ignore_eos, {args.dtype}, "
+          f"concurrency {args.concurrency}", flush=True)
+
+    hf_model = load_transformers(path, args) if args.compare_transformers else None
+    prompts, ours, hf = None, [], {}
+    for c in args.concurrency:
+        if prompts is None:
+            vocab = _vocab_size(path, hf_model)
+            prompts = random_prompts(args.num_requests, args.input_len, vocab, args.seed)
+        r = bench_engine(path, prompts, c, args)
+        ours.append(r)
+        print(f"  c={c:>3} ours: start-up {r['startup_s']:.1f} s "
+              f"({r['compilations_at_startup']} compilations), {r['wall_s']:.2f} s for "
+              f"{args.num_requests} requests -> {r['output_tok_s']:.1f} output tok/s, "
+              f"{r['recompilations_while_timed']} compilations while timed"
+              + (f"; prefill-only {r['prefill_only_s']:.2f} s" if args.breakdown else ""),
+              flush=True)
+        if hf_model is not None:
+            h = bench_transformers(hf_model, prompts, c, args)
+            hf[c] = h
+            print(f"  c={c:>3} transformers: {h['wall_s']:.2f} s for {h['requests']} requests "
+                  f"({h['batches']} batch(es)) -> {h['output_tok_s']:.1f} output tok/s",
+                  flush=True)
+
+    print()
+    print(f"bench_offline_throughput: {args.num_requests} requests, input_len={args.input_len}, "
+          f"output_len={args.output_len}, page_size={args.page_size}, dtype={args.dtype}")
+    print_table(ours, hf, args)
+    print()
+    summary = summarize(ours, hf, args)
+    report = {"machine": info, "args": vars(args), "checkpoint": path, "results": ours,
+              "transformers": {
+                  "torch_threads": _torch_threads() if hf_model is not None else None,
+                  "method": "batches of c through generate(max_new_tokens=min_new_tokens="
+                            "output_len, do_sample=False) with the generation config's "
+                            "eos_token_id cleared (= ignore_eos); one untimed 2-token warm-up "
+                            "per c",
+                  "by_concurrency": hf},
+              "summary": summary}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        print(f"Wrote {args.json}")
+    return report
+
+
+def _vocab_size(path: str, hf_model) -> int:
+    if hf_model is not None:
+        return int(hf_model.config.vocab_size)
+    config = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else {}
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if vocab is None:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+    return int(vocab)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+if __name__ == "__main__":
+    main()
