@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import sgl_jax
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
-from bench_one_batch import machine_info  # noqa: E402
+from bench_one_batch import int_list, machine_info, random_llama, random_prompts  # noqa: E402
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK  # noqa: E402
 
@@ -74,13 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16],
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4, 16],
                         help="max requests in flight (the engine's max_running_requests)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-prefill-tokens", type=int, default=2048)
     parser.add_argument("--context-length", type=int, default=None,
                         help="the engine's context_length (default: the model's)")
-    parser.add_argument("--token-paddings", type=_int_list, default=None,
+    parser.add_argument("--token-paddings", type=int_list, default=None,
                         help="the engine's precompile_token_paddings (default: the extend "
                              "batches this run makes: 1, 4, 16, ... prompts up to c, capped at "
                              "--max-prefill-tokens)")
@@ -103,13 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16, got {text!r}")
-    return values
-
-
 # --------------------------------------------------------------------------- setup
 
 
@@ -118,31 +110,9 @@ def prepare_checkpoint(args: argparse.Namespace, scratch: contextlib.ExitStack) 
     config matches) or into a temporary directory removed when `scratch` closes."""
     if args.model_path:
         return args.model_path
-    from sgl_jax.testing import write_tiny_checkpoint
-
-    if args.checkpoint_dir:
-        out = Path(args.checkpoint_dir)
-    else:
-        out = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench_offline_")))
     overrides = dict(TINY_LLAMA, max_position_embeddings=max(
         TINY_LLAMA["max_position_embeddings"], args.input_len + args.output_len))
-    if not _checkpoint_matches(out, overrides, args.dtype):
-        print(f"Writing a random Llama checkpoint to {out} ...", flush=True)
-        write_tiny_checkpoint(out, "llama", dtype=args.dtype, backend="numpy", **overrides)
-    return str(out)
-
-
-def _checkpoint_matches(out: Path, overrides: dict, dtype: str) -> bool:
-    config_path = out / "config.json"
-    if not config_path.is_file() or not list(out.glob("*.safetensors")):
-        return False
-    config = json.loads(config_path.read_text())
-    saved_dtype = config.get("dtype", config.get("torch_dtype"))
-    return saved_dtype == dtype and all(config.get(k) == v for k, v in overrides.items())
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    return np.random.default_rng(seed).integers(0, vocab, size=(n, length)).tolist()
+    return random_llama(args.checkpoint_dir, scratch, overrides, args.dtype, "bench_offline_")
 
 
 def engine_settings(args: argparse.Namespace, c: int) -> dict:

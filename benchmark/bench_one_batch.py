@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--num-heads", type=int, default=8)
     parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32, help="decode steps timed")
     parser.add_argument("--page-size", type=int, default=16)
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="size of the array the bandwidth probes stream")
     parser.add_argument("--compare-transformers", action=argparse.BooleanOptionalAction,
                         default=True, help="time transformers' greedy generate on the same model")
-    parser.add_argument("--transformers-batch-sizes", type=_int_list, default=[1, 8],
+    parser.add_argument("--transformers-batch-sizes", type=int_list, default=[1, 8],
                         help="batch sizes for the transformers comparison")
     parser.add_argument("--profile", action="store_true",
                         help="also break a batch-1 decode step down into its parts")
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
@@ -118,21 +118,28 @@ def prepare_checkpoint(args: argparse.Namespace, scratch: contextlib.ExitStack) 
     (into --checkpoint-dir, or a temporary directory removed when `scratch` closes)."""
     if args.model_path:
         return args.model_path
-    from sgl_jax.testing import write_tiny_checkpoint
-
-    if args.checkpoint_dir:
-        out = Path(args.checkpoint_dir)
-    else:
-        out = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench_one_batch_")))
     overrides = dict(
         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.num_layers, vocab_size=args.vocab_size,
         num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
         max_position_embeddings=max(4096, args.input_len + args.output_len),
     )
-    if not _matches_existing(out, overrides, args.dtype):
+    return random_llama(args.checkpoint_dir, scratch, overrides, args.dtype, "bench_one_batch_")
+
+
+def random_llama(checkpoint_dir: str | None, scratch: contextlib.ExitStack, overrides: dict,
+                 dtype: str, prefix: str) -> str:
+    """A random Llama with `overrides` in checkpoint_dir (reused when its config matches), or
+    in a temporary directory removed when `scratch` closes."""
+    from sgl_jax.testing import write_tiny_checkpoint
+
+    if checkpoint_dir:
+        out = Path(checkpoint_dir)
+    else:
+        out = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    if not _matches_existing(out, overrides, dtype):
         print(f"Writing a random Llama checkpoint to {out} ...", flush=True)
-        write_tiny_checkpoint(out, "llama", dtype=args.dtype, **overrides)
+        write_tiny_checkpoint(out, "llama", dtype=dtype, backend="numpy", **overrides)
     return str(out)
 
 
