@@ -42,6 +42,13 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a decode step needs one token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:stop] + self.output_ids[: max(stop - n, 0)]
+
     @property
     def tokens_to_compute(self) -> int:
         """Tokens whose K/V are still missing; the last one's logits give the next token."""

@@ -107,7 +107,7 @@ class Scheduler:
 
     def _run(self, batch: list[tuple[Req, int]]) -> StepOutput:
         chunks = [
-            SeqChunk(req.all_ids[req.kv_len : req.kv_len + n], req.kv_len, req.page_ids)
+            SeqChunk(req.token_slice(req.kv_len, req.kv_len + n), req.kv_len, req.page_ids)
             for req, n in batch
         ]
         emits = np.array([n == req.tokens_to_compute for req, n in batch])
