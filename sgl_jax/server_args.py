@@ -1,22 +1,61 @@
-"""ServerArgs: every user-facing setting, validated once; subsystems read the parts they need."""
+"""ServerArgs: every user-facing setting and CLI flag, validated once at start-up.
+
+Subsystems read the part they need: the engine its model and scheduling fields, the HTTP
+server `http`, speculative decoding `speculative` (None without --speculative-algorithm).
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
 
+DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
+# `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.
+ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft-and-verify settings (see docs/speculative.md)."""
+
+    algorithm: str
+    draft_model_path: str
+    draft_model_revision: str | None
+    num_steps: int  # draft depth S
+    eagle_topk: int  # branching K per step; 1 = a chain
+    num_draft_tokens: int  # N tokens sent to verify, the root included
+    accept_threshold_single: float
+    accept_threshold_acc: float
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str
+    enable_metrics: bool
+    chat_template: str | None  # a file, a template name, or None for the tokenizer's own
+    reasoning_parser: str | None
+
 
 @dataclass(frozen=True)
 class ServerArgs:
-    # Model
-    model_path: str | None = None
+    # Model and tokenizer
+    model_path: str | None = None  # None: the launcher serves the built-in demo model
     tokenizer_path: str | None = None  # default: model_path
     revision: str | None = None
+    trust_remote_code: bool = False
     dtype: str = "auto"
     context_length: int | None = None  # default: the model's max_position_embeddings
+    device: str | None = None  # default: JAX's default backend
     # KV cache
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
@@ -29,23 +68,66 @@ class ServerArgs:
     precompile_token_paddings: tuple[int, ...] | None = None  # default: powers of two
     precompile_bs_paddings: tuple[int, ...] | None = None  # default: powers of two
     skip_server_warmup: bool = False
+    disable_overlap_schedule: bool = False  # steps never overlap here; accepted for SGLang users
     attention_backend: str = "native"
+    # Parallelism
+    tp_size: int = 1
+    # Speculative decoding
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_draft_model_revision: str | None = None
+    speculative_num_steps: int | None = None  # default 3
+    speculative_eagle_topk: int | None = None  # default 1
+    speculative_num_draft_tokens: int | None = None  # default: num_steps + 1 (chain)
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: model_path
+    chat_template: str | None = None
+    reasoning_parser: str | None = None
+    enable_metrics: bool = False
     # Misc
     random_seed: int | None = None
     decode_log_interval: int = 40
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         for name in ("precompile_token_paddings", "precompile_bs_paddings"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(sorted(value)))
+        if self.speculative_algorithm is not None:
+            object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.upper())
         self._validate()
 
+    # ------------------------------------------------------------------ validation
+
     def _validate(self) -> None:
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose from {DTYPE_CHOICES}")
+        self._validate_choices()
+        self._validate_ranges()
+        self._validate_paddings()
+        if self.speculative_algorithm is not None:
+            self._validate_speculative()
+
+    def _validate_choices(self) -> None:
+        choices = {
+            "dtype": DTYPE_CHOICES, "device": (None, *DEVICE_CHOICES),
+            "attention_backend": ATTENTION_BACKEND_CHOICES,
+            "speculative_algorithm": (None, *SPECULATIVE_ALGORITHMS),
+            "reasoning_parser": (None, *REASONING_PARSERS), "log_level": LOG_LEVELS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                shown = ", ".join(str(a) for a in allowed if a is not None)
+                raise ValueError(f"{name} {getattr(self, name)!r} is not supported; "
+                                 f"choose from {shown}")
+
+    def _validate_ranges(self) -> None:
         positive = ("page_size", "max_running_requests", "max_prefill_tokens",
-                    "decode_log_interval")
+                    "decode_log_interval", "tp_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -60,6 +142,12 @@ class ServerArgs:
                              f"{self.mem_fraction_static}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty; leave it out to serve without a key")
+
+    def _validate_paddings(self) -> None:
         for name in ("precompile_token_paddings", "precompile_bs_paddings"):
             value = getattr(self, name)
             if value is not None and (not value or min(value) < 1):
@@ -70,6 +158,34 @@ class ServerArgs:
                              f"(prefill chunks start on {EXTEND_Q_BLOCK}-token blocks), "
                              f"got {tokens}")
 
+    def _validate_speculative(self) -> None:
+        if not self.speculative_draft_model_path:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
+                             "--speculative-draft-model-path")
+        spec = self.speculative
+        for name in ("num_steps", "eagle_topk"):
+            if getattr(spec, name) < 1:
+                raise ValueError(f"speculative_{name} must be >= 1, got {getattr(spec, name)}")
+        if spec.eagle_topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
+            raise ValueError(
+                f"with speculative_eagle_topk 1 the draft is a chain of num_steps tokens, so "
+                f"speculative_num_draft_tokens must be num_steps + 1 = {spec.num_steps + 1}, "
+                f"got {spec.num_draft_tokens}"
+            )
+        # Step 0 proposes K children; each later step scores K*K candidates.
+        most = 1 + spec.eagle_topk + (spec.num_steps - 1) * spec.eagle_topk**2
+        if not 2 <= spec.num_draft_tokens <= most:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be in [2, {most}] for num_steps "
+                f"{spec.num_steps} and eagle_topk {spec.eagle_topk}, got {spec.num_draft_tokens}"
+            )
+        for name in ("accept_threshold_single", "accept_threshold_acc"):
+            if not 0 < getattr(spec, name) <= 1:
+                raise ValueError(f"speculative_{name} must be in (0, 1], got "
+                                 f"{getattr(spec, name)}")
+
+    # ------------------------------------------------------------------ derived settings
+
     @property
     def chunk_size(self) -> int:
         """New tokens of one request in one extend batch."""
@@ -77,5 +193,177 @@ class ServerArgs:
             return self.max_prefill_tokens
         return min(self.chunked_prefill_size, self.max_prefill_tokens)
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_algorithm is None:
+            return None
+        steps = self.speculative_num_steps or 3
+        topk = self.speculative_eagle_topk or 1
+        default_tokens = steps + 1 if topk == 1 else 2 * (steps + 1)
+        return SpeculativeConfig(
+            algorithm=self.speculative_algorithm,
+            draft_model_path=self.speculative_draft_model_path,
+            draft_model_revision=self.speculative_draft_model_revision,
+            num_steps=steps, eagle_topk=topk,
+            num_draft_tokens=self.speculative_num_draft_tokens or default_tokens,
+            accept_threshold_single=self.speculative_accept_threshold_single,
+            accept_threshold_acc=self.speculative_accept_threshold_acc,
+        )
+
+    @property
+    def http(self) -> HttpConfig:
+        return HttpConfig(
+            host=self.host, port=self.port, api_key=self.api_key,
+            served_model_name=self.served_model_name or self.model_path or "default",
+            enable_metrics=self.enable_metrics, chat_template=self.chat_template,
+            reasoning_parser=self.reasoning_parser,
+        )
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        public = dataclasses.asdict(self)
+        if public["api_key"] is not None:
+            public["api_key"] = "<set>"
+        return public
+
+    # ------------------------------------------------------------------ command line
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
+        namespace = build_parser().parse_args(argv)
+        return cls(**vars(namespace))
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default unless it is unset or the help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_jax.launch_server",
+        description="Serve a model (optionally with an EAGLE3 draft) behind an "
+                    "OpenAI-compatible HTTP API.",
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
+    )
+    _add_model_args(parser.add_argument_group("model and tokenizer"))
+    _add_memory_args(parser.add_argument_group("KV cache and memory"))
+    _add_scheduling_args(parser.add_argument_group("scheduling and compilation"))
+    _add_parallel_args(parser.add_argument_group("parallelism"))
+    _add_speculative_args(parser.add_argument_group("speculative decoding"))
+    _add_http_args(parser.add_argument_group("HTTP server and OpenAI API"))
+    _add_logging_args(parser.add_argument_group("logging and metrics"))
+    return parser
+
+
+def _add_model_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--model-path", "--model", dest="model_path", default=None,
+                       help="local directory or Hugging Face id; default: the built-in demo model")
+    group.add_argument("--tokenizer-path", default=None, help="default: --model-path")
+    group.add_argument("--revision", default=None, help="hub branch, tag or commit of the model")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="let transformers run the repository's own tokenizer code; the "
+                            "model itself always runs this project's implementation")
+    group.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                       help="weights and activations; auto = float32 on CPU, bfloat16 elsewhere")
+    group.add_argument("--context-length", type=int, default=None,
+                       help="longest prompt + completion; default: max_position_embeddings")
+    group.add_argument("--device", default=None, choices=DEVICE_CHOICES,
+                       help="JAX platform to run on; default: JAX's default backend")
+
+
+def _add_memory_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    group.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV pool size in tokens; default: from --mem-fraction-static")
+    group.add_argument("--mem-fraction-static", type=float, default=None,
+                       help="share of device memory for weights + KV pool (0.8; 0.1 on CPU)")
+    group.add_argument("--disable-radix-cache", action="store_true",
+                       help="turn off prefix reuse across requests")
+
+
+def _add_scheduling_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-running-requests", type=int, default=64,
+                       help="requests decoding together")
+    group.add_argument("--max-prefill-tokens", type=int, default=2048,
+                       help="new tokens in one prefill batch")
+    group.add_argument("--chunked-prefill-size", type=int, default=2048,
+                       help="new tokens of one request per batch; -1 = no chunking")
+    group.add_argument("--precompile-token-paddings", type=_int_list, default=None,
+                       help="token buckets of prefill batches, e.g. '64,256,1024' "
+                            "(multiples of 16); default: 64, 256, 1024, ...")
+    group.add_argument("--precompile-bs-paddings", type=_int_list, default=None,
+                       help="batch-size buckets of decode batches, e.g. '1,4,16'; "
+                            "default: powers of two up to --max-running-requests")
+    group.add_argument("--skip-server-warmup", action="store_true",
+                       help="compile shape buckets on first use instead of at start-up")
+    group.add_argument("--disable-overlap-schedule", action="store_true",
+                       help="accepted for compatibility: steps are never overlapped here, so "
+                            "this is always the behaviour")
+    group.add_argument("--attention-backend", default="native",
+                       choices=ATTENTION_BACKEND_CHOICES,
+                       help="native = the jnp reference; fa (alias triton) = the Pallas kernels")
+
+
+def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
+                       help="tensor-parallel degree")
+
+
+def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--speculative-algorithm", default=None,
+                       type=lambda s: s.upper(), choices=SPECULATIVE_ALGORITHMS,
+                       help="draft-and-verify decoding; EAGLE3 for the seed draft heads")
+    group.add_argument("--speculative-draft-model-path", default=None,
+                       help="local directory or hub id of the draft weights")
+    group.add_argument("--speculative-draft-model-revision", default=None,
+                       help="hub branch, tag or commit of the draft weights")
+    group.add_argument("--speculative-num-steps", type=int, default=None,
+                       help="draft depth per round (default 3)")
+    group.add_argument("--speculative-eagle-topk", type=int, default=None,
+                       help="branching per draft step; 1 = a chain (default 1)")
+    group.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                       help="tokens verified per round, the root included; default: "
+                            "num_steps + 1 for a chain, 2 * (num_steps + 1) for a tree")
+    group.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
+                       help="relaxes the acceptance of one draft token; 1.0 = lossless")
+    group.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
+                       help="relaxes acceptance by accumulated probability; 1.0 = lossless")
+
+
+def _add_http_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=30000, help="port to listen on")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients send and /v1/models lists; "
+                            "default: --model-path")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja template file or a built-in name (see docs/server.md); "
+                            "default: the tokenizer's own")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split <think> blocks into reasoning_content in chat responses")
+
+
+def _add_logging_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                       help="least severe log records shown")
+    group.add_argument("--decode-log-interval", type=int, default=40,
+                       help="decode steps between 'Decode batch' log lines")
+    group.add_argument("--enable-metrics", action="store_true",
+                       help="serve Prometheus metrics on /metrics")
+    group.add_argument("--random-seed", type=int, default=None,
+                       help="seeds the draws for requests that give no seed")

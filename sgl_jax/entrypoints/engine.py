@@ -11,7 +11,8 @@ import asyncio
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,19 @@ class Engine:
         if model_path is None:
             raise ValueError("Engine needs model_path (a local directory or a Hugging Face id)")
         self.server_args = args = ServerArgs(model_path=model_path, **server_args)
+        _check_available(args)
         self.model = load_model(model_path, dtype=args.dtype, revision=args.revision)
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir,
+                                        trust_remote_code=args.trust_remote_code)
         self.context_length = args.context_length or self.model.config.max_position_embeddings
         self.eos_ids = self._collect_eos_ids()
         self._rng = np.random.default_rng(args.random_seed)
         self._request_ids = itertools.count()
-        self._streams: dict[str, OutputStream] = {}
+        self.started_at = time.time()
+        self._streams: dict[str, tuple[OutputStream, int]] = {}  # rid -> (stream, index)
+        # Optional observer of request progress (the HTTP server's Prometheus metrics); called
+        # on the engine thread.
+        self.output_observer: Callable[[Req, int], None] | None = None
         self._build_runtime()
         logger.info("Engine ready: %s on %s", self.model.config.architecture, jax.devices()[0])
 
@@ -111,14 +118,18 @@ class Engine:
         top_logprobs_num: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One prompt gives a dict (a list of n dicts when n > 1), a batch gives a list.
-        With stream=True (one prompt, n == 1) it yields chunks with the new text and ids."""
+        With stream=True it yields chunks with the new text and ids of one output each,
+        tagged with the output's `index` (prompt-major, as in the list)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob,
-                                           top_logprobs_num, stream)
-        streams = self._submit(reqs, loop=None)
+                                           top_logprobs_num)
+        output_stream = self._register(reqs, loop=None)
+        self._require_loop().call(_add_all(reqs))
         if stream:
-            return self._stream_chunks(reqs[0], streams[0])
-        outputs = [self._collect(req, s) for req, s in zip(reqs, streams, strict=True)]
-        return outputs[0] if single and len(outputs) == 1 else outputs
+            return self._stream_chunks(reqs, output_stream)
+        finished = 0
+        while finished < len(reqs):
+            finished += output_stream.get()["finished"]
+        return self._final_outputs(reqs, single)
 
     async def async_generate(
         self,
@@ -131,14 +142,15 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """As generate, awaited; with stream=True the result is an async iterator of chunks."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob,
-                                           top_logprobs_num, stream)
-        streams = self._submit(reqs, loop=asyncio.get_running_loop())
+                                           top_logprobs_num)
+        output_stream = self._register(reqs, loop=asyncio.get_running_loop())
+        await asyncio.wrap_future(self._require_loop().submit(_add_all(reqs)))
         if stream:
-            return self._astream_chunks(reqs[0], streams[0])
-        outputs = await asyncio.gather(
-            *(self._acollect(req, s) for req, s in zip(reqs, streams, strict=True))
-        )
-        return outputs[0] if single and len(outputs) == 1 else list(outputs)
+            return self._astream_chunks(reqs, output_stream)
+        finished = 0
+        while finished < len(reqs):
+            finished += (await output_stream.aget())["finished"]
+        return self._final_outputs(reqs, single)
 
     def abort(self, rid: str) -> None:
         self._require_loop().submit(lambda scheduler: scheduler.abort(rid))
@@ -162,6 +174,9 @@ class Engine:
                 "num_running_reqs": len(scheduler.running),
                 "num_queued_reqs": len(scheduler.prefill.waiting),
                 "token_usage": cache.used_pages / cache.allocator.capacity,
+                "kv_pages_in_use": cache.used_pages,
+                "kv_pages_cached": cache.radix.evictable_pages if cache.radix else 0,
+                "kv_pages_total": cache.allocator.capacity,
                 "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                 "num_retractions": scheduler.decode.num_retractions,
                 "num_compilations": scheduler.runner.num_compilations,
@@ -188,7 +203,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_logprob,
-                       top_logprobs_num, stream) -> tuple[list[Req], bool]:
+                       top_logprobs_num) -> tuple[list[Req], bool]:
         self._require_loop()
         token_batch, single = self._token_batch(prompt, input_ids)
         params = self._params_batch(sampling_params, len(token_batch))
@@ -202,8 +217,6 @@ class Engine:
             for i in range(p.n):
                 seed = (base_seed + i * _SEED_STRIDE) % 2**32
                 reqs.append(self._new_req(ids, p, seed, return_logprob, top_logprobs_num))
-        if stream and len(reqs) != 1:
-            raise ValueError("stream=True takes a single prompt with n == 1")
         return reqs, single
 
     def _new_req(self, ids, params, seed, return_logprob, top_logprobs_num) -> Req:
@@ -262,68 +275,77 @@ class Engine:
             raise ValueError(f"min_new_tokens supports at most {MAX_SUPPRESSED_IDS} EOS + stop "
                              f"token ids, got {len(stop_ids)}")
 
-    def _submit(self, reqs: list[Req], loop: asyncio.AbstractEventLoop | None
-                ) -> list[OutputStream]:
-        streams = [OutputStream(loop) for _ in reqs]
-        for req, s in zip(reqs, streams, strict=True):
-            self._streams[req.rid] = s
-
-        def add_all(scheduler: Scheduler) -> None:
-            for req in reqs:
-                scheduler.add_request(req)
-        self._require_loop().call(add_all)
-        return streams
+    def _register(self, reqs: list[Req], loop: asyncio.AbstractEventLoop | None
+                  ) -> OutputStream:
+        """One output stream for the requests of a call, in place before the engine thread
+        sees them; chunks carry the request's index in the call."""
+        output_stream = OutputStream(loop)
+        for index, req in enumerate(reqs):
+            self._streams[req.rid] = (output_stream, index)
+        return output_stream
 
     # ------------------------------------------------------------------ outputs
 
     def _deliver(self, req: Req, text: str, token_ids: list[int]) -> None:
         """Engine thread: route a request's new output to whoever waits for it."""
-        stream = self._streams.get(req.rid)
-        if stream is None:
+        if self.output_observer is not None:
+            self.output_observer(req, len(token_ids))
+        target = self._streams.get(req.rid)
+        if target is None:
             return
+        output_stream, index = target
         if req.finished:
             del self._streams[req.rid]
-        stream.put({"text": text, "output_ids": token_ids, "finished": req.finished})
+        chunk = {"index": index, "text": text, "output_ids": token_ids,
+                 "finished": req.finished}
+        if req.return_logprob:  # sliced here: the engine thread keeps appending to req
+            new = len(token_ids)
+            chunk["output_token_logprobs"] = list(zip(req.output_logprobs[-new:] if new else [],
+                                                      token_ids, strict=True))
+            chunk["output_top_logprobs"] = _top_pairs(req.output_top_logprobs[-new:]
+                                                      if new else [])
+        output_stream.put(chunk)
 
-    def _collect(self, req: Req, stream: OutputStream) -> dict[str, Any]:
-        while not stream.get()["finished"]:
-            pass
-        return self._final_output(req)
-
-    async def _acollect(self, req: Req, stream: OutputStream) -> dict[str, Any]:
-        while not (await stream.aget())["finished"]:
-            pass
-        return self._final_output(req)
-
-    def _stream_chunks(self, req: Req, stream: OutputStream) -> Iterator[dict[str, Any]]:
-        finished = False
+    def _stream_chunks(self, reqs: list[Req], output_stream: OutputStream
+                       ) -> Iterator[dict[str, Any]]:
+        unfinished = len(reqs)
         try:
-            while not finished:
-                chunk = stream.get()
-                finished = chunk["finished"]
-                yield self._chunk_output(req, chunk)
+            while unfinished:
+                chunk = output_stream.get()
+                unfinished -= chunk["finished"]
+                yield self._chunk_output(reqs[chunk["index"]], chunk)
         finally:
-            if not finished:  # the consumer stopped early: free the request's KV pages
-                self.abort(req.rid)
+            self._abort_unfinished(reqs)  # the consumer stopped early: free the KV pages
 
-    async def _astream_chunks(self, req: Req, stream: OutputStream) -> AsyncIterator[dict]:
-        finished = False
+    async def _astream_chunks(self, reqs: list[Req], output_stream: OutputStream
+                              ) -> AsyncIterator[dict[str, Any]]:
+        unfinished = len(reqs)
         try:
-            while not finished:
-                chunk = await stream.aget()
-                finished = chunk["finished"]
-                yield self._chunk_output(req, chunk)
+            while unfinished:
+                chunk = await output_stream.aget()
+                unfinished -= chunk["finished"]
+                yield self._chunk_output(reqs[chunk["index"]], chunk)
         finally:
-            if not finished:
+            self._abort_unfinished(reqs)
+
+    def _abort_unfinished(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req.rid in self._streams and self._loop is not None:
                 self.abort(req.rid)
 
     def _chunk_output(self, req: Req, chunk: dict[str, Any]) -> dict[str, Any]:
-        return {"text": chunk["text"], "output_ids": chunk["output_ids"],
-                "meta_info": self._meta_info(req) if chunk["finished"] else {"id": req.rid}}
+        meta = self._meta_info(req) if chunk["finished"] else {"id": req.rid}
+        if req.return_logprob:
+            meta["output_token_logprobs"] = chunk["output_token_logprobs"]
+            meta["output_top_logprobs"] = chunk["output_top_logprobs"]
+        return {"index": chunk["index"], "text": chunk["text"],
+                "output_ids": chunk["output_ids"], "meta_info": meta}
 
-    def _final_output(self, req: Req) -> dict[str, Any]:
-        return {"text": req.detokenizer.text, "output_ids": list(req.output_ids),
-                "meta_info": self._meta_info(req)}
+    def _final_outputs(self, reqs: list[Req], single: bool
+                       ) -> dict[str, Any] | list[dict[str, Any]]:
+        outputs = [{"text": req.detokenizer.text, "output_ids": list(req.output_ids),
+                    "meta_info": self._meta_info(req)} for req in reqs]
+        return outputs[0] if single and len(outputs) == 1 else outputs
 
     def _meta_info(self, req: Req) -> dict[str, Any]:
         meta = {
@@ -337,8 +359,7 @@ class Engine:
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids,
                                                      strict=True))
-            meta["output_top_logprobs"] = [[(lp, t) for t, lp in top]
-                                           for top in req.output_top_logprobs]
+            meta["output_top_logprobs"] = _top_pairs(req.output_top_logprobs)
         return meta
 
     # ------------------------------------------------------------------ misc
@@ -364,6 +385,44 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+
+def _top_pairs(tops: list[list[tuple[int, float]]]) -> list[list[tuple[float, int]]]:
+    """(token, logprob) pairs as the (logprob, token) pairs of the output format."""
+    return [[(lp, t) for t, lp in top] for top in tops]
+
+
+def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
+    def add_all(scheduler: Scheduler) -> None:
+        for req in reqs:
+            scheduler.add_request(req)
+    return add_all
+
+
+def _check_available(args: ServerArgs) -> None:
+    """Refuse, before anything loads, settings whose feature this version does not have."""
+    if args.speculative_algorithm is not None:
+        raise NotImplementedError(
+            f"speculative decoding (--speculative-algorithm {args.speculative_algorithm}) is "
+            "not available in this version yet; start without the --speculative-* flags"
+        )
+    if args.tp_size > 1:
+        raise NotImplementedError(f"tensor parallelism (--tp-size {args.tp_size}) is not "
+                                  "available in this version yet; use --tp-size 1")
+    if args.attention_backend != "native":
+        raise NotImplementedError(f"the Pallas attention backend (--attention-backend "
+                                  f"{args.attention_backend}) is not available in this version "
+                                  "yet; use --attention-backend native")
+    if args.device is not None:
+        _check_device(args.device)
+
+
+def _check_device(device: str) -> None:
+    platform = "gpu" if device == "cuda" else device
+    if jax.default_backend() != platform:
+        raise ValueError(f"--device {device} was asked for, but JAX runs on "
+                         f"{jax.default_backend()} ({jax.devices()[0].device_kind}); install "
+                         f"JAX for {device} or pass --device {jax.default_backend()}")
 
 
 def _default_mem_fraction() -> float:

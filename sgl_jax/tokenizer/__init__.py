@@ -7,8 +7,10 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str | Path, *, revision: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | Path, *, revision: str | None = None,
+                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(path), revision=revision)
+        return AutoTokenizer.from_pretrained(str(path), revision=revision,
+                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(f"could not load a tokenizer from {str(path)!r}: {exc}") from exc

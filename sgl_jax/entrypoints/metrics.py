@@ -1,0 +1,78 @@
+"""Prometheus metrics of a running server (`--enable-metrics`, served on /metrics).
+
+Latencies are observed on the engine thread as outputs are produced; load gauges (running and
+queued requests, KV usage) are read from the scheduler when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from sgl_jax.entrypoints.engine import Engine
+from sgl_jax.scheduler.req import Req
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                      1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        self._label = {"model_name": model_name}
+        self._last_output_at: dict[str, float] = {}  # rid -> time of its latest token
+        self._define()
+        engine.output_observer = self.on_output
+
+    def _define(self) -> None:
+        names = ["model_name"]
+        r = self.registry
+        self.requests = Counter("sgl_jax_requests", "Finished requests by finish reason",
+                                [*names, "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("sgl_jax_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", names, registry=r)
+        self.generation_tokens = Counter("sgl_jax_generation_tokens", "Generated tokens",
+                                         names, registry=r)
+        self.ttft = Histogram("sgl_jax_time_to_first_token_seconds", "Time to first token",
+                              names, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("sgl_jax_inter_token_latency_seconds", "Time between tokens",
+                             names, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("sgl_jax_e2e_request_latency_seconds", "Request latency, "
+                             "arrival to finish", names, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.running = Gauge("sgl_jax_num_running_reqs", "Running requests", names, registry=r)
+        self.queued = Gauge("sgl_jax_num_queue_reqs", "Waiting requests", names, registry=r)
+        self.token_usage = Gauge("sgl_jax_token_usage", "Share of KV pages held by requests",
+                                 names, registry=r)
+        self.cache_hit_rate = Gauge("sgl_jax_cache_hit_rate", "Prompt tokens served by the "
+                                    "prefix cache", names, registry=r)
+
+    def on_output(self, req: Req, num_new_tokens: int) -> None:
+        """Engine thread: a request produced tokens or finished."""
+        now = time.perf_counter()
+        if num_new_tokens:
+            self.generation_tokens.labels(**self._label).inc(num_new_tokens)
+            last = self._last_output_at.get(req.rid)
+            if last is None:
+                self.ttft.labels(**self._label).observe(now - req.created_at)
+            else:  # several tokens at once share the gap
+                gap = (now - last) / num_new_tokens
+                for _ in range(num_new_tokens):
+                    self.itl.labels(**self._label).observe(gap)
+            self._last_output_at[req.rid] = now
+        if req.finished:
+            self._last_output_at.pop(req.rid, None)
+            self.e2e.labels(**self._label).observe(now - req.created_at)
+            self.prompt_tokens.labels(**self._label).inc(len(req.prompt_ids))
+            self.requests.labels(**self._label,
+                                 finish_reason=req.finish_reason["type"]).inc()
+
+    def render(self) -> bytes:
+        """The exposition text, with the load gauges read now."""
+        info = self.engine.get_server_info()
+        self.running.labels(**self._label).set(info["num_running_reqs"])
+        self.queued.labels(**self._label).set(info["num_queued_reqs"])
+        self.token_usage.labels(**self._label).set(info["token_usage"])
+        self.cache_hit_rate.labels(**self._label).set(info["cache_hit_rate"])
+        return generate_latest(self.registry)

@@ -1,0 +1,310 @@
+"""OpenAI chat and text completions on top of the Engine: prompt building, limits, responses
+and server-sent-event streams."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from sgl_jax.entrypoints.engine import Engine
+from sgl_jax.entrypoints.openai.errors import APIError, bad_request
+from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sgl_jax.server_args import HttpConfig
+from sgl_jax.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from sgl_jax.tokenizer.reasoning import ReasoningParser
+
+logger = logging.getLogger(__name__)
+
+# Accepted in place of the served name, as SGLang does (clients written for it send "default").
+DEFAULT_MODEL_ALIAS = "default"
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine, config: HttpConfig, chat_template: ChatTemplate):
+        self.engine = engine
+        self.config = config
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.context_length = engine.context_length
+        self._token_texts: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ models
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.config.served_model_name, DEFAULT_MODEL_ALIAS):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.config.served_model_name}'",
+                           param="model", code="model_not_found")
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.config.served_model_name, "object": "model",
+                "created": int(self.engine.started_at), "owned_by": "sgl-jax",
+                "root": self.engine.server_args.model_path,
+                "max_model_len": self.context_length}
+        return {"object": "list", "data": [card]}
+
+    # ------------------------------------------------------------------ chat completions
+
+    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(request.model)
+        prompt_ids = self._chat_prompt(request)
+        max_tokens = self._max_tokens([len(prompt_ids)], request.requested_max_tokens,
+                                      "max_tokens", "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        _log_request(rid, request.user, len(prompt_ids))
+        result = await self._generate(
+            input_ids=prompt_ids, sampling_params=request.sampling_params(max_tokens),
+            stream=request.stream, return_logprob=request.logprobs,
+            top_logprobs_num=request.top_logprobs or 0,
+        )
+        head = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
+        if request.stream:
+            return self._chat_stream(head, request, result)
+        return self._chat_response(head, request, _as_list(result))
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in request.messages]
+        try:
+            return self.chat_template.encode(messages,
+                                             template_kwargs=request.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
+
+    def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+        if self.config.reasoning_parser is None or not request.separate_reasoning:
+            return None
+        return ReasoningParser(self.config.reasoning_parser)
+
+    def _chat_response(self, head: dict, request: ChatCompletionRequest,
+                       outputs: list[dict[str, Any]]) -> dict[str, Any]:
+        choices = []
+        for index, out in enumerate(outputs):
+            meta = out["meta_info"]
+            message = {"role": "assistant", "content": out["text"]}
+            parser = self._reasoning_parser(request)
+            if parser is not None:
+                message["reasoning_content"], message["content"] = parser.parse(out["text"])
+            choices.append({
+                "index": index, "message": message,
+                "logprobs": self._chat_logprobs(meta) if request.logprobs else None,
+                "finish_reason": _finish_reason(meta),
+            })
+        return {**head, "object": "chat.completion", "choices": choices,
+                "usage": _usage([o["meta_info"] for o in outputs], request.n)}
+
+    async def _chat_stream(self, head: dict, request: ChatCompletionRequest,
+                           chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        parsers: dict[int, ReasoningParser | None] = {}
+        finals: dict[int, dict[str, Any]] = {}  # index -> final meta_info
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                index, meta = chunk["index"], chunk["meta_info"]
+                if index not in parsers:
+                    parsers[index] = self._reasoning_parser(request)
+                    yield sse(_chat_chunk(head, index, {"role": "assistant", "content": ""}))
+                if "finish_reason" in meta:
+                    finals[index] = meta
+                    _raise_if_aborted(meta)
+                delta = _delta(parsers[index], chunk["text"], final="finish_reason" in meta)
+                logprobs = self._chat_logprobs(meta) if request.logprobs else None
+                if delta or (logprobs and logprobs["content"]):
+                    yield sse(_chat_chunk(head, index, delta, logprobs=logprobs))
+                if "finish_reason" in meta:
+                    yield sse(_chat_chunk(head, index, {}, finish=_finish_reason(meta)))
+        if request.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(_in_order(finals), request.n)})
+        yield sse("[DONE]")
+
+    def _chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
+        content = []
+        for (logprob, token), top in zip(meta["output_token_logprobs"],
+                                         meta["output_top_logprobs"], strict=True):
+            entry = self._token_logprob(token, logprob)
+            entry["top_logprobs"] = [self._token_logprob(t, lp) for lp, t in top]
+            content.append(entry)
+        return {"content": content}
+
+    def _token_logprob(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    # ------------------------------------------------------------------ text completions
+
+    async def completion(self, request: CompletionRequest
+                         ) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(request.model)
+        prompts = self._completion_prompts(request.prompt)
+        max_tokens = self._max_tokens([len(p) for p in prompts], request.max_tokens,
+                                      "max_tokens", "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        _log_request(rid, request.user, sum(len(p) for p in prompts))
+        top = request.logprobs or 0
+        result = await self._generate(
+            input_ids=prompts, sampling_params=request.sampling_params(max_tokens),
+            stream=request.stream, return_logprob=request.logprobs is not None,
+            top_logprobs_num=top,
+        )
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.config.served_model_name}
+        if request.stream:
+            return self._completion_stream(head, request, result)
+        outputs = _as_list(result)
+        choices = [
+            {"index": index, "text": out["text"],
+             "logprobs": (self._completion_logprobs(out["meta_info"])
+                          if request.logprobs is not None else None),
+             "finish_reason": _finish_reason(out["meta_info"])}
+            for index, out in enumerate(outputs)
+        ]
+        return {**head, "choices": choices,
+                "usage": _usage([o["meta_info"] for o in outputs], request.n)}
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]
+        if isinstance(prompt[0], str):
+            ids = [self.tokenizer(text).input_ids for text in prompt]
+            if not all(ids):
+                raise bad_request("every prompt must have at least one token", "prompt")
+            return ids
+        return prompt
+
+    async def _completion_stream(self, head: dict, request: CompletionRequest,
+                                 chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+        finals: dict[int, dict[str, Any]] = {}  # index -> final meta_info
+        offsets: dict[int, int] = {}
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                index, meta = chunk["index"], chunk["meta_info"]
+                finished = "finish_reason" in meta
+                if finished:
+                    finals[index] = meta
+                    _raise_if_aborted(meta)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(meta, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(chunk["text"])
+                if chunk["text"] or finished or (logprobs and logprobs["tokens"]):
+                    choice = {"index": index, "text": chunk["text"], "logprobs": logprobs,
+                              "finish_reason": _finish_reason(meta) if finished else None}
+                    yield sse({**head, "choices": [choice]})
+        if request.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(_in_order(finals), request.n)})
+        yield sse("[DONE]")
+
+    def _completion_logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
+        tokens = [self._token_text(t) for _, t in meta["output_token_logprobs"]]
+        offsets = []
+        for text in tokens:
+            offsets.append(start)
+            start += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for lp, _ in meta["output_token_logprobs"]],
+            "top_logprobs": [{self._token_text(t): lp for lp, t in top}
+                             for top in meta["output_top_logprobs"]],
+            "text_offset": offsets,
+        }
+
+    # ------------------------------------------------------------------ shared
+
+    def _max_tokens(self, prompt_lens: list[int], requested: int | None, param: str,
+                    prompt_param: str) -> int:
+        """The completion budget; the prompt plus it must fit the context length."""
+        longest = max(prompt_lens)
+        if longest >= self.context_length:
+            raise bad_request(f"the prompt has {longest} tokens, but this model's context "
+                              f"length is {self.context_length} tokens", prompt_param)
+        if requested is None:
+            return self.context_length - longest
+        if longest + requested > self.context_length:
+            raise bad_request(
+                f"this model's context length is {self.context_length} tokens, but "
+                f"{longest + requested} were requested ({longest} in the prompt + "
+                f"{requested} for the completion); lower {param}", param,
+            )
+        return requested
+
+    async def _generate(self, **kwargs: Any) -> Any:
+        try:
+            return await self.engine.async_generate(**kwargs)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        except RuntimeError as exc:  # the engine is shutting down
+            raise APIError(503, str(exc), code="unavailable") from exc
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
+
+def _as_list(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return result if isinstance(result, list) else [result]
+
+
+def _in_order(finals: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [finals[index] for index in sorted(finals)]
+
+
+def _finish_reason(meta: dict[str, Any]) -> str:
+    _raise_if_aborted(meta)
+    return _FINISH_REASONS[meta["finish_reason"]["type"]]
+
+
+def _raise_if_aborted(meta: dict[str, Any]) -> None:
+    reason = meta["finish_reason"]
+    if reason["type"] == "abort":
+        raise APIError(503, f"the request was aborted: {reason['message']}", code="aborted")
+
+
+def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Each prompt counts once however many samples (n) it had."""
+    firsts = finals[::n]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(m["completion_tokens"] for m in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
+
+
+def _delta(parser: ReasoningParser | None, text: str, final: bool) -> dict[str, str]:
+    if parser is None:
+        return {"content": text} if text else {}
+    reasoning, content = parser.feed(text)
+    if final:
+        rest_reasoning, rest_content = parser.finish()
+        reasoning, content = reasoning + rest_reasoning, content + rest_content
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta
+
+
+def _chat_chunk(head: dict, index: int, delta: dict, *, logprobs: dict | None = None,
+                finish: str | None = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {**head, "choices": [choice]}
+
+
+def _log_request(rid: str, user: str | None, prompt_tokens: int) -> None:
+    logger.info("Request %s: %d prompt tokens%s", rid, prompt_tokens,
+                f", user {user!r}" if user else "")

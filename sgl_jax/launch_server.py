@@ -1,0 +1,80 @@
+"""`python -m sgl_jax.launch_server [flags]`: load the model, then serve the HTTP API.
+
+Without --model-path the built-in demo model (tiny, random weights) is served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+from sgl_jax.server_args import ServerArgs
+
+logger = logging.getLogger("sgl_jax.launch_server")
+
+# Start-up problems the user can fix: reported in one line, without a traceback.
+_USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ServerArgs.from_cli(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
+    try:
+        args = _with_model(args)
+        _select_platform(args.device)
+        from sgl_jax.entrypoints.engine import Engine  # loads JAX after the platform choice
+        engine = Engine(**dataclasses.asdict(args))
+    except _USER_ERRORS as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+    try:
+        _serve(engine, args)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _with_model(args: ServerArgs) -> ServerArgs:
+    if args.model_path is not None:
+        return args
+    from sgl_jax.testing import demo_model_dir
+
+    path = str(demo_model_dir())
+    logger.info("No --model-path given: serving the built-in demo model from %s (a tiny model "
+                "with random weights, so its text is gibberish)", path)
+    return dataclasses.replace(args, model_path=path,
+                               served_model_name=args.served_model_name or "sgl-jax-demo")
+
+
+def _select_platform(device: str | None) -> None:
+    """Point JAX at --device before any backend starts (the engine checks the outcome)."""
+    if device is None:
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cuda" if device == "gpu" else device)
+    except RuntimeError:  # a backend is already running; Engine reports a mismatch
+        return
+    try:
+        jax.devices()
+    except RuntimeError as exc:
+        raise ValueError(f"--device {device}: JAX cannot start that platform here ({exc})"
+                         ) from None
+
+
+def _serve(engine, args: ServerArgs) -> None:
+    import uvicorn
+
+    from sgl_jax.entrypoints.http_server import create_app
+
+    app = create_app(engine, args)
+    logger.info("Serving %s on http://%s:%d", args.http.served_model_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
