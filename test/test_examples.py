@@ -1,12 +1,24 @@
 """The runnable examples in python/ and the README's promises."""
 
+import ast
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
+from sgl_jax.testing.server import launch_server
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"^(python3 -m venv .*)$", (ROOT / "README.md").read_text(), re.M)
 
 
 def test_offline_engine_example_runs_on_the_demo_model(tmp_path):
@@ -23,6 +35,40 @@ def test_offline_engine_example_runs_on_the_demo_model(tmp_path):
 def test_ci_runs_exactly_the_readme_test_command():
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     command = next(line for line in ci_lines if "pytest" in line)
-    readme_commands = re.findall(r"^(python3 -m venv .*)$", (ROOT / "README.md").read_text(), re.M)
-    assert len(readme_commands) == 2
-    assert command in readme_commands
+    assert len(readme_commands()) == 2
+    assert command == readme_commands()[1]
+
+
+def test_readme_server_command_curl_line_and_openai_example(tmp_path):
+    """The README's first command (after its install step) serves the demo model; its curl
+    line gets a chat completion; python/openai_client.py talks to it plain and streamed."""
+    launch = readme_commands()[0].split(" && ")[-1]
+    assert launch == "python -m sgl_jax.launch_server"
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    with launch_server(shlex.split(launch)[3:], env=env) as server:
+        assert "serving the built-in demo model" in server.log()
+        port = server.base_url.rsplit(":", 1)[1]
+        curl = re.search(r"^(curl .*)$", (ROOT / "README.md").read_text(), re.M).group(1)
+        curl = curl.replace("127.0.0.1:30000", f"127.0.0.1:{port}")
+        reply = json.loads(_run_curl(curl))
+        assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] > 0
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "python" / "openai_client.py"), "--base-url",
+             f"{server.base_url}/v1", "--max-tokens", "6"],
+            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+             for line in result.stdout.splitlines() if line.startswith(("plain:", "streamed:"))}
+    assert ast.literal_eval(lines["plain"]) == ast.literal_eval(lines["streamed"])
+    assert "model: sgl-jax-demo" in result.stdout
+
+
+def _run_curl(command: str) -> str:
+    """The README's curl line as written; without curl, the same request through httpx."""
+    if shutil.which("curl"):
+        return subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120,
+                              check=True).stdout
+    argv = shlex.split(command)
+    url = next(a for a in argv if a.startswith("http"))
+    return httpx.post(url, content=argv[argv.index("-d") + 1],
+                      headers={"Content-Type": "application/json"}, timeout=120).text

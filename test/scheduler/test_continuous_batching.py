@@ -111,6 +111,27 @@ def test_streaming_chunks_add_up_to_the_plain_output(engine):
     assert chunks[-1]["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
 
 
+def test_streaming_a_batch_tags_chunks_with_their_output_index(engine):
+    params = {"temperature": 1.0, "max_new_tokens": 10, "n": 2, "seed": 3, "ignore_eos": True}
+    prompts = [[5, 6, 7], [9, 10]]
+    plain = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}
+    finished = set()
+    for chunk in engine.generate(input_ids=prompts, sampling_params=params, stream=True,
+                                 return_logprob=True):
+        assert chunk["index"] not in finished
+        ids.setdefault(chunk["index"], []).extend(chunk["output_ids"])
+        logprobs.setdefault(chunk["index"], []).extend(
+            lp for lp, _ in chunk["meta_info"]["output_token_logprobs"])
+        if "finish_reason" in chunk["meta_info"]:
+            finished.add(chunk["index"])
+    assert finished == {0, 1, 2, 3}  # prompt-major: prompt 0 samples 0-1, prompt 1 samples 2-3
+    assert [ids[i] for i in range(4)] == [out["output_ids"] for out in plain]
+    expected = [[lp for lp, _ in out["meta_info"]["output_token_logprobs"]] for out in plain]
+    assert [logprobs[i] for i in range(4)] == expected
+
+
 def test_async_generate_and_async_stream(engine):
     params = greedy(8)
 

@@ -37,7 +37,7 @@ def from_validation_error(exc: ValidationError) -> APIError:
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, UnsupportedFieldError):
         return APIError(400, str(cause), param=cause.field, code="unsupported_parameter")
-    param = ".".join(str(part) for part in error["loc"]) or None
+    param = ".".join(str(part) for part in error["loc"] if not _is_union_tag(part)) or None
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = f"unknown field '{param}'"
@@ -46,3 +46,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return APIError(400, f"'{param}' is required", param=param, code="missing_parameter")
     return APIError(400, f"{param}: {message}" if param else message, param=param,
                     code="invalid_value")
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """pydantic names the union member that failed ('str', 'list[TextPart]') in the path."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict",
+                                               "none") or "[" in part)

@@ -65,6 +65,17 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported; "
+                                 "only 'text'")
+        return data
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
