@@ -152,6 +152,12 @@ class Engine:
             finished += (await output_stream.aget())["finished"]
         return self._final_outputs(reqs, single)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Most prompt + generated tokens one request can have: the context length, or the
+        KV pool if that is smaller."""
+        return min(self.context_length, self._allocator.capacity * self.server_args.page_size)
+
     def abort(self, rid: str) -> None:
         self._require_loop().submit(lambda scheduler: scheduler.abort(rid))
 

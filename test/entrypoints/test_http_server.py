@@ -430,9 +430,9 @@ def test_the_server_log_shows_no_failures(server):
 # ---------------------------------------------------------------------- another configuration
 
 
-def test_named_template_reasoning_split_and_no_api_key(model_dir, hf):
+def test_named_template_reasoning_split_small_pool_and_no_api_key(model_dir, hf):
     flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--reasoning-parser", "deepseek-r1",
-             "--chat-template", "qwen3-instruct-no-thinking"]
+             "--chat-template", "qwen3-instruct-no-thinking", "--max-total-tokens", "128"]
     with launch_server(flags) as proc:
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
         request = dict(model=MODEL, messages=USER, temperature=0, max_tokens=8)
@@ -453,3 +453,8 @@ def test_named_template_reasoning_split_and_no_api_key(model_dir, hf):
         deltas = [c.choices[0].delta for c in stream if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == expected
         assert not "".join(d.content or "" for d in deltas)
+        # Without max_tokens a request gets all the KV pool holds (smaller than the context).
+        longest = client.chat.completions.create(model=MODEL, messages=USER, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        assert longest.usage.completion_tokens == 128 - len(prompt_ids)
+        assert longest.choices[0].finish_reason == "length"

@@ -230,8 +230,8 @@ class OpenAIServing:
         if longest >= self.context_length:
             raise bad_request(f"the prompt has {longest} tokens, but this model's context "
                               f"length is {self.context_length} tokens", prompt_param)
-        if requested is None:
-            return self.context_length - longest
+        if requested is None:  # all that fits, as vLLM does
+            return max(self.engine.max_request_tokens - longest, 0)
         if longest + requested > self.context_length:
             raise bad_request(
                 f"this model's context length is {self.context_length} tokens, but "
