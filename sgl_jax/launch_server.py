@@ -10,6 +10,7 @@ import logging
 import sys
 
 from sgl_jax.server_args import ServerArgs
+from sgl_jax.tokenizer.chat_template import resolve_chat_template
 
 logger = logging.getLogger("sgl_jax.launch_server")
 
@@ -21,16 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
+    engine = None
     try:
+        resolve_chat_template(args.chat_template)  # a bad name or path fails before loading
         args = _with_model(args)
         _select_platform(args.device)
         from sgl_jax.entrypoints.engine import Engine  # loads JAX after the platform choice
+        from sgl_jax.entrypoints.http_server import create_app
+
         engine = Engine(**dataclasses.asdict(args))
+        app = create_app(engine, args)
     except _USER_ERRORS as exc:
         logger.error("cannot start: %s", exc)
+        if engine is not None:
+            engine.shutdown()
         return 2
     try:
-        _serve(engine, args)
+        _serve(app, args)
     finally:
         engine.shutdown()
     return 0
@@ -65,12 +73,9 @@ def _select_platform(device: str | None) -> None:
                          ) from None
 
 
-def _serve(engine, args: ServerArgs) -> None:
+def _serve(app, args: ServerArgs) -> None:
     import uvicorn
 
-    from sgl_jax.entrypoints.http_server import create_app
-
-    app = create_app(engine, args)
     logger.info("Serving %s on http://%s:%d", args.http.served_model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=30)

@@ -173,3 +173,10 @@ def test_launch_refuses_a_device_jax_cannot_start(tmp_path):
 
 def test_api_key_is_hidden_in_server_info():
     assert ServerArgs(api_key="secret").to_dict()["api_key"] == "<set>"
+
+
+def test_launch_refuses_an_unknown_chat_template_before_loading(caplog, tmp_path):
+    caplog.set_level(logging.ERROR)
+    argv = ["--model-path", str(tmp_path / "never-read"), "--chat-template", "no-such"]
+    assert launch_server.main(argv) == 2
+    assert "neither a file nor a built-in name" in caplog.text

@@ -36,6 +36,7 @@ _OPEN_PATHS = frozenset({"/health"})
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     config = args.http
     template = ChatTemplate(engine.tokenizer, resolve_chat_template(config.chat_template))
+    template.check()
     serving = OpenAIServing(engine, config, template)
     metrics = ServerMetrics(engine, config.served_model_name) if config.enable_metrics else None
     app = FastAPI(title="sgl-jax", version=_version())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 _CHATML_MESSAGES = (
@@ -72,6 +73,11 @@ class ChatTemplate:
     def available(self) -> bool:
         return bool(self.template)
 
+    def check(self) -> None:
+        """Render a one-turn conversation, so a broken template fails at start-up."""
+        if self.available:
+            self.render([{"role": "user", "content": "Hello"}])
+
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
                template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages` (each {"role", "content"} with string content)."""
@@ -86,7 +92,7 @@ class ChatTemplate:
                 messages, chat_template=self.template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
             )
-        except Exception as exc:  # Jinja raises its own errors for messages it refuses
+        except (TemplateError, ValueError) as exc:  # the template refused these messages
             raise ChatTemplateError(f"the chat template could not render these messages: "
                                     f"{exc}") from exc
 

@@ -79,3 +79,9 @@ def test_unknown_names_and_missing_templates_are_clear_errors(tokenizer, tmp_pat
     strict = ChatTemplate(tokenizer, "{{ raise_exception('only one turn') }}")
     with pytest.raises(ChatTemplateError, match="only one turn"):
         strict.render(MESSAGES)
+
+
+def test_check_renders_a_sample_so_broken_templates_fail_early(tokenizer):
+    ChatTemplate(tokenizer).check()
+    with pytest.raises(ChatTemplateError, match="could not render"):
+        ChatTemplate(tokenizer, "{{ messages[0]['content'] | no_such_filter }}").check()
