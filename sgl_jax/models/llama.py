@@ -115,7 +115,7 @@ def forward(
 def compute_logits(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
     """hidden f[N, H] (final-normed) -> f32[N, V]."""
     weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]  # [V, H]
-    return _matmul_rows(hidden, weight, preferred_element_type=jnp.float32)
+    return matmul_rows(hidden, weight, preferred_element_type=jnp.float32)
 
 
 def _decoder_layer(
@@ -129,13 +129,13 @@ def _decoder_layer(
     attention: AttentionBackend,
 ) -> tuple[jax.Array, LayerKV]:
     x = rms_norm(hidden, p["input_norm"], config.rms_norm_eps)
-    attn_out, layer_kv = _self_attention(p, x, cos, sin, layer_kv, metadata, config, attention)
+    attn_out, layer_kv = self_attention(p, x, cos, sin, layer_kv, metadata, config, attention)
     hidden = hidden + attn_out
     x = rms_norm(hidden, p["post_norm"], config.rms_norm_eps)
-    return hidden + _mlp(p, x), layer_kv
+    return hidden + mlp(p, x), layer_kv
 
 
-def _self_attention(
+def self_attention(
     p: Params,
     x: jax.Array,  # [T, H]
     cos: jax.Array,
@@ -158,17 +158,17 @@ def _self_attention(
     return _linear(p, "_o", out.reshape(num_tokens, config.q_size)), layer_kv
 
 
-def _mlp(p: Params, x: jax.Array) -> jax.Array:
+def mlp(p: Params, x: jax.Array) -> jax.Array:
     gate, up = jnp.split(_linear(p, "_gate_up", x), 2, axis=-1)
     return _linear(p, "_down", jax.nn.silu(gate) * up)
 
 
 def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
-    y = _matmul_rows(x, p["w" + name])
+    y = matmul_rows(x, p["w" + name])
     bias = p.get("b" + name)
     return y if bias is None else y + bias
 
 
-def _matmul_rows(x: jax.Array, weight: jax.Array, **kwargs) -> jax.Array:
+def matmul_rows(x: jax.Array, weight: jax.Array, **kwargs) -> jax.Array:
     """x [T, in] times weight [out, in] -> [T, out] (x @ weight.T without a transpose)."""
     return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), **kwargs)

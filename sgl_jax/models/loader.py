@@ -20,7 +20,9 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from sgl_jax.models import llama_eagle3
 from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
 from sgl_jax.models.weights import WeightSpec
 
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 _CHECKPOINT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_INDEX_DTYPES = {"I64", "I32"}
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 # Buffers some exporters save that carry no learned weights.
@@ -58,6 +61,34 @@ def load_model(
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
     params = load_params(model_dir, impl.hf_weight_specs(config), jax_dtype, progress=progress)
     return LoadedModel(impl, config, params, model_dir, jax_dtype)
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    config: Eagle3Config
+    params: dict[str, Any]
+    model_dir: Path
+    dtype: Any
+
+
+def load_eagle3_draft(
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True
+) -> LoadedDraft:
+    """An EAGLE3 draft head in any of the accepted tensor spellings."""
+    model_dir = resolve_model_dir(model_path, revision)
+    hf_config = read_hf_config(model_dir)
+    if not llama_eagle3.is_eagle3_draft(hf_config):
+        raise CheckpointError(
+            f"{model_path!r} is not an EAGLE3 draft: its config.json says architectures="
+            f"{hf_config.get('architectures')} with {hf_config.get('num_hidden_layers')} layers "
+            "(expected LlamaForCausalLMEagle3, or a one-layer LlamaForCausalLM)"
+        )
+    config = llama_eagle3.config_from_hf(hf_config)
+    specs = llama_eagle3.hf_weight_specs(config, checkpoint_files(model_dir).keys())
+    jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
+    params = load_params(model_dir, specs, jax_dtype, progress=progress,
+                         ignored=llama_eagle3.TRAINING_ONLY_TENSORS)
+    return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
 def resolve_model_dir(model_path: str, revision: str | None = None) -> Path:
@@ -137,10 +168,13 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_params(
-    model_dir: Path, specs: dict[str, WeightSpec], dtype: Any, *, progress: bool = True
+    model_dir: Path, specs: dict[str, WeightSpec], dtype: Any, *, progress: bool = True,
+    ignored: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
+    """`ignored`: tensors a checkpoint may hold that inference does not use."""
     files = checkpoint_files(model_dir)
-    names = [n for n in files if n in specs or not n.endswith(_IGNORED_SUFFIXES)]
+    names = [n for n in files
+             if n in specs or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored)]
     _check_tensor_names(names, specs)
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -190,7 +224,11 @@ def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -
                     f"tensor {name!r} in {path.name} has shape {list(shape)}, but the config "
                     f"implies {list(specs[name].shape)}"
                 )
-            if dtype not in _CHECKPOINT_DTYPES:
+            if specs[name].integer:
+                if dtype not in _INDEX_DTYPES:
+                    raise CheckpointError(f"tensor {name!r} in {path.name} has dtype {dtype}; "
+                                          "an integer index table was expected")
+            elif dtype not in _CHECKPOINT_DTYPES:
                 raise CheckpointError(
                     f"tensor {name!r} in {path.name} has dtype {dtype}; only floating-point "
                     f"checkpoints ({', '.join(sorted(_CHECKPOINT_DTYPES))}) are supported"
@@ -203,7 +241,7 @@ def _place(
 ) -> None:
     """Put a checkpoint tensor (converted to dtype) into its parameter, or into its rows of a
     fused parameter, which is allocated when its first piece arrives."""
-    array = array.astype(dtype, copy=False)
+    array = array.astype(np.int32 if spec.integer else dtype, copy=False)
     if spec.rows is None:
         host[spec.path] = array
         return

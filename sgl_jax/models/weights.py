@@ -12,3 +12,4 @@ class WeightSpec:
     # Rows (first axis) of a fused parameter this tensor fills, e.g. k_proj inside the fused
     # q|k|v matrix; None when the tensor is the whole parameter.
     rows: tuple[int, int] | None = None
+    integer: bool = False  # an index table (e.g. an EAGLE3 draft's d2t), loaded as int32
