@@ -33,6 +33,7 @@ from sgl_jax.scheduler.prefill_manager import PrefillLimits
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.scheduler import Scheduler
 from sgl_jax.server_args import ServerArgs
+from sgl_jax.speculative.setup import load_draft, make_spec_runner
 from sgl_jax.tokenizer import load_tokenizer
 from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -72,29 +73,36 @@ class Engine:
     def _build_runtime(self) -> None:
         args, config = self.server_args, self.model.config
         buckets = self._buckets()
+        draft = load_draft(args, self.model) if args.speculative else None
         num_pages = kv_pool_pages(
             config, page_size=args.page_size, dtype=self.model.dtype,
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static or _default_mem_fraction(),
-            param_bytes=sum(x.nbytes for x in jax.tree.leaves(self.model.params)),
+            param_bytes=sum(x.nbytes for x in jax.tree.leaves((self.model.params,
+                                                               draft and draft.params))),
             max_useful_tokens=buckets.max_seqs * self.context_length,
+            draft_config=draft and draft.cache_config,
         )
         self._allocator = PageAllocator(num_pages)
         self._runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=args.page_size, buckets=buckets,
             attention_backend=args.attention_backend, num_penalty_slots=buckets.max_seqs,
         )
+        self._spec = None if draft is None else make_spec_runner(args, self._runner, draft)
         if not args.skip_server_warmup:
-            self._runner.warmup()
+            (self._spec or self._runner).warmup()
         radix = None if args.disable_radix_cache else RadixCache(self._allocator, args.page_size)
-        cache = CacheManager(self._allocator, radix, args.page_size)
+        cache = CacheManager(self._allocator, radix, args.page_size,
+                             last_slot_needs_next_token=bool(draft and
+                                                             draft.uses_target_features))
         limits = PrefillLimits(
             max_prefill_tokens=min(args.max_prefill_tokens, buckets.max_tokens),
             chunk_size=min(args.chunk_size, buckets.max_tokens),
             max_running_requests=buckets.max_seqs,
+            completion_lookahead=self._spec.lookahead if self._spec else 0,
         )
         scheduler = Scheduler(self._runner, cache, limits, on_output=self._deliver,
-                              decode_log_interval=args.decode_log_interval)
+                              decode_log_interval=args.decode_log_interval, spec=self._spec)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
         logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
                     num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
@@ -156,7 +164,13 @@ class Engine:
     def max_request_tokens(self) -> int:
         """Most prompt + generated tokens one request can have: the context length, or the
         KV pool if that is smaller."""
-        return min(self.context_length, self._allocator.capacity * self.server_args.page_size)
+        pool = self._allocator.capacity * self.server_args.page_size - self._lookahead
+        return min(self.context_length, pool)
+
+    @property
+    def _lookahead(self) -> int:
+        """KV slots past a request's tokens that a verify round needs."""
+        return 0 if self._spec is None else self._spec.lookahead
 
     def abort(self, rid: str) -> None:
         self._require_loop().submit(lambda scheduler: scheduler.abort(rid))
@@ -186,6 +200,7 @@ class Engine:
                 "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                 "num_retractions": scheduler.decode.num_retractions,
                 "num_compilations": scheduler.runner.num_compilations,
+                **_spec_info(scheduler.spec_stats),
                 "version": __import__("sgl_jax").__version__,
             }
         return self._require_loop().call(info)
@@ -266,13 +281,17 @@ class Engine:
         bad += [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if self._spec is not None and params.uses_penalties:
+            raise ValueError("frequency_penalty, presence_penalty and repetition_penalty are "
+                             "not supported with speculative decoding; leave them at their "
+                             "defaults or start the server without --speculative-algorithm")
         total = len(ids) + params.max_new_tokens
         if total > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                 f"{total} exceeds the context length ({self.context_length})"
             )
-        pool = self._allocator.capacity * self.server_args.page_size
+        pool = self._allocator.capacity * self.server_args.page_size - self._lookahead
         if total > pool:
             raise ValueError(f"prompt + max_new_tokens = {total} tokens exceeds the KV pool "
                              f"({pool} tokens); raise max_total_tokens or mem_fraction_static")
@@ -362,6 +381,10 @@ class Engine:
             "finish_reason": req.finish_reason,
             "e2e_latency": (req.finished_at or req.created_at) - req.created_at,
         }
+        if req.spec_stats is not None:
+            meta["spec_verify_ct"] = req.spec_stats.rounds
+            meta["spec_accept_length"] = req.spec_stats.accept_length
+            meta["spec_accepted_per_position"] = list(req.spec_stats.accepted_per_position)
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids,
                                                      strict=True))
@@ -405,12 +428,18 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
     return add_all
 
 
+_UNSUPPORTED_DRAFTS = {
+    "NEXTN": "multi-token-prediction heads (DeepSeek / MiMo NextN layers) are not implemented",
+    "EAGLE": "EAGLE v1/v2 drafts are not implemented yet",
+}
+
+
 def _check_available(args: ServerArgs) -> None:
     """Refuse, before anything loads, settings whose feature this version does not have."""
-    if args.speculative_algorithm is not None:
+    if args.speculative_algorithm in ("NEXTN", "EAGLE"):
         raise NotImplementedError(
-            f"speculative decoding (--speculative-algorithm {args.speculative_algorithm}) is "
-            "not available in this version yet; start without the --speculative-* flags"
+            f"--speculative-algorithm {args.speculative_algorithm} is not supported: "
+            f"{_UNSUPPORTED_DRAFTS[args.speculative_algorithm]}; use EAGLE3 or STANDALONE"
         )
     if args.tp_size > 1:
         raise NotImplementedError(f"tensor parallelism (--tp-size {args.tp_size}) is not "
@@ -429,6 +458,16 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device} was asked for, but JAX runs on "
                          f"{jax.default_backend()} ({jax.devices()[0].device_kind}); install "
                          f"JAX for {device} or pass --device {jax.default_backend()}")
+
+
+def _spec_info(stats) -> dict[str, Any]:
+    if stats is None:
+        return {}
+    return {
+        "avg_spec_accept_length": stats.accept_length,
+        "spec_verify_rounds": stats.rounds,
+        "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by draft position
+    }
 
 
 def _default_mem_fraction() -> float:

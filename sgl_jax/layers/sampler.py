@@ -147,8 +147,16 @@ def _suppress(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     return logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
 
-def _penalised_logits(logits, params, penalties, slots) -> jax.Array:  # f32[S, V]
-    logits = _apply_penalties(logits.astype(jnp.float32), params, penalties, slots)
+def penalised_logits(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+    penalties: PenaltyState | None,  # None: no row has penalties
+    slots: jax.Array | None,  # i32[S]
+) -> jax.Array:  # f32[S, V]
+    """The logits a row's sampling sees: penalised, then with its suppressed ids at -inf."""
+    logits = logits.astype(jnp.float32)
+    if penalties is not None:
+        logits = _apply_penalties(logits, params, penalties, slots)
     return _suppress(logits, params.suppress_ids)
 
 
@@ -202,12 +210,12 @@ def _sorted_filtered_probs(
 def filtered_probs(
     logits: jax.Array,  # f32[S, V]
     params: SamplingBatch,
-    penalties: PenaltyState,
-    slots: jax.Array,  # i32[S]
+    penalties: PenaltyState | None,
+    slots: jax.Array | None,  # i32[S]
 ) -> jax.Array:  # f32[S, V]
     """The distribution `sample` draws each row from, in vocabulary order; greedy rows give the
     one-hot of their argmax. (Also the target distribution speculative verification needs.)"""
-    penalised = _penalised_logits(logits, params, penalties, slots)
+    penalised = penalised_logits(logits, params, penalties, slots)
     sorted_probs, order = _sorted_filtered_probs(penalised, params)
     rows = jnp.arange(logits.shape[0])[:, None]
     probs = jnp.zeros_like(sorted_probs).at[rows, order].set(sorted_probs)
@@ -218,9 +226,11 @@ def filtered_probs(
 # ---------------------------------------------------------------- the draw
 
 
-def _row_uniform(seed: jax.Array, position: jax.Array) -> jax.Array:
-    """u32[], i32[] -> f32[] in [0, 1), a function of (seed, position) alone."""
-    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position))
+def row_uniform(seed: jax.Array, position: jax.Array, stream: int = 0) -> jax.Array:
+    """u32[], i32[] -> f32[] in [0, 1), a function of (seed, position, stream) alone; streams
+    other than 0 give independent draws for the same output position."""
+    key = jax.random.fold_in(jax.random.key(seed), position)
+    return jax.random.uniform(key if stream == 0 else jax.random.fold_in(key, stream))
 
 
 def _draw(
@@ -232,7 +242,7 @@ def _draw(
     """Inverse CDF: rank r is chosen when cdf[r-1] <= u * total < cdf[r]; zero-mass ranks have
     an empty interval. Scaling u by the total, and capping at the last positive rank, keeps
     float rounding of the cumsum from ever picking a filtered-out token."""
-    u = jax.vmap(_row_uniform)(seed, position)  # f32[S]
+    u = jax.vmap(row_uniform)(seed, position)  # f32[S]
     cdf = jnp.cumsum(sorted_probs, axis=-1)
     rank = jnp.sum(cdf <= u[:, None] * cdf[:, -1:], axis=-1)
     last_kept = jnp.sum(sorted_probs > 0, axis=-1) - 1
@@ -270,7 +280,7 @@ def sample(
 ) -> SampleOutput:
     """Next token per row. An all-greedy batch skips the vocabulary sort at run time through
     lax.cond, so one compiled function serves greedy and sampling batches."""
-    penalised = _penalised_logits(logits, params, penalties, slots)
+    penalised = penalised_logits(logits, params, penalties, slots)
     tokens = jax.lax.cond(
         jnp.all(params.temperature == 0),
         lambda x, p: jnp.argmax(x, axis=-1).astype(jnp.int32),

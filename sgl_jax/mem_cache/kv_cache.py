@@ -39,13 +39,16 @@ def kv_pool_pages(
     mem_fraction_static: float,
     param_bytes: int,
     max_useful_tokens: int,
+    draft_config: ModelConfig | None = None,
 ) -> int:
     """Pages in the KV pool: max_total_tokens when given, else what the memory fraction leaves
     after the weights, never more than `max_useful_tokens` (every running request at full
-    context length). One extra page is the null page."""
+    context length). A speculative draft's cache shares the page ids, so each token also
+    costs its draft K/V. One extra page is the null page."""
     if max_total_tokens is None:
         budget = mem_fraction_static * device_memory_bytes(jax.devices()[0]) - param_bytes
-        per_token = kv_cache_bytes(config, num_pages=1, page_size=1, dtype=dtype)
+        per_token = sum(kv_cache_bytes(c, num_pages=1, page_size=1, dtype=dtype)
+                        for c in (config, draft_config) if c is not None)
         max_total_tokens = min(int(budget // per_token), max_useful_tokens)
         if max_total_tokens < 2 * page_size:
             raise ValueError(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers.attention import AttentionMetadata
@@ -241,3 +242,40 @@ def _custom_mask(
             raise ValueError(f"tree_mask must be [{n}, {n}], got {list(chunk.tree_mask.shape)}")
         mask[start : start + n, :n] = chunk.tree_mask
     return mask
+
+
+# ---------------------------------------------------------------- windows built on the device
+
+
+def kv_slots(page_table: jax.Array, kv_index: jax.Array, page_size: int) -> jax.Array:
+    """page_table i32[B, P], kv_index i32[B, W] -> flat cache slots i32[B, W]. Indices past the
+    page table go to the null slot 0 instead of wrapping onto a real page."""
+    num_pages = page_table.shape[1]
+    page_index = kv_index // page_size
+    pages = jnp.take_along_axis(page_table, jnp.clip(page_index, 0, num_pages - 1), axis=1)
+    return jnp.where(page_index < num_pages, pages * page_size + kv_index % page_size, 0)
+
+
+def window_metadata(
+    page_table: jax.Array,  # i32[B, P]
+    prefix_lens: jax.Array,  # i32[B]: tokens of each sequence already in the cache
+    num_valid: jax.Array,  # i32[B]: real tokens in each window (0 for a padding row)
+    width: int,  # W, static: tokens per window, padding included
+    page_size: int,
+    tree_mask: jax.Array | None = None,  # bool[B, W, W]; None = causal
+) -> AttentionMetadata:
+    """Attention metadata for B windows of W new tokens each, built inside a jitted step
+    (speculative verify and draft steps): every window is one query block. Padding tokens
+    write into the null slot."""
+    offsets = jnp.arange(width)[None, :]
+    slots = kv_slots(page_table, prefix_lens[:, None] + offsets, page_size)
+    slots = jnp.where(offsets < num_valid[:, None], slots, 0)
+    return AttentionMetadata(
+        slot_mapping=slots.reshape(-1),
+        page_table=page_table,
+        kv_lens=jnp.where(num_valid > 0, prefix_lens + num_valid, 0),
+        window_starts=prefix_lens,
+        q_starts=jnp.zeros_like(prefix_lens),
+        custom_mask=None if tree_mask is None else tree_mask.reshape(-1, width),
+        q_block=width,
+    )

@@ -8,8 +8,12 @@ from sgl_jax.scheduler.req import Req
 
 
 class CacheManager:
-    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, page_size: int):
+    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, page_size: int,
+                 *, last_slot_needs_next_token: bool = False):
         self.allocator = allocator
+        # EAGLE3's draft KV at slot j depends on token j + 1 as well: a cached prefix's last
+        # page is then not reusable by a request that continues differently.
+        self.last_slot_needs_next_token = last_slot_needs_next_token
         self.radix = radix
         self.page_size = page_size
         self.cache_hit_tokens = 0
@@ -23,9 +27,12 @@ class CacheManager:
         match = self.radix.match_prefix(req.all_ids[:-1])
         self.radix.lock(match.node)
         req.prefix_node = match.node
-        req.page_ids = list(match.page_ids)
-        req.kv_len = req.cached_tokens = match.num_tokens
-        self.cache_hit_tokens += match.num_tokens
+        pages = list(match.page_ids)
+        if self.last_slot_needs_next_token and pages:
+            pages.pop()
+        req.page_ids = pages
+        req.kv_len = req.cached_tokens = len(pages) * self.page_size
+        self.cache_hit_tokens += req.cached_tokens
         self.cache_query_tokens += len(req.all_ids)
 
     def reserve(self, req: Req, num_tokens: int) -> bool:

@@ -1,4 +1,5 @@
-"""Decode batches: every running request one token further, retracting requests when KV runs out."""
+"""Decode batches: every running request one token (or one verify round) further,
+retracting requests when KV runs out."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from sgl_jax.scheduler.req import Req
 
 
 class DecodeManager:
-    def __init__(self, cache: CacheManager, retract: Callable[[Req], None]):
+    def __init__(self, cache: CacheManager, retract: Callable[[Req], None], lookahead: int = 1):
         self.cache = cache
+        self.lookahead = lookahead  # KV slots past kv_len a step writes (a verify round: more)
         self.retract = retract  # frees a request's pages and sends it back to the queue
         self.num_retractions = 0
 
@@ -26,4 +28,5 @@ class DecodeManager:
         return [(req, 1) for req in ready]
 
     def _reserve_all(self, reqs: list[Req]) -> bool:
-        return all(self.cache.reserve(req, req.kv_len + 1) for req in reqs)
+        return all(self.cache.reserve(req, min(req.kv_len + self.lookahead, req.context_len))
+                   for req in reqs)

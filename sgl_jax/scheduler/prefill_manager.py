@@ -15,6 +15,8 @@ class PrefillLimits:
     max_prefill_tokens: int  # tokens in one extend batch, each chunk rounded up to a block
     chunk_size: int  # new tokens of one request in one extend batch
     max_running_requests: int
+    # Extra KV slots reserved past a completed prompt: the first draft tree's scratch.
+    completion_lookahead: int = 0
 
 
 class PrefillManager:
@@ -63,7 +65,10 @@ class PrefillManager:
         count = min(req.tokens_to_compute, self.limits.chunk_size)
         if aligned(count) > budget:  # a chunk that does not fit stops at a block boundary
             count = budget // EXTEND_Q_BLOCK * EXTEND_Q_BLOCK
-        if not count or not self.cache.reserve(req, req.kv_len + count):
+        needed = req.kv_len + count
+        if count == req.tokens_to_compute:
+            needed = min(needed + self.limits.completion_lookahead, req.context_len)
+        if not count or not self.cache.reserve(req, needed):
             return 0
         batch.append((req, count))
         return aligned(count)

@@ -34,6 +34,12 @@ class Req:
     prefix_node: Any = None  # radix-cache handle locked while the request holds its pages
     penalty_slot: int = -1  # row of the device penalty state; -1 = no penalties
 
+    # Speculative decoding: the draft tree the next verify round checks (node 0 = last token),
+    # and acceptance counts for meta_info.
+    draft_tokens: Any = None  # np.ndarray i32[N]
+    draft_parents: Any = None  # np.ndarray i32[N]
+    spec_stats: Any = None  # AcceptanceStats, set by a speculative scheduler
+
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

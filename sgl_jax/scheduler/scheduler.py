@@ -21,6 +21,8 @@ from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decode_manager import DecodeManager
 from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
 from sgl_jax.scheduler.req import Req
+from sgl_jax.speculative.spec_runner import RoundOutput, RoundRow, SpecRunner
+from sgl_jax.speculative.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +49,15 @@ class Scheduler:
         *,
         on_output: OutputCallback,
         decode_log_interval: int = 40,
+        spec: SpecRunner | None = None,
     ):
         self.runner = runner
         self.cache = cache
+        self.spec = spec  # speculative decoding: decode steps become verify rounds
+        self.spec_stats = None if spec is None else AcceptanceStats(spec.shape.num_steps)
         self.prefill = PrefillManager(cache, limits)
-        self.decode = DecodeManager(cache, self._retract)
+        self.decode = DecodeManager(cache, self._retract,
+                                    lookahead=1 if spec is None else spec.lookahead)
         self.running: list[Req] = []
         self.on_output = on_output
         self.decode_log_interval = decode_log_interval
@@ -61,6 +67,8 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, req: Req) -> None:
+        if self.spec is not None:
+            req.spec_stats = AcceptanceStats(self.spec.shape.num_steps)
         if req.params.max_new_tokens == 0:  # nothing to generate: done without touching KV
             req.finish_reason = {"type": "length", "length": 0}
             req.finished_at = req.created_at
@@ -89,6 +97,9 @@ class Scheduler:
         batch, kind = self._schedule()
         if not batch:
             return
+        if kind == "decode" and self.spec is not None:
+            self._verify_round([req for req, _ in batch])
+            return
         output = self._run(batch)
         self._postprocess(batch, output, kind)
 
@@ -112,8 +123,60 @@ class Scheduler:
         ]
         emits = np.array([n == req.tokens_to_compute for req, n in batch])
         want_top = any(req.top_logprobs_num > 0 for req, _ in batch)
+        if self.spec is not None:
+            return self._spec_prefill(batch, chunks, emits, want_top)
         slots = np.array([req.penalty_slot for req, _ in batch], np.int32)
         return self.runner.step(chunks, sampling_batch(batch), slots, emits, want_top)
+
+    def _spec_prefill(self, batch, chunks, emits, want_top) -> StepOutput:
+        """Target and draft extend together; completed prompts get their first draft tree."""
+        after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
+        next_tokens = [ids[0] if ids else 0 for ids in after]
+        output, tokens, parents = self.spec.prefill(chunks, sampling_batch(batch), emits,
+                                                    want_top, next_tokens)
+        for row, (req, _) in enumerate(batch):
+            if emits[row]:
+                req.draft_tokens, req.draft_parents = tokens[row], parents[row]
+        return output
+
+    def _verify_round(self, reqs: list[Req]) -> None:
+        """One speculative round for every decoding request: verify, emit, redraft."""
+        rows = [RoundRow(req.page_ids, req.kv_len, req.draft_tokens, req.draft_parents,
+                         max(req.params.min_new_tokens - len(req.output_ids), 0))
+                for req in reqs]
+        want_top = any(req.top_logprobs_num > 0 for req in reqs)
+        output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs]), want_top)
+        emitted = 0
+        for row, req in enumerate(reqs):
+            accepted = int(output.num_accepted[row])
+            self.spec_stats.record(accepted)
+            req.spec_stats.record(accepted)
+            text, tokens = self._emit_run(req, output, row, accepted + 1)
+            emitted += len(tokens)
+            req.kv_len += len(tokens)  # the root and the accepted nodes are now in the cache
+            req.draft_tokens, req.draft_parents = output.next_tokens[row], output.next_parents[row]
+            if req.finished:
+                self.running.remove(req)
+                self._finish(req)
+            self.on_output(req, text, tokens)
+        self._log_decode(emitted)
+
+    @staticmethod
+    def _emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, list[int]]:
+        """Append a round's tokens one by one, stopping where the request finishes (EOS, a
+        stop string, max_new_tokens or the context) so nothing past it is emitted."""
+        text, tokens = "", []
+        for j in range(count):
+            token = int(output.tokens[row, j])
+            top = []
+            if req.top_logprobs_num:
+                ids, values = output.top_logprob_ids[row, j], output.top_logprobs[row, j]
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            text += req.append_token(token, float(output.logprobs[row, j]), top)
+            tokens.append(token)
+            if req.finished:
+                break
+        return text, tokens
 
     def _postprocess(self, batch: list[tuple[Req, int]], output: StepOutput, kind: str) -> None:
         for row, (req, n) in enumerate(batch):
@@ -168,17 +231,26 @@ class Scheduler:
                 len(self.running), len(self.prefill.waiting),
             )
             return
+        self._log_decode(len(batch))
+
+    def _log_decode(self, num_tokens: int) -> None:
+        stats = self.stats
         stats.num_decode_steps += 1
-        stats.num_generated_tokens += len(batch)
+        stats.num_generated_tokens += num_tokens
         if stats.num_decode_steps % self.decode_log_interval:
             return
         now = time.perf_counter()
         rate = (stats.num_generated_tokens - stats.last_log_tokens) / (now - stats.last_log_time)
         stats.last_log_time, stats.last_log_tokens = now, stats.num_generated_tokens
+        usage = self.cache.used_pages / self.cache.allocator.capacity
+        spec = ""
+        if self.spec_stats is not None:
+            rates = ", ".join(f"{r:.2f}" for r in self.spec_stats.acceptance_rates)
+            spec = f"accept len: {self.spec_stats.accept_length:.2f}, acc: [{rates}], "
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
             "gen throughput (token/s): %.2f, #queue-req: %d",
-            len(self.running), sum(r.kv_len for r in self.running), usage, rate,
+            len(self.running), sum(r.kv_len for r in self.running), usage, spec, rate,
             len(self.prefill.waiting),
         )
 

@@ -1,0 +1,237 @@
+"""The draft models behind one interface, and the EAGLE-2 tree they grow.
+
+- `Eagle3Draft`: the EAGLE3 head. Its KV slot j holds the pair (target features of token j,
+  token j+1) at position j, so after an extend its last output already predicts the first draft
+  token; later steps feed back its own pre-norm output in place of the target features.
+- `StandaloneDraft`: an ordinary small model with the target's vocabulary. Its slot j holds
+  token j, so the root (the last committed token) is run again in every draft window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax.model_executor.forward_batch import window_metadata
+from sgl_jax.models import llama_eagle3
+from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.loader import LoadedDraft, LoadedModel
+from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    num_steps: int  # S: draft depth
+    topk: int  # K: branching per step
+    num_draft_tokens: int  # N: nodes sent to verify, the root included
+
+
+class DraftModel(Protocol):
+    cache_config: ModelConfig  # shapes of the draft's own paged KV cache
+    params: Params  # everything its forward needs, shared target arrays included
+    uses_target_features: bool  # EAGLE3: consumes the target's captured hidden states
+    root_in_window: bool  # the root token is re-run in every draft window
+
+    def forward(self, params: Params, kv: list[LayerKV], tokens: jax.Array,
+                positions: jax.Array, inputs: jax.Array | None, metadata: AttentionMetadata,
+                *, from_target: bool) -> tuple[jax.Array, list[LayerKV]]: ...
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array: ...
+
+    def to_target(self, params: Params, draft_ids: jax.Array) -> jax.Array: ...
+
+
+class Eagle3Draft:
+    uses_target_features = True
+    root_in_window = False
+
+    def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
+        config, own = draft.config, draft.params
+        target_params = target.params
+        target_head = (target_params["embed"] if target.config.tie_word_embeddings
+                       else target_params["lm_head"])
+        self.config = config
+        self.cache_config = config.layer
+        self.attention = attention
+        self.params = {
+            "layer": {k: v for k, v in own.items() if k not in ("embed", "lm_head")},
+            "embed": own.get("embed", target_params["embed"]),
+            "lm_head": own.get("lm_head", target_head),
+        }
+
+    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
+        return llama_eagle3.forward(
+            params["layer"], kv, tokens, positions, inputs, metadata, config=self.config,
+            attention=self.attention, embed=params["embed"], from_target=from_target,
+        )
+
+    def logits(self, params, hidden):
+        return llama_eagle3.compute_logits(params["layer"], hidden, self.config,
+                                           params["lm_head"])
+
+    def to_target(self, params, draft_ids):
+        return llama_eagle3.draft_to_target_ids(draft_ids, params["layer"])
+
+
+class StandaloneDraft:
+    uses_target_features = False
+    root_in_window = True
+
+    def __init__(self, draft: LoadedModel, attention: AttentionBackend):
+        self.model = draft
+        self.cache_config = draft.config
+        self.attention = attention
+        self.params = draft.params
+
+    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
+        hidden, kv, _ = self.model.impl.forward(params, kv, tokens, positions, metadata,
+                                                config=self.model.config,
+                                                attention=self.attention)
+        return hidden, kv
+
+    def logits(self, params, hidden):
+        return self.model.impl.compute_logits(params, hidden, self.model.config)
+
+    def to_target(self, params, draft_ids):
+        return draft_ids
+
+
+def allocate_draft_cache(draft: DraftModel, *, num_pages: int, page_size: int, dtype
+                         ) -> list[LayerKV]:
+    """The draft's cache uses the same page ids as the target's, so one allocator serves both."""
+    return allocate_kv_cache(draft.cache_config, num_pages=num_pages, page_size=page_size,
+                             dtype=dtype)
+
+
+def grow_tree(
+    draft: DraftModel,
+    params: Params,
+    kv: list[LayerKV],
+    root_tokens: jax.Array,  # i32[B]: the last committed token of each request
+    root_hidden: jax.Array | None,  # f[B, H]: EAGLE3's output at the root pair, fed forward
+    root_logits: jax.Array | None,  # f32[B, Vd]: EAGLE3's prediction of the first draft token
+    prefix_lens: jax.Array,  # i32[B]: draft KV entries already valid (the committed tokens)
+    page_table: jax.Array,  # i32[B, P]
+    active: jax.Array,  # bool[B]: padding rows write nothing
+    *,
+    shape: TreeShape,
+    page_size: int,
+) -> tuple[DraftTree, list[LayerKV]]:
+    """EAGLE-2 drafting: expand the best `topk` nodes by `topk` children for `num_steps`
+    levels, then keep the best N-1 candidates by cumulative log-probability.
+
+    Each step re-runs all frontier nodes so far in one window with an ancestor mask (a node
+    sees the committed prefix, its ancestors and itself); re-running keeps the attention to
+    "prefix + window" and costs a few extra rows of a one-layer draft.
+    """
+    steps, k = shape.num_steps, shape.topk
+    batch = root_tokens.shape[0]
+    window = _Window.start(root_tokens, draft.root_in_window)
+    if root_logits is None:  # the root's prediction comes from running it
+        hidden, kv = _run_window(draft, params, kv, window, prefix_lens, page_table, active,
+                                 page_size)
+        root_logits = draft.logits(params, hidden[:, 0])
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), k)  # [B, K]
+    tokens = draft.to_target(params, ids.astype(jnp.int32))
+    candidates = [(scores, tokens, jnp.full((batch, k), -1, jnp.int32))]
+    frontier = _Frontier(
+        candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
+        scores=scores, tokens=tokens,
+        window_parent=jnp.full((batch, k), 0 if draft.root_in_window else -1, jnp.int32),
+        inputs=None if root_hidden is None else jnp.repeat(root_hidden[:, None], k, axis=1),
+    )
+    num_candidates = k
+    for step in range(1, steps):
+        window = window.append(frontier)
+        hidden, kv = _run_window(draft, params, kv, window, prefix_lens, page_table, active,
+                                 page_size)
+        frontier_hidden = hidden[:, -k:]  # [B, K, H]
+        logp = jax.nn.log_softmax(draft.logits(params, frontier_hidden.reshape(batch * k, -1)))
+        child_logp, child_ids = jax.lax.top_k(logp.reshape(batch, k, -1), k)  # [B, K, K]
+        child_scores = (frontier.scores[:, :, None] + child_logp).reshape(batch, k * k)
+        child_tokens = draft.to_target(params, child_ids.astype(jnp.int32)).reshape(batch, -1)
+        child_parents = jnp.repeat(frontier.candidate, k, axis=1)
+        candidates.append((child_scores, child_tokens, child_parents))
+        if step < steps - 1:
+            fed_back = frontier_hidden if draft.uses_target_features else None
+            frontier = _next_frontier(child_scores, child_tokens, fed_back, num_candidates,
+                                      window.size - k, k)
+        num_candidates += k * k
+    scores, tokens, parents = (jnp.concatenate(part, axis=1)
+                               for part in zip(*candidates, strict=True))
+    tree = select_tree(root_tokens, scores, tokens, parents, shape.num_draft_tokens)
+    return tree, kv
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    """The nodes expanded at the next step."""
+
+    candidate: jax.Array  # i32[B, K]: their candidate indices
+    scores: jax.Array  # f32[B, K]: cumulative log-probabilities
+    tokens: jax.Array  # i32[B, K]
+    window_parent: jax.Array  # i32[B, K]: their parents' window indices (-1 = outside)
+    inputs: jax.Array | None  # f[B, K, H]: their parents' outputs (EAGLE3)
+
+
+def _next_frontier(child_scores, child_tokens, frontier_hidden, candidate_offset,
+                   window_offset, k) -> _Frontier:
+    """The best k children (by cumulative score) of the frontier just run."""
+    scores, best = jax.lax.top_k(child_scores, k)  # [B, K]
+    parent = best // k  # which frontier node each came from
+    return _Frontier(
+        candidate=(candidate_offset + best).astype(jnp.int32),
+        scores=scores,
+        tokens=jnp.take_along_axis(child_tokens, best, axis=1),
+        window_parent=(window_offset + parent).astype(jnp.int32),
+        inputs=(None if frontier_hidden is None
+                else jnp.take_along_axis(frontier_hidden, parent[:, :, None], axis=1)),
+    )
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The draft tokens run together in one step: [root,] then the frontiers, depth by depth."""
+
+    tokens: jax.Array  # i32[B, W]
+    parents: jax.Array  # i32[B, W]: window index of each node's parent, -1 = none
+    inputs: jax.Array | None  # f[B, W, H]: hidden state fed with each token (EAGLE3)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def start(cls, root_tokens: jax.Array, with_root: bool) -> _Window:
+        width = 1 if with_root else 0
+        batch = root_tokens.shape[0]
+        return cls(root_tokens[:, None][:, :width], jnp.full((batch, width), -1, jnp.int32),
+                   None)
+
+    def append(self, frontier: _Frontier) -> _Window:
+        inputs = frontier.inputs
+        if inputs is not None and self.inputs is not None:
+            inputs = jnp.concatenate([self.inputs, inputs], axis=1)
+        return _Window(jnp.concatenate([self.tokens, frontier.tokens], axis=1),
+                       jnp.concatenate([self.parents, frontier.window_parent], axis=1), inputs)
+
+
+def _run_window(draft, params, kv, window: _Window, prefix_lens, page_table, active,
+                page_size) -> tuple[jax.Array, list[LayerKV]]:
+    """hidden f[B, W, H] of every window node; a node at depth d sits at prefix_len + d
+    counted from the first node after the committed prefix."""
+    batch, width = window.tokens.shape
+    positions = prefix_lens[:, None] + node_depths(window.parents)
+    metadata = window_metadata(page_table, prefix_lens, jnp.where(active, width, 0), width,
+                               page_size, ancestor_mask(window.parents))
+    inputs = None if window.inputs is None else window.inputs.reshape(batch * width, -1)
+    hidden, kv = draft.forward(params, kv, window.tokens.reshape(-1), positions.reshape(-1),
+                               inputs, metadata, from_target=False)
+    return hidden.reshape(batch, width, -1), kv

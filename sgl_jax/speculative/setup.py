@@ -1,0 +1,69 @@
+"""From --speculative-* settings to a loaded draft and its SpecRunner."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+
+from sgl_jax.layers.attention import get_attention_backend
+from sgl_jax.model_executor.model_runner import ModelRunner
+from sgl_jax.models import llama_eagle3
+from sgl_jax.models.loader import LoadedModel, load_eagle3_draft, load_model
+from sgl_jax.server_args import ServerArgs
+from sgl_jax.speculative.drafts import DraftModel, Eagle3Draft, StandaloneDraft, TreeShape
+from sgl_jax.speculative.spec_runner import SpecRunner
+from sgl_jax.speculative.verify import AcceptThresholds
+
+logger = logging.getLogger(__name__)
+
+
+def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
+    """Load --speculative-draft-model-path in the target's dtype; a draft that does not fit
+    the target stops start-up (there is no fallback to plain decoding)."""
+    spec = args.speculative
+    dtype = jnp.dtype(target.dtype).name
+    attention = get_attention_backend(args.attention_backend)
+    if spec.algorithm == "EAGLE3":
+        loaded = load_eagle3_draft(spec.draft_model_path, dtype=dtype,
+                                   revision=spec.draft_model_revision)
+        _check_eagle3_fits(loaded.config, target)
+        draft = Eagle3Draft(loaded, target, attention)
+    elif spec.algorithm == "STANDALONE":
+        loaded = load_model(spec.draft_model_path, dtype=dtype,
+                            revision=spec.draft_model_revision)
+        if loaded.config.vocab_size > target.config.vocab_size:
+            raise ValueError(
+                f"the STANDALONE draft's vocabulary ({loaded.config.vocab_size}) is larger than "
+                f"the target's ({target.config.vocab_size}); a draft must share the target's "
+                "tokenizer")
+        draft = StandaloneDraft(loaded, attention)
+    else:
+        raise NotImplementedError(f"--speculative-algorithm {spec.algorithm} is not supported")
+    logger.info("Draft %s loaded from %s", spec.algorithm, spec.draft_model_path)
+    return draft
+
+
+def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -> SpecRunner:
+    spec = args.speculative
+    capture = ()
+    if isinstance(draft, Eagle3Draft):
+        capture = llama_eagle3.target_capture_layers(runner.config.num_layers, draft.config)
+    shape = TreeShape(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
+    thresholds = AcceptThresholds(spec.accept_threshold_single, spec.accept_threshold_acc)
+    logger.info("Speculative decoding: %s, steps %d, topk %d, draft tokens %d, capture %s",
+                spec.algorithm, shape.num_steps, shape.topk, shape.num_draft_tokens, capture)
+    return SpecRunner(runner, draft, shape, thresholds=thresholds, capture_layers=capture,
+                      attention_backend=args.attention_backend)
+
+
+def _check_eagle3_fits(config: llama_eagle3.Eagle3Config, target: LoadedModel) -> None:
+    if config.target_hidden_size != target.config.hidden_size:
+        raise ValueError(
+            f"the EAGLE3 draft expects target hidden states of width "
+            f"{config.target_hidden_size}, but the target's hidden size is "
+            f"{target.config.hidden_size}: is it the draft for another model?")
+    if config.layer.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the EAGLE3 draft maps into a vocabulary of {config.layer.vocab_size} tokens, the "
+            f"target has {target.config.vocab_size}: is it the draft for another model?")

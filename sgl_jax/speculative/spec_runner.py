@@ -1,0 +1,356 @@
+"""SpecRunner: the jitted steps of speculative decoding, beside the target's ModelRunner.
+
+Two steps, each one compiled function per bucket:
+
+- `prefill`: the target's extend (prompt chunks) with its captured hidden states, the draft's
+  extend over the same tokens, and for the requests whose prompt is now complete the first
+  draft tree.
+- `round`: verify every running request's tree in one target forward with the tree mask,
+  accept a path, move the accepted nodes' target KV to consecutive slots, extend the draft over
+  the accepted tokens and grow the next tree.
+
+Invariant between steps: a request's target and draft caches both hold its first kv_len
+tokens (kv_len = all tokens but the last), so the radix cache can share draft pages exactly
+as it shares target pages. Slots past kv_len are scratch that every round rewrites.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.layers.attention import LayerKV, get_attention_backend
+from sgl_jax.layers.sampler import SamplingBatch, sample
+from sgl_jax.model_executor.forward_batch import (
+    BatchShape,
+    SeqChunk,
+    build_forward_batch,
+    kv_slots,
+    token_positions,
+    window_metadata,
+)
+from sgl_jax.model_executor.model_runner import (
+    MAX_TOP_LOGPROBS,
+    ModelRunner,
+    StepOutput,
+    _no_top_logprobs,
+    _pad_rows,
+    _top_logprobs,
+    greedy_sampling_batch,
+)
+from sgl_jax.speculative.drafts import DraftModel, TreeShape, allocate_draft_cache, grow_tree
+from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
+from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """One running request entering a verify round."""
+
+    page_ids: Sequence[int]  # covering kv_len + SpecRunner.lookahead tokens
+    kv_len: int
+    tree_tokens: np.ndarray  # i32[N]: node 0 = the request's last token
+    tree_parents: np.ndarray  # i32[N]
+    suppress_depth: int  # nodes shallower than this still suppress EOS (min_new_tokens)
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    """Host copies of one round's results, one row per request."""
+
+    tokens: np.ndarray  # i32[B, S+1]: accepted tokens then the bonus token
+    num_accepted: np.ndarray  # i32[B]: a; the row emits tokens[:a+1]
+    logprobs: np.ndarray  # f32[B, S+1]: raw target log-probability of each token
+    top_logprob_ids: np.ndarray  # i32[B, S+1, MAX_TOP_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[B, S+1, MAX_TOP_LOGPROBS]
+    next_tokens: np.ndarray  # i32[B, N]: the next round's tree
+    next_parents: np.ndarray  # i32[B, N]
+
+
+class SpecRunner:
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: DraftModel,
+        shape: TreeShape,
+        *,
+        thresholds: AcceptThresholds,
+        capture_layers: tuple[int, ...],
+        attention_backend: str = "native",
+    ):
+        self.target = target
+        self.draft = draft
+        self.shape = shape
+        self.thresholds = thresholds
+        self.capture_layers = capture_layers
+        self.page_size = target.page_size
+        self.attention = get_attention_backend(attention_backend)
+        num_pages = target.kv_cache[0][0].shape[0]
+        self.draft_kv: list[LayerKV] = allocate_draft_cache(
+            draft, num_pages=num_pages, page_size=self.page_size, dtype=target.model.dtype
+        )
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
+        self._round = jax.jit(self._round_impl, donate_argnums=(2, 3))
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots past kv_len a round may write: the verify window, or the accepted tokens
+        plus the next tree's draft windows, whichever reaches further."""
+        s, k, n = self.shape.num_steps, self.shape.topk, self.shape.num_draft_tokens
+        window = (s - 1) * k + int(self.draft.root_in_window)
+        return max(n, s + 1 + window)
+
+    # ------------------------------------------------------------------ host API
+
+    def prefill(
+        self,
+        chunks: Sequence[SeqChunk],
+        sampling: SamplingBatch,  # host arrays, one row per chunk
+        emits: np.ndarray,  # bool[n]: the chunk completes its request's prompt
+        want_top_logprobs: bool,
+        next_tokens: Sequence[int],  # the token after each chunk when known (else ignored)
+    ) -> tuple[StepOutput, np.ndarray, np.ndarray]:
+        """Extend target and draft; returns the sampled tokens and, for emitting rows, the
+        first draft tree (tokens i32[n, N], parents i32[n, N])."""
+        shape = self.target.buckets.shape_for(chunks)
+        batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
+        rows = shape.num_logits
+        draft_ids = _shifted_ids(chunks, shape, next_tokens)
+        row_pages, row_lens = self._row_pages(chunks, rows)
+        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
+        self.target.kv_cache, self.draft_kv, out, top, tree = self._prefill(
+            self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
+            batch, sampling, _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
+            draft_ids, row_pages, row_lens,
+        )
+        n = len(chunks)
+        top_ids, top_values = (np.asarray(a)[:n] for a in top)
+        output = StepOutput(np.asarray(out.tokens)[:n], np.asarray(out.logprob)[:n], top_ids,
+                            top_values)
+        return output, np.asarray(tree.tokens)[:n], np.asarray(tree.parents)[:n]
+
+    def round(self, rows: Sequence[RoundRow], sampling: SamplingBatch, want_top_logprobs: bool
+              ) -> RoundOutput:
+        """Verify and redraft every row; `sampling` has one host row per request."""
+        n = len(rows)
+        padded = self.target.buckets.shape_for([SeqChunk([0], 0, [0])] * n).num_tokens
+        tree, page_table, kv_lens, active = self._round_inputs(rows, padded)
+        node_sampling = self._node_sampling(sampling, rows, padded)
+        self.target.kv_cache, self.draft_kv, result = self._round(
+            self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
+            page_table, kv_lens, active, tree, node_sampling, np.bool_(want_top_logprobs),
+        )
+        verdict, logprobs, top, next_tree = jax.device_get(result)
+        return RoundOutput(
+            tokens=verdict.tokens[:n], num_accepted=verdict.num_accepted[:n],
+            logprobs=logprobs[:n], top_logprob_ids=top[0][:n], top_logprobs=top[1][:n],
+            next_tokens=next_tree.tokens[:n], next_parents=next_tree.parents[:n],
+        )
+
+    def warmup(self) -> None:
+        """Compile every round and prefill bucket now."""
+        n = self.shape.num_draft_tokens
+        chain = np.arange(-1, n - 1, dtype=np.int32)
+        for size in self.target.buckets.bs_paddings:
+            rows = [RoundRow([0], 0, np.zeros(n, np.int32), chain, 0)] * size
+            self.round(rows, greedy_sampling_batch(size), False)
+        for shape in self.target.buckets.all_shapes():
+            chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
+            count = len(chunks)
+            self.prefill(chunks, greedy_sampling_batch(count), np.zeros(count, bool), False,
+                         [0] * count)
+
+    # ------------------------------------------------------------------ host helpers
+
+    def _row_pages(self, chunks: Sequence[SeqChunk], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per chunk: its page table row and its KV length after the chunk."""
+        pages = np.zeros((rows, self.target.buckets.pages_per_seq), np.int32)
+        lens = np.zeros(rows, np.int32)
+        for row, chunk in enumerate(chunks):
+            pages[row, : len(chunk.page_ids)] = chunk.page_ids
+            lens[row] = chunk.prefix_len + len(chunk.token_ids)
+        return pages, lens
+
+    def _round_inputs(self, rows: Sequence[RoundRow], padded: int):
+        n = self.shape.num_draft_tokens
+        tokens = np.zeros((padded, n), np.int32)
+        parents = np.tile(np.arange(-1, n - 1, dtype=np.int32), (padded, 1))  # a chain
+        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
+        kv_lens = np.zeros(padded, np.int32)
+        active = np.zeros(padded, bool)
+        for i, row in enumerate(rows):
+            tokens[i], parents[i] = row.tree_tokens, row.tree_parents
+            page_table[i, : len(row.page_ids)] = row.page_ids
+            kv_lens[i], active[i] = row.kv_len, True
+        return DraftTree(tokens, parents), page_table, kv_lens, active
+
+    def _node_sampling(self, sampling: SamplingBatch, rows: Sequence[RoundRow], padded: int
+                       ) -> SamplingBatch:
+        """One sampling row per tree node: the request's parameters at the output position
+        of that node's prediction, with EOS suppressed only where min_new_tokens still holds."""
+        n = self.shape.num_draft_tokens
+        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), padded), sampling)
+        depths = np.zeros((padded, n), np.int32)
+        suppress_depth = np.zeros(padded, np.int32)
+        for i, row in enumerate(rows):
+            depths[i] = _host_depths(row.tree_parents)
+            suppress_depth[i] = row.suppress_depth
+        per_node = jax.tree.map(lambda a: np.repeat(a, n, axis=0), sampling)
+        suppressing = (depths < suppress_depth[:, None]).reshape(-1)
+        return SamplingBatch(**{
+            **vars(per_node),
+            "position": per_node.position + depths.reshape(-1),
+            "suppress_ids": np.where(suppressing[:, None], per_node.suppress_ids, -1),
+        })
+
+    # ------------------------------------------------------------------ jitted bodies
+
+    def _target_forward(self, params, kv, tokens, positions, metadata):
+        impl, config = self.target.model.impl, self.target.config
+        return impl.forward(params, kv, tokens, positions, metadata, config=config,
+                            attention=self.attention, capture_layers=self.capture_layers)
+
+    def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, batch, sampling,
+                      emits, want_top, draft_ids, row_pages, row_lens):
+        self._count_compilation("prefill", batch.input_ids.shape[0])
+        hidden, target_kv, captured = self._target_forward(
+            target_params, target_kv, batch.input_ids, batch.positions, batch.attention)
+        logits = self.target.model.impl.compute_logits(
+            target_params, hidden[batch.logits_indices], self.target.config)
+        out = sample(logits, sampling, None, None)
+        top = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
+        if self.draft.uses_target_features:
+            # The last token of a completed prompt pairs with the token just sampled.
+            where = jnp.where(emits, batch.logits_indices, draft_ids.shape[0])
+            draft_ids = draft_ids.at[where].set(out.tokens, mode="drop")
+            hidden, draft_kv = self.draft.forward(
+                draft_params, draft_kv, draft_ids, batch.positions,
+                jnp.concatenate(captured, axis=-1), batch.attention, from_target=True)
+            root_hidden = hidden[batch.logits_indices]
+            root_logits = self.draft.logits(draft_params, root_hidden)
+        else:
+            _, draft_kv = self.draft.forward(draft_params, draft_kv, batch.input_ids,
+                                             batch.positions, None, batch.attention,
+                                             from_target=True)
+            root_hidden = root_logits = None
+        tree, draft_kv = grow_tree(
+            self.draft, draft_params, draft_kv, out.tokens, root_hidden, root_logits, row_lens,
+            row_pages, emits, shape=self.shape, page_size=self.page_size)
+        return target_kv, draft_kv, out, top, tree
+
+    def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
+                    kv_lens, active, tree: DraftTree, sampling, want_top):
+        batch, n = tree.tokens.shape
+        self._count_compilation("round", batch)
+        positions = kv_lens[:, None] + node_depths(tree.parents)
+        metadata = window_metadata(page_table, kv_lens, jnp.where(active, n, 0), n,
+                                   self.page_size, ancestor_mask(tree.parents))
+        hidden, target_kv, captured = self._target_forward(
+            target_params, target_kv, tree.tokens.reshape(-1), positions.reshape(-1), metadata)
+        logits = self.target.model.impl.compute_logits(target_params, hidden,
+                                                       self.target.config)  # f32[B*N, V]
+        verdict = verify_tree(tree, logits, sampling, num_steps=self.shape.num_steps,
+                              thresholds=self.thresholds)
+        if self.shape.topk > 1:  # a chain's accepted nodes are already consecutive
+            target_kv = commit_path_kv(target_kv, page_table, kv_lens, verdict, self.page_size)
+        path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)
+        logprobs, top = _path_logprobs(logits[path_rows], verdict.tokens, want_top)
+        features = (jnp.concatenate(captured, axis=-1)[path_rows]
+                    if self.draft.uses_target_features else None)
+        next_tree, draft_kv = self._redraft(draft_params, draft_kv, tree, verdict, features,
+                                            page_table, kv_lens, active)
+        return target_kv, draft_kv, (verdict, logprobs, top, next_tree)
+
+    def _redraft(self, params, kv, tree, verdict: Verdict, features, page_table, kv_lens,
+                 active):
+        """Extend the draft over the accepted path, then grow the next tree from the bonus."""
+        batch, width = verdict.tokens.shape  # width = S + 1
+        valid = jnp.where(active, verdict.num_accepted + 1, 0)
+        metadata = window_metadata(page_table, kv_lens, valid, width, self.page_size)
+        positions = (kv_lens[:, None] + jnp.arange(width)).reshape(-1)
+        if self.draft.uses_target_features:  # pairs (features of node, the token after it)
+            tokens = verdict.tokens
+        else:  # the accepted path's own tokens, root first
+            tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)
+        hidden, kv = self.draft.forward(params, kv, tokens.reshape(-1), positions, features,
+                                        metadata, from_target=True)
+        last = verdict.num_accepted[:, None]
+        root_tokens = jnp.take_along_axis(verdict.tokens, last, axis=1)[:, 0]
+        root_hidden = root_logits = None
+        if self.draft.uses_target_features:
+            root_hidden = jnp.take_along_axis(hidden.reshape(batch, width, -1),
+                                              last[:, :, None], axis=1)[:, 0]
+            root_logits = self.draft.logits(params, root_hidden)
+        return grow_tree(self.draft, params, kv, root_tokens, root_hidden, root_logits,
+                         kv_lens + verdict.num_accepted + 1, page_table, active,
+                         shape=self.shape, page_size=self.page_size)
+
+    def _count_compilation(self, kind: str, size: int) -> None:
+        # Runs only while tracing, i.e. once per new bucket.
+        self.target.num_compilations += 1
+        logger.info("Compiling speculative %s #%d: size %d", kind, self.target.num_compilations,
+                    size)
+
+
+def commit_path_kv(kv: list[LayerKV], page_table: jax.Array, prefix_lens: jax.Array,
+                   verdict: Verdict, page_size: int) -> list[LayerKV]:
+    """Copy the K/V of each accepted node (at slot prefix + node index) to slot prefix + depth,
+    so the accepted path lies in consecutive slots like ordinary decoded tokens."""
+    depth = jnp.arange(1, verdict.path.shape[1])[None, :]  # i32[1, S]
+    nodes = verdict.path[:, 1:]
+    moved = (depth <= verdict.num_accepted[:, None]) & (nodes != depth)
+    source = kv_slots(page_table, prefix_lens[:, None] + jnp.maximum(nodes, 0), page_size)
+    dest = kv_slots(page_table, prefix_lens[:, None] + depth, page_size)
+    source = jnp.where(moved, source, 0).reshape(-1)  # unmoved pairs copy the null slot
+    dest = jnp.where(moved, dest, 0).reshape(-1)
+
+    def move(pages: jax.Array) -> jax.Array:
+        flat = pages.reshape(-1, *pages.shape[2:])
+        return flat.at[dest].set(flat[source]).reshape(pages.shape)
+
+    return [(move(k), move(v)) for k, v in kv]
+
+
+def _path_logprobs(logits: jax.Array, tokens: jax.Array, want_top: jax.Array):
+    """logits f32[B*(S+1), V] at the nodes that produced each emitted token, tokens i32[B, S+1]
+    -> raw log-probabilities f32[B, S+1] and top ones [B, S+1, MAX_TOP_LOGPROBS] (or zeros)."""
+    batch, width = tokens.shape
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens.reshape(-1, 1), axis=1).reshape(batch, width)
+    top_ids, top_values = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
+    shape = (batch, width, MAX_TOP_LOGPROBS)
+    return chosen, (top_ids.reshape(shape), top_values.reshape(shape))
+
+
+def _shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Sequence[int]
+                 ) -> np.ndarray:
+    """i32[T]: at each token, the token after it (EAGLE3 pairs features t with token t+1)."""
+    ids = np.zeros(shape.num_tokens, np.int32)
+    for chunk, where, after in zip(chunks, token_positions(chunks, shape), next_tokens,
+                                   strict=True):
+        ids[where] = [*chunk.token_ids[1:], after]
+    return ids
+
+
+def _host_depths(parents: np.ndarray) -> np.ndarray:
+    depths = np.zeros(len(parents), np.int32)
+    for i, parent in enumerate(parents):
+        depths[i] = 0 if parent < 0 else depths[parent] + 1
+    return depths
+
+
+def _dummy_chunks(shape: BatchShape, context_len: int, page_size: int) -> list[SeqChunk]:
+    """Chunks filling a bucket that write only into the null page (warm-up)."""
+    if shape.q_block == 1:
+        return [SeqChunk([0], 0, [0]) for _ in range(shape.num_tokens)]
+    length = min(shape.num_tokens, context_len)
+    return [SeqChunk([0] * length, 0, [0] * -(-length // page_size))]
+
+

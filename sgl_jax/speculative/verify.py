@@ -1,0 +1,139 @@
+"""Verification: walk each draft tree against the target's distributions at its nodes.
+
+At a node, children are tried in index order with one uniform u in (0, 1] drawn for that node:
+the first child whose accumulated target probability reaches u is accepted, and the walk moves
+to it. When no child is accepted (or the node is a leaf), the bonus token is drawn from the
+node's distribution with the tried children's mass removed. Together this is one inverse-CDF
+draw from the target distribution with the children ordered first, so the emitted tokens are
+distributed exactly as plain sampling would give them (EAGLE3.md, "Verification"). Greedy rows
+have a one-hot distribution, which makes the same rule "accept the child equal to the argmax".
+
+The thresholds relax the rule at the user's request: a child is also accepted when
+u * threshold_acc <= accumulated mass, or when its own probability reaches threshold_single.
+Both default to 1.0, where the rule is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax.layers.sampler import SamplingBatch, filtered_probs, penalised_logits, row_uniform
+from sgl_jax.speculative.tree import DraftTree
+
+_ACCEPT_STREAM, _BONUS_STREAM = 1, 2  # random streams apart from plain sampling's
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Verdict:
+    path: jax.Array  # i32[B, S+1]: node index at each depth of the accepted path; -1 past it
+    num_accepted: jax.Array  # i32[B]: accepted draft tokens a (the bonus not counted)
+    tokens: jax.Array  # i32[B, S+1]: the a accepted tokens, then the bonus; 0 past them
+
+
+@dataclass(frozen=True)
+class AcceptThresholds:
+    single: float = 1.0
+    acc: float = 1.0
+
+
+def verify_tree(
+    tree: DraftTree,  # [B, N]
+    logits: jax.Array,  # f32[B*N, V]: the target's raw logits at every node
+    sampling: SamplingBatch,  # B*N rows: each node's parameters, position and suppressed ids
+    *,
+    num_steps: int,  # S: the deepest a path can go
+    thresholds: AcceptThresholds,
+) -> Verdict:
+    """Accept a path in every tree. An all-greedy batch skips the vocabulary sort."""
+    batch, num_nodes = tree.tokens.shape
+    logits = penalised_logits(logits, sampling, None, None)  # suppression only
+    u_accept = _node_uniforms(sampling, _ACCEPT_STREAM).reshape(batch, num_nodes)
+    u_bonus = _node_uniforms(sampling, _BONUS_STREAM).reshape(batch, num_nodes)
+
+    def greedy(logits: jax.Array) -> Verdict:
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(batch, num_nodes)
+        child_prob = (_at_parent(best, tree.parents) == tree.tokens).astype(jnp.float32)
+        path, accepted, last = _walk(tree, child_prob, u_accept, num_steps, thresholds)
+        bonus = jnp.take_along_axis(best, last[:, None], axis=1)[:, 0]
+        return _verdict(tree, path, accepted, bonus)
+
+    def stochastic(logits: jax.Array) -> Verdict:
+        probs = filtered_probs(logits, sampling, None, None).reshape(batch, num_nodes, -1)
+        parent_probs = jnp.take_along_axis(probs, jnp.maximum(tree.parents, 0)[:, :, None], 1)
+        child_prob = jnp.take_along_axis(parent_probs, tree.tokens[:, :, None], axis=2)[..., 0]
+        path, accepted, last = _walk(tree, child_prob, u_accept, num_steps, thresholds)
+        bonus = _draw_bonus(tree, probs, last, jnp.take_along_axis(u_bonus, last[:, None], 1))
+        return _verdict(tree, path, accepted, bonus)
+
+    return jax.lax.cond(jnp.all(sampling.temperature == 0), greedy, stochastic, logits)
+
+
+def _node_uniforms(sampling: SamplingBatch, stream: int) -> jax.Array:
+    """f32[B*N] in (0, 1]: excluding 0 keeps a zero-probability child from ever matching."""
+    draw = jax.vmap(lambda s, p: row_uniform(s, p, stream))
+    return 1.0 - draw(sampling.seed, sampling.position)
+
+
+def _at_parent(values: jax.Array, parents: jax.Array) -> jax.Array:
+    """values [B, N] -> [B, N]: each node's parent's value (the root gets its own)."""
+    return jnp.take_along_axis(values, jnp.maximum(parents, 0), axis=1)
+
+
+def _walk(
+    tree: DraftTree,
+    child_prob: jax.Array,  # f32[B, N]: p_parent(node's token) for every non-root node
+    u: jax.Array,  # f32[B, N]: the uniform drawn at each node
+    num_steps: int,
+    thresholds: AcceptThresholds,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # path i32[B, S+1], accepted i32[B], last i32[B]
+    batch, _ = tree.tokens.shape
+    current = jnp.zeros(batch, jnp.int32)
+    stopped = jnp.zeros(batch, bool)
+    path = [current]
+    for _ in range(num_steps):
+        is_child = tree.parents == current[:, None]  # bool[B, N]
+        mass = jnp.where(is_child, child_prob, 0.0)
+        reach = jnp.cumsum(mass, axis=1)
+        u_here = jnp.take_along_axis(u, current[:, None], axis=1)
+        hit = is_child & ((u_here * thresholds.acc <= reach) | (mass >= thresholds.single))
+        found = hit.any(axis=1) & ~stopped
+        current = jnp.where(found, jnp.argmax(hit, axis=1).astype(jnp.int32), current)
+        path.append(jnp.where(found, current, -1))
+        stopped |= ~found
+    path = jnp.stack(path, axis=1)
+    return path, jnp.sum(path[:, 1:] >= 0, axis=1).astype(jnp.int32), current
+
+
+def _draw_bonus(
+    tree: DraftTree,
+    probs: jax.Array,  # f32[B, N, V]
+    last: jax.Array,  # i32[B]: the node the walk stopped at
+    u: jax.Array,  # f32[B, 1] in (0, 1]
+) -> jax.Array:  # i32[B]
+    """Inverse CDF over the last node's distribution without its (rejected) children. Should
+    rounding leave no mass, the most likely token is taken."""
+    batch = probs.shape[0]
+    rows = jnp.arange(batch)[:, None]
+    residual = jnp.take_along_axis(probs, last[:, None, None], axis=1)[:, 0]  # f32[B, V]
+    rejected = jnp.where(tree.parents == last[:, None], tree.tokens, probs.shape[2])
+    residual = residual.at[rows, rejected].set(0.0, mode="drop")
+    cdf = jnp.cumsum(residual, axis=1)
+    total = cdf[:, -1:]
+    drawn = jnp.sum(cdf < u * total, axis=1).astype(jnp.int32)
+    drawn = jnp.minimum(drawn, probs.shape[2] - 1)
+    fallback = jnp.argmax(jnp.take_along_axis(probs, last[:, None, None], 1)[:, 0], axis=1)
+    return jnp.where(total[:, 0] > 0, drawn, fallback.astype(jnp.int32))
+
+
+def _verdict(tree: DraftTree, path: jax.Array, accepted: jax.Array, bonus: jax.Array) -> Verdict:
+    """Emitted tokens: those of path[1..a], then the bonus at index a."""
+    path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1)
+    index = jnp.arange(path.shape[1] - 1)[None, :]
+    tokens = jnp.where(index < accepted[:, None], path_tokens, 0)
+    tokens = jnp.concatenate([tokens, jnp.zeros_like(bonus)[:, None]], axis=1)
+    tokens = tokens.at[jnp.arange(tokens.shape[0]), accepted].set(bonus)
+    return Verdict(path=path, num_accepted=accepted, tokens=tokens)
