@@ -149,8 +149,8 @@ def test_help_groups_and_documents_every_flag():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d"],
-     "speculative decoding (--speculative-algorithm EAGLE3) is not available"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", "d"],
+     "--speculative-algorithm NEXTN is not supported"),
     (["--tp-size", "4"], "tensor parallelism (--tp-size 4) is not available"),
     (["--attention-backend", "fa"], "--attention-backend fa) is not available"),
 ])

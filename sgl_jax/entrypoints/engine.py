@@ -466,6 +466,8 @@ def _spec_info(stats) -> dict[str, Any]:
     return {
         "avg_spec_accept_length": stats.accept_length,
         "spec_verify_rounds": stats.rounds,
+        "spec_accepted_tokens": stats.accepted_tokens,
+        "spec_accepted_per_position": list(stats.accepted_per_position),
         "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by draft position
     }
 

@@ -47,6 +47,15 @@ class ServerMetrics:
                                  names, registry=r)
         self.cache_hit_rate = Gauge("sgl_jax_cache_hit_rate", "Prompt tokens served by the "
                                     "prefix cache", names, registry=r)
+        if self.engine.server_args.speculative is None:
+            return
+        self.spec_rounds = Gauge("sgl_jax_spec_verify_rounds", "Speculative verify rounds so "
+                                 "far", names, registry=r)
+        self.spec_accept_length = Gauge("sgl_jax_spec_accept_length", "Mean tokens per verify "
+                                        "round (accepted draft tokens + 1)", names, registry=r)
+        self.spec_accept_rate = Gauge("sgl_jax_spec_accept_rate", "Share of verify rounds that "
+                                      "accepted the draft token at this position",
+                                      [*names, "position"], registry=r)
 
     def on_output(self, req: Req, num_new_tokens: int) -> None:
         """Engine thread: a request produced tokens or finished."""
@@ -75,4 +84,9 @@ class ServerMetrics:
         self.queued.labels(**self._label).set(info["num_queued_reqs"])
         self.token_usage.labels(**self._label).set(info["token_usage"])
         self.cache_hit_rate.labels(**self._label).set(info["cache_hit_rate"])
+        if "avg_spec_accept_length" in info:
+            self.spec_rounds.labels(**self._label).set(info["spec_verify_rounds"])
+            self.spec_accept_length.labels(**self._label).set(info["avg_spec_accept_length"])
+            for position, rate in enumerate(info["spec_accept_rates"]):
+                self.spec_accept_rate.labels(**self._label, position=str(position)).set(rate)
         return generate_latest(self.registry)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models import llama_eagle3
-from sgl_jax.models.loader import LoadedModel, load_eagle3_draft, load_model
+from sgl_jax.models.loader import LoadedDraft, LoadedModel, load_eagle3_draft, load_model
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.speculative.drafts import DraftModel, Eagle3Draft, StandaloneDraft, TreeShape
 from sgl_jax.speculative.spec_runner import SpecRunner
@@ -27,7 +27,7 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
     if spec.algorithm == "EAGLE3":
         loaded = load_eagle3_draft(spec.draft_model_path, dtype=dtype,
                                    revision=spec.draft_model_revision)
-        _check_eagle3_fits(loaded.config, target)
+        _check_eagle3_fits(loaded, target)
         draft = Eagle3Draft(loaded, target, attention)
     elif spec.algorithm == "STANDALONE":
         loaded = load_model(spec.draft_model_path, dtype=dtype,
@@ -57,7 +57,8 @@ def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -
                       attention_backend=args.attention_backend)
 
 
-def _check_eagle3_fits(config: llama_eagle3.Eagle3Config, target: LoadedModel) -> None:
+def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:
+    config = draft.config
     if config.target_hidden_size != target.config.hidden_size:
         raise ValueError(
             f"the EAGLE3 draft expects target hidden states of width "
@@ -67,3 +68,9 @@ def _check_eagle3_fits(config: llama_eagle3.Eagle3Config, target: LoadedModel) -
         raise ValueError(
             f"the EAGLE3 draft maps into a vocabulary of {config.layer.vocab_size} tokens, the "
             f"target has {target.config.vocab_size}: is it the draft for another model?")
+    shared = [name for name in ("embed", "lm_head") if name not in draft.params]
+    if shared and config.hidden_size != target.config.hidden_size:
+        raise ValueError(
+            f"the EAGLE3 draft has no own {' or '.join(shared)} and would share the target's, "
+            f"but its hidden size {config.hidden_size} differs from the target's "
+            f"{target.config.hidden_size}")

@@ -1,6 +1,12 @@
 """Local factories for tiny tokenizers and random HF checkpoints (tests, benchmarks, demo)."""
 
-from sgl_jax.testing.checkpoints import PRESETS, tiny_config, weight_shapes, write_tiny_checkpoint
+from sgl_jax.testing.checkpoints import (
+    PRESETS,
+    tiny_config,
+    weight_shapes,
+    write_noisy_copy,
+    write_tiny_checkpoint,
+)
 from sgl_jax.testing.demo import demo_model_dir
 from sgl_jax.testing.tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
 
@@ -10,6 +16,7 @@ __all__ = [
     "TINY_VOCAB_SIZE",
     "tiny_config",
     "weight_shapes",
+    "write_noisy_copy",
     "write_tiny_checkpoint",
     "write_tiny_tokenizer",
 ]

@@ -1,0 +1,194 @@
+"""Speculative decoding against plain decoding on the same prompts, offline (Engine API).
+
+For each draft shape and batch size: output tokens per second without and with speculation,
+the speedup, the accept rate (accept length / draft tokens, as the seed model cards report
+it), the accept length (tokens per verify round) and the acceptance rate of each draft
+position (acc_0, acc_1, ...). Prints a table, writes JSON and a PNG of speedup against batch
+size. Each configuration runs once untimed first, so no compilation is timed.
+
+The two shapes of the seed cards are built in: chain (steps 5, topk 1, 6 draft tokens) and
+tree (steps 3, topk 4, 8 draft tokens).
+
+    # real checkpoints (a GPU machine)
+    python benchmark/bench_speculative.py --model-path meta-llama/Llama-3.1-8B-Instruct \\
+        --draft-model-path lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B --dtype bfloat16
+    # anywhere: a random Llama-style target and a random EAGLE3 head built locally
+    python benchmark/bench_speculative.py --batch-sizes 1,4 --output-len 32
+    # a near copy of the target as a STANDALONE draft: high acceptance, no cheaper draft
+    python benchmark/bench_speculative.py --draft noisy-copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHAPES = {
+    "chain": {"speculative_num_steps": 5, "speculative_eagle_topk": 1,
+              "speculative_num_draft_tokens": 6},
+    "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
+             "speculative_num_draft_tokens": 8},
+}
+
+
+@dataclass
+class Row:
+    shape: str
+    batch_size: int
+    baseline_tok_s: float
+    speculative_tok_s: float
+    speedup: float
+    accept_rate: float  # accept length / draft tokens
+    accept_length: float  # tokens per verify round
+    position_rates: list[float] = field(default_factory=list)  # acc_0, acc_1, ...
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", help="target checkpoint; default: a random one built here")
+    p.add_argument("--draft-model-path", help="draft checkpoint; default: built here")
+    p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE3", "STANDALONE"])
+    p.add_argument("--draft", default="random-eagle3", choices=["random-eagle3", "noisy-copy"],
+                   help="the draft built when --draft-model-path is not given")
+    p.add_argument("--preset", default="llama", help="architecture of the built target")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--shapes", default="chain,tree")
+    p.add_argument("--batch-sizes", default="1,4,16,32")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", help="write the rows here")
+    p.add_argument("--output-png", help="plot speedup against batch size here")
+    return p.parse_args(argv)
+
+
+def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str]:
+    """(target path, draft path, algorithm), building random checkpoints when none is given."""
+    from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
+    from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+    target = args.model_path
+    if target is None:
+        heads = max(args.hidden_size // 64, 1)
+        target = str(write_tiny_checkpoint(
+            workdir / "target", args.preset, hidden_size=args.hidden_size,
+            num_hidden_layers=args.num_layers, num_attention_heads=heads,
+            num_key_value_heads=heads, head_dim=64, intermediate_size=3 * args.hidden_size))
+    if args.draft_model_path is not None:
+        return target, args.draft_model_path, args.algorithm
+    if args.draft == "noisy-copy":
+        return target, str(write_noisy_copy(target, workdir / "draft", relative_noise=0.03)), \
+            "STANDALONE"
+    config = json.loads((Path(target) / "config.json").read_text())
+    return target, str(write_tiny_eagle3_draft(workdir / "draft", config,
+                                               intermediate_size=3 * config["hidden_size"])), \
+        "EAGLE3"
+
+
+def timed_generate(engine: Any, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens per second of one batch; a short untimed run compiles its shapes."""
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 8})
+    start = time.perf_counter()
+    outputs = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o["output_ids"]) for o in outputs) / elapsed
+
+
+def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[float]]:
+    """Accept length and per-position rates of the rounds run since `before` was read."""
+    after = engine.get_server_info()
+    rounds = max(after["spec_verify_rounds"] - before["spec_verify_rounds"], 1)
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    counts = np.subtract(after["spec_accepted_per_position"],
+                         before["spec_accepted_per_position"])
+    return 1 + accepted / rounds, (counts / rounds).tolist()
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    from sgl_jax import Engine
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    shapes = args.shapes.split(",")
+    rng = np.random.default_rng(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft, algorithm = build_models(args, Path(tmp))
+        common = dict(dtype=args.dtype, page_size=args.page_size, skip_server_warmup=True,
+                      precompile_bs_paddings=batch_sizes, max_running_requests=max(batch_sizes),
+                      context_length=args.input_len + args.output_len + 64)
+        vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+        prompts = rng.integers(3, vocab, (max(batch_sizes), args.input_len)).tolist()
+        with Engine(model_path=target, **common) as engine:
+            baseline = {b: timed_generate(engine, prompts[:b], args.output_len)
+                        for b in batch_sizes}
+        rows = []
+        for shape in shapes:
+            with Engine(model_path=target, speculative_algorithm=algorithm,
+                        speculative_draft_model_path=draft, **SHAPES[shape], **common) as engine:
+                for b in batch_sizes:
+                    timed_generate(engine, prompts[:b], 8)  # compile before reading counters
+                    before = engine.get_server_info()
+                    tok_s = timed_generate(engine, prompts[:b], args.output_len)
+                    length, rates = acceptance_since(engine, before)
+                    draft_tokens = SHAPES[shape]["speculative_num_draft_tokens"]
+                    rows.append(Row(shape, b, baseline[b], tok_s, tok_s / baseline[b],
+                                    length / draft_tokens, length, rates))
+                    print_row(rows[-1])
+    return rows
+
+
+HEADER = (f"{'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec tok/s':>11} {'speedup':>8} "
+          f"{'accept rate':>12} {'accept len':>11}  per-position acceptance")
+
+
+def print_row(row: Row) -> None:
+    rates = " ".join(f"{r:.2f}" for r in row.position_rates)
+    print(f"{row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
+          f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
+          f"{row.accept_length:>11.2f}  [{rates}]", flush=True)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for shape in dict.fromkeys(r.shape for r in rows):
+        mine = [r for r in rows if r.shape == shape]
+        ax.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o",
+                label=shape)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(HEADER)
+    rows = run(args)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    if args.output_png:
+        plot(rows, args.output_png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

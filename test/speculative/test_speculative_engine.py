@@ -1,0 +1,216 @@
+"""Speculative decoding through the Engine: greedy output equals plain decoding token for
+token (Llama, Qwen2, Qwen3; chain and tree; batch 1 and 8; page sizes 1 and 16), a target used
+as its own draft accepts every token, and stops inside an accepted run are honoured."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sgl_jax import Engine
+from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
+            precompile_bs_paddings=[1, 8], max_prefill_tokens=256, chunked_prefill_size=48,
+            skip_server_warmup=True)
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=8)
+LENGTHS = [3, 70, 12, 130, 5, 40, 21, 9]  # 70 and 130 take several prefill chunks
+MAX_NEW = [17, 9, 24, 6, 30, 12, 1, 20]
+
+
+def greedy(n, **extra):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra}
+
+
+def prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    out = {}
+    for preset in ("llama", "qwen2", "qwen3"):
+        target = write_tiny_checkpoint(root / preset, preset)
+        config = json.loads((target / "config.json").read_text())
+        out[preset] = {
+            "target": target,
+            "eagle3": write_tiny_eagle3_draft(root / f"{preset}-eagle3", config),
+            "noisy": write_noisy_copy(target, root / f"{preset}-noisy", relative_noise=0.03),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """Plain greedy decoding (itself checked against transformers elsewhere)."""
+    out = {}
+    for preset, paths in checkpoints.items():
+        with Engine(model_path=str(paths["target"]), page_size=16, **BASE) as engine:
+            batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                          MAX_NEW])
+            out[preset] = [o["output_ids"] for o in batch]
+    return out
+
+
+def spec_engine(paths, algorithm, draft, shape, **extra):
+    return Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
+                  speculative_draft_model_path=str(paths[draft]), **shape, **{**BASE, **extra})
+
+
+def pages_all_free(engine) -> bool:
+    return engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+
+
+CASES = [
+    ("llama", "EAGLE3", "eagle3", CHAIN, 1),
+    ("llama", "EAGLE3", "eagle3", TREE, 16),
+    ("llama", "STANDALONE", "noisy", CHAIN, 16),
+    ("llama", "STANDALONE", "noisy", TREE, 1),
+    ("qwen2", "EAGLE3", "eagle3", TREE, 1),
+    ("qwen2", "STANDALONE", "noisy", CHAIN, 16),
+    ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
+    ("qwen3", "STANDALONE", "noisy", TREE, 16),
+]
+
+
+@pytest.mark.parametrize("preset,algorithm,draft,shape,page_size", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'tree' if c[3] is TREE else 'chain'}-page{c[4]}"
+                              for c in CASES])
+def test_greedy_speculation_equals_plain_decoding(checkpoints, references, preset, algorithm,
+                                                  draft, shape, page_size):
+    expected = references[preset]
+    with spec_engine(checkpoints[preset], algorithm, draft, shape, page_size=page_size) as eng:
+        alone = eng.generate(input_ids=prompts()[3], sampling_params=greedy(MAX_NEW[3]))
+        assert alone["output_ids"] == expected[3]  # batch size 1
+        batch = eng.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])
+        assert [o["output_ids"] for o in batch] == expected  # batch size 8, mixed lengths
+        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in batch)
+        accepted = sum(sum(o["meta_info"]["spec_accepted_per_position"]) for o in batch)
+        if draft == "noisy":  # a near copy of the target: it must really be accepted
+            assert accepted > rounds
+        info = eng.get_server_info()
+        assert info["avg_spec_accept_length"] >= 1.0
+        assert len(info["spec_accept_rates"]) == shape["speculative_num_steps"]
+        assert pages_all_free(eng)
+
+
+@pytest.fixture(scope="module")
+def self_draft(checkpoints):
+    paths = {"target": checkpoints["llama"]["target"], "self": checkpoints["llama"]["target"]}
+    with spec_engine(paths, "STANDALONE", "self", CHAIN, page_size=4) as engine:
+        yield engine
+
+
+def test_target_as_its_own_draft_accepts_every_chain_token(self_draft, references):
+    outputs = self_draft.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                        MAX_NEW])
+    assert [o["output_ids"] for o in outputs] == references["llama"]
+    for out, n in zip(outputs, MAX_NEW, strict=True):
+        meta = out["meta_info"]
+        assert meta["spec_verify_ct"] == -(-(n - 1) // 4)  # the first token comes from prefill
+        assert meta["spec_accepted_per_position"] == [meta["spec_verify_ct"]] * 3
+        if n > 1:
+            assert meta["spec_accept_length"] == 4.0  # steps + 1, every round
+    assert self_draft.get_server_info()["spec_accept_rates"] == [1.0, 1.0, 1.0]
+
+
+def tree_walk_ends(tokens, parents, emitted):
+    """Follow the emitted tokens down the tree; returns the node where the walk stopped."""
+    node = 0
+    for token in emitted[:-1]:
+        node = next(c for c in range(len(parents)) if parents[c] == node and tokens[c] == token)
+    return node
+
+
+def test_target_as_its_own_tree_draft_accepts_a_full_path_every_round(checkpoints, references):
+    paths = {"target": checkpoints["llama"]["target"], "self": checkpoints["llama"]["target"]}
+    with spec_engine(paths, "STANDALONE", "self", TREE, page_size=16) as engine:
+        rounds = []
+        original = engine._spec.round
+
+        def recording_round(rows, sampling, want_top):
+            output = original(rows, sampling, want_top)
+            rounds.extend((row.tree_tokens, row.tree_parents,
+                           output.tokens[i, : output.num_accepted[i] + 1])
+                          for i, row in enumerate(rows))
+            return output
+
+        engine._spec.round = recording_round
+        outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                        MAX_NEW])
+    assert [o["output_ids"] for o in outputs] == references["llama"]
+    assert rounds
+    for tokens, parents, emitted in rounds:
+        last = tree_walk_ends(tokens, parents, emitted)
+        assert last not in parents, "the walk stopped at a node that has children"
+    assert np.mean([len(e) for _, _, e in rounds]) > 2
+
+
+def test_stops_inside_an_accepted_run_are_honoured(self_draft, references):
+    prompt = prompts()[0]
+    expected = references["llama"][0]  # 17 tokens without stops
+    stop_token = expected[6]
+    cut = expected.index(stop_token) + 1
+    out = self_draft.generate(input_ids=prompt, sampling_params=greedy(
+        17, ignore_eos=False, stop_token_ids=[stop_token]))
+    assert out["output_ids"] == expected[:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+    out = self_draft.generate(input_ids=prompt, sampling_params=greedy(6))  # 6 = 1 + 4 + 1
+    assert out["output_ids"] == expected[:6]
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    text = self_draft.generate(input_ids=prompt, sampling_params=greedy(17))["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        out = self_draft.generate(input_ids=prompt, sampling_params=greedy(17, stop=[stop]))
+        assert out["text"] == text[: text.index(stop)]
+    assert pages_all_free(self_draft)
+
+
+def test_prefix_cache_and_logprobs_with_speculation(checkpoints):
+    paths = checkpoints["llama"]
+    shared = prompts(5)[3]
+    first, second = shared + [7, 8, 9], shared + [11, 12]
+    params = dict(input_ids=second, sampling_params=greedy(10), return_logprob=True)
+    with Engine(model_path=str(paths["target"]), page_size=16, **BASE) as plain:
+        reference = plain.generate(**params)
+    with spec_engine(paths, "EAGLE3", "eagle3", TREE, page_size=16) as eng:
+        eng.generate(input_ids=first, sampling_params=greedy(4))
+        out = eng.generate(**params)
+        # the last cached page is recomputed: EAGLE3's draft KV there depends on the next token
+        assert out["meta_info"]["cached_tokens"] == (len(shared) // 16 - 1) * 16
+        assert pages_all_free(eng)
+    assert out["output_ids"] == reference["output_ids"]
+    got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+    want = [lp for lp, _ in reference["meta_info"]["output_token_logprobs"]]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(self_draft):
+    params = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 12, "seed": 3,
+              "ignore_eos": True}
+    a = self_draft.generate(input_ids=prompts()[2], sampling_params=params)
+    b = self_draft.generate(input_ids=prompts()[2], sampling_params=params)
+    assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 12
+
+
+def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tmp_path):
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        self_draft.generate(input_ids=[5, 6], sampling_params={"repetition_penalty": 1.2})
+    paths = checkpoints["llama"]
+    for algorithm, message in (("NEXTN", "NEXTN is not supported"),
+                               ("EAGLE", "EAGLE is not supported")):
+        with pytest.raises(NotImplementedError, match=message):
+            spec_engine(paths, algorithm, "eagle3", CHAIN)
+    with pytest.raises(ValueError, match="not an EAGLE3 draft"):
+        spec_engine(paths, "EAGLE3", "target", CHAIN)  # a 4-layer model is no EAGLE3 head
+    other = write_tiny_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
+    wrong = write_tiny_eagle3_draft(tmp_path / "wrong", json.loads((other / "config.json")
+                                                                   .read_text()))
+    with pytest.raises(ValueError, match="target hidden states of width 96"):
+        spec_engine({**paths, "wrong": wrong}, "EAGLE3", "wrong", CHAIN)
+    with pytest.raises(FileNotFoundError):
+        spec_engine({**paths, "gone": tmp_path / "missing"}, "EAGLE3", "gone", CHAIN)

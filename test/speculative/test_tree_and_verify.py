@@ -1,0 +1,178 @@
+"""Draft trees and verification against plain-Python references, and the lossless test:
+tokens emitted by tree verification follow the target distribution exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax.layers.sampler import SamplingBatch, sample
+from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS
+from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
+from sgl_jax.speculative.verify import AcceptThresholds, verify_tree
+
+# A fixed tree of 6 nodes: 0 -> {1, 2}, 1 -> {3, 4}, 3 -> {5}
+PARENTS = [-1, 0, 0, 1, 1, 3]
+TOKENS = [9, 2, 4, 1, 3, 0]  # node 0 is the root; tokens below it are draft proposals
+
+
+def random_parents(rng, n):
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+
+
+def test_depths_and_ancestor_mask_follow_parent_links():
+    rng = np.random.default_rng(0)
+    parents = np.array([random_parents(rng, 9) for _ in range(4)], np.int32)
+    depths, mask = np.asarray(node_depths(parents)), np.asarray(ancestor_mask(parents))
+    for b in range(4):
+        for i in range(9):
+            chain, node = {i}, i
+            while parents[b, node] >= 0:
+                node = parents[b, node]
+                chain.add(node)
+            assert depths[b, i] == len(chain) - 1
+            assert set(np.flatnonzero(mask[b, i])) == chain
+
+
+def expand_reference(rng, k, steps):
+    """Candidates as EAGLE-2 lists them: root's top-k, then per step k*k children of the
+    frontier (the best k by cumulative score)."""
+    scores = list(np.sort(np.log(rng.uniform(0.05, 1, k)))[::-1])
+    parents, frontier = [-1] * k, list(range(k))
+    for _ in range(1, steps):
+        children = []
+        for f in frontier:
+            logp = np.sort(np.log(rng.uniform(0.05, 1, k)))[::-1]
+            children += [(scores[f] + lp, f) for lp in logp]
+        offset = len(scores)
+        scores += [s for s, _ in children]
+        parents += [p for _, p in children]
+        order = sorted(range(len(children)), key=lambda j: -children[j][0])
+        frontier = [offset + j for j in order[:k]]
+    return np.array(scores, np.float32), np.array(parents, np.int32)
+
+
+@pytest.mark.parametrize("k,steps,n", [(1, 5, 6), (4, 3, 8), (3, 4, 12), (2, 3, 11)])
+def test_select_tree_keeps_the_best_candidates_closed_under_ancestors(k, steps, n):
+    rng = np.random.default_rng(k * 10 + steps)
+    scores, parents = expand_reference(rng, k, steps)
+    tokens = np.arange(100, 100 + len(scores), dtype=np.int32)
+    tree = select_tree(jnp.array([7]), scores[None], tokens[None], parents[None], n)
+    kept = sorted(np.argsort(-scores, kind="stable")[: n - 1])
+    assert np.asarray(tree.tokens)[0].tolist() == [7] + [int(tokens[c]) for c in kept]
+    node_of = {c: i + 1 for i, c in enumerate(kept)}
+    got_parents = np.asarray(tree.parents)[0].tolist()
+    assert got_parents[0] == -1
+    for i, c in enumerate(kept, start=1):
+        assert parents[c] < 0 or parents[c] in node_of, "a kept node lost its parent"
+        assert got_parents[i] == (0 if parents[c] < 0 else node_of[parents[c]])
+        assert got_parents[i] < i
+
+
+def sampling_rows(rows, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None,
+                  positions=None):
+    seeds = np.arange(rows, dtype=np.uint32) if seeds is None else seeds
+    return SamplingBatch(
+        temperature=np.full(rows, temperature, np.float32), top_p=np.full(rows, top_p, np.float32),
+        top_k=np.full(rows, top_k, np.int32), min_p=np.full(rows, min_p, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32), presence_penalty=np.zeros(rows, np.float32),
+        repetition_penalty=np.ones(rows, np.float32), seed=seeds,
+        position=np.zeros(rows, np.int32) if positions is None else positions,
+        suppress_ids=np.full((rows, MAX_SUPPRESSED_IDS), -1, np.int32),
+    )
+
+
+def greedy_walk(parents, tokens, argmax, steps):
+    """Reference: follow the child equal to the target's argmax; bonus = argmax at the end."""
+    node, emitted = 0, []
+    for _ in range(steps):
+        match = [c for c in range(len(parents)) if parents[c] == node and tokens[c] == argmax[node]]
+        if not match:
+            break
+        node = match[0]
+        emitted.append(tokens[node])
+    return emitted + [int(argmax[node])]
+
+
+def test_greedy_verification_matches_a_reference_walk():
+    rng = np.random.default_rng(3)
+    batch, n, vocab, steps = 64, len(PARENTS), 5, 3
+    logits = rng.normal(size=(batch, n, vocab)).astype(np.float32)
+    tree = DraftTree(np.tile(np.array(TOKENS, np.int32) % vocab, (batch, 1)),
+                     np.tile(np.array(PARENTS, np.int32), (batch, 1)))
+    verdict = verify(tree, logits.reshape(batch * n, vocab), sampling_rows(batch * n),
+                     num_steps=steps, thresholds=AcceptThresholds())
+    accepted = np.asarray(verdict.num_accepted)
+    for b in range(batch):
+        expected = greedy_walk(PARENTS, np.asarray(tree.tokens)[b], logits[b].argmax(-1), steps)
+        assert np.asarray(verdict.tokens)[b, : accepted[b] + 1].tolist() == expected
+    assert 0 < accepted.mean() < steps  # both outcomes occur
+
+
+def filtered_reference(logits, temperature, top_k, top_p):
+    """The target distribution per row, in numpy: temperature, top-k, then top-p."""
+    z = logits / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.zeros_like(p)
+    for r in range(len(p)):
+        order = np.argsort(-p[r], kind="stable")[:top_k]
+        kept = p[r, order] / p[r, order].sum()
+        before = np.cumsum(kept) - kept
+        keep = before < top_p
+        out[r, order[keep]] = kept[keep] / kept[keep].sum()
+    return out
+
+
+def chi_square(counts, probs):
+    expected = counts.sum() * probs
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was emitted"
+    live = probs > 0
+    return float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+
+
+verify = jax.jit(verify_tree, static_argnames=("num_steps", "thresholds"))
+CHI2_LIMIT = 30.0  # df <= 5: far beyond the 99.99th percentile (25.7)
+
+
+@pytest.mark.parametrize("thresholds,lossless", [
+    (AcceptThresholds(), True),
+    (AcceptThresholds(acc=0.5), False),  # accepts drafts too eagerly: biased
+    (AcceptThresholds(single=0.2), False),
+])
+def test_tree_sampling_emits_the_target_distribution(thresholds, lossless):
+    """Many requests verify the same tree over a 6-token vocabulary. The first emitted token
+    must follow the root's distribution, and after an accepted child c the second must follow
+    c's distribution, as closely as plain sampling follows them."""
+    rng = np.random.default_rng(11)
+    vocab, samples, n = 6, 20000, len(PARENTS)
+    node_logits = rng.normal(size=(n, vocab)).astype(np.float32) * 1.5
+    temperature, top_k, top_p = 0.9, 5, 0.95
+    probs = filtered_reference(node_logits, temperature, top_k, top_p)
+    tokens = np.array([0, 2, 4, 1, 3, 0], np.int32)
+    tree = DraftTree(np.tile(tokens, (samples, 1)), np.tile(np.array(PARENTS, np.int32),
+                                                           (samples, 1)))
+    seeds = np.repeat(np.arange(samples, dtype=np.uint32), n)
+    depths = np.asarray(node_depths(tree.parents))
+    sampling = sampling_rows(samples * n, temperature=temperature, top_k=top_k, top_p=top_p,
+                             seeds=seeds, positions=depths.reshape(-1))
+    logits = np.tile(node_logits, (samples, 1))
+    verdict = jax.device_get(verify(tree, logits, sampling, num_steps=3, thresholds=thresholds))
+    first = verdict.tokens[:, 0]
+    stats = [chi_square(np.bincount(first, minlength=vocab), probs[0])]
+    for child in (1, 2):  # the root's children
+        rows = (verdict.num_accepted >= 1) & (verdict.path[:, 1] == child)
+        if rows.sum() < 500:  # a biased rule may never reach this child
+            continue
+        stats.append(chi_square(np.bincount(verdict.tokens[rows, 1], minlength=vocab),
+                                probs[child]))
+    plain = jax.jit(sample)(jnp.tile(node_logits[:1], (samples, 1)),
+                   sampling_rows(samples, temperature=temperature, top_k=top_k, top_p=top_p),
+                   None, None)
+    plain_stat = chi_square(np.bincount(np.asarray(plain.tokens), minlength=vocab), probs[0])
+    assert plain_stat < CHI2_LIMIT
+    if lossless:
+        assert max(stats) < CHI2_LIMIT, stats
+        assert verdict.num_accepted.mean() > 0.3  # drafts were really accepted
+    else:
+        assert max(stats) > 10 * CHI2_LIMIT, stats
