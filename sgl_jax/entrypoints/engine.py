@@ -430,16 +430,15 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
 
 _UNSUPPORTED_DRAFTS = {
     "NEXTN": "multi-token-prediction heads (DeepSeek / MiMo NextN layers) are not implemented",
-    "EAGLE": "EAGLE v1/v2 drafts are not implemented yet",
 }
 
 
 def _check_available(args: ServerArgs) -> None:
     """Refuse, before anything loads, settings whose feature this version does not have."""
-    if args.speculative_algorithm in ("NEXTN", "EAGLE"):
+    if args.speculative_algorithm in _UNSUPPORTED_DRAFTS:
         raise NotImplementedError(
             f"--speculative-algorithm {args.speculative_algorithm} is not supported: "
-            f"{_UNSUPPORTED_DRAFTS[args.speculative_algorithm]}; use EAGLE3 or STANDALONE"
+            f"{_UNSUPPORTED_DRAFTS[args.speculative_algorithm]}; use EAGLE3, EAGLE or STANDALONE"
         )
     if args.tp_size > 1:
         raise NotImplementedError(f"tensor parallelism (--tp-size {args.tp_size}) is not "

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from sgl_jax.models import llama_eagle3
+from sgl_jax.models import llama_eagle, llama_eagle3
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
@@ -65,7 +65,7 @@ def load_model(
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    config: Eagle3Config
+    config: Eagle3Config | ModelConfig  # EAGLE3 head, or the layers of an EAGLE v1/v2 head
     params: dict[str, Any]
     model_dir: Path
     dtype: Any
@@ -88,6 +88,25 @@ def load_eagle3_draft(
     jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
     params = load_params(model_dir, specs, jax_dtype, progress=progress,
                          ignored=llama_eagle3.TRAINING_ONLY_TENSORS)
+    return LoadedDraft(config, params, model_dir, jax_dtype)
+
+
+def load_eagle_draft(
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True
+) -> LoadedDraft:
+    """An EAGLE (v1 / v2) draft head: fc [H, 2H] and Llama layers (see llama_eagle)."""
+    model_dir = resolve_model_dir(model_path, revision)
+    hf_config = read_hf_config(model_dir)
+    names = checkpoint_files(model_dir).keys()
+    if any("hidden_norm" in n for n in names):
+        raise CheckpointError(f"{model_path!r} is not an EAGLE draft but an EAGLE3 one (it has "
+                              "hidden_norm weights): use --speculative-algorithm EAGLE3")
+    if not any(n.removeprefix("model.") == "fc.weight" for n in names):
+        raise CheckpointError(f"{model_path!r} is not an EAGLE draft: it has no fc.weight")
+    config = llama_eagle.config_from_hf(hf_config)
+    specs, ignored = llama_eagle.hf_weight_specs(config, names)
+    jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
+    params = load_params(model_dir, specs, jax_dtype, progress=progress, ignored=ignored)
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 

@@ -3,6 +3,8 @@
 - `Eagle3Draft`: the EAGLE3 head. Its KV slot j holds the pair (target features of token j,
   token j+1) at position j, so after an extend its last output already predicts the first draft
   token; later steps feed back its own pre-norm output in place of the target features.
+- `EagleDraft`: an EAGLE v1 / v2 head, paired the same way but fed the target's final hidden
+  state, with fc applied at every step and the target's lm_head for logits.
 - `StandaloneDraft`: an ordinary small model with the target's vocabulary. Its slot j holds
   token j, so the root (the last committed token) is run again in every draft window.
 """
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax.model_executor.forward_batch import window_metadata
-from sgl_jax.models import llama_eagle3
+from sgl_jax.models import llama, llama_eagle, llama_eagle3
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
@@ -36,7 +38,8 @@ class TreeShape:
 class DraftModel(Protocol):
     cache_config: ModelConfig  # shapes of the draft's own paged KV cache
     params: Params  # everything its forward needs, shared target arrays included
-    uses_target_features: bool  # EAGLE3: consumes the target's captured hidden states
+    uses_target_features: bool  # consumes target hidden states (EAGLE, EAGLE3)
+    feature_source: str  # "aux": the captured layers (EAGLE3); "final": the last hidden state
     root_in_window: bool  # the root token is re-run in every draft window
 
     def forward(self, params: Params, kv: list[LayerKV], tokens: jax.Array,
@@ -50,6 +53,7 @@ class DraftModel(Protocol):
 
 class Eagle3Draft:
     uses_target_features = True
+    feature_source = "aux"
     root_in_window = False
 
     def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
@@ -80,8 +84,37 @@ class Eagle3Draft:
         return llama_eagle3.draft_to_target_ids(draft_ids, params["layer"])
 
 
+class EagleDraft:
+    uses_target_features = True
+    feature_source = "final"
+    root_in_window = False
+
+    def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
+        own, target_params = draft.params, target.params
+        self.config = self.cache_config = draft.config
+        self.attention = attention
+        self.params = {
+            "layers": {k: v for k, v in own.items() if k != "embed"},
+            "embed": own.get("embed", target_params["embed"]),
+            "lm_head": (target_params["embed"] if target.config.tie_word_embeddings
+                        else target_params["lm_head"]),
+        }
+
+    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
+        return llama_eagle.forward(params["layers"], kv, tokens, positions, inputs, metadata,
+                                   config=self.config, attention=self.attention,
+                                   embed=params["embed"])
+
+    def logits(self, params, hidden):
+        return llama.matmul_rows(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+
+    def to_target(self, params, draft_ids):
+        return draft_ids
+
+
 class StandaloneDraft:
     uses_target_features = False
+    feature_source = ""
     root_in_window = True
 
     def __init__(self, draft: LoadedModel, attention: AttentionBackend):

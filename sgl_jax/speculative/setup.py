@@ -9,9 +9,21 @@ import jax.numpy as jnp
 from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models import llama_eagle3
-from sgl_jax.models.loader import LoadedDraft, LoadedModel, load_eagle3_draft, load_model
+from sgl_jax.models.loader import (
+    LoadedDraft,
+    LoadedModel,
+    load_eagle3_draft,
+    load_eagle_draft,
+    load_model,
+)
 from sgl_jax.server_args import ServerArgs
-from sgl_jax.speculative.drafts import DraftModel, Eagle3Draft, StandaloneDraft, TreeShape
+from sgl_jax.speculative.drafts import (
+    DraftModel,
+    Eagle3Draft,
+    EagleDraft,
+    StandaloneDraft,
+    TreeShape,
+)
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.verify import AcceptThresholds
 
@@ -29,6 +41,11 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
                                    revision=spec.draft_model_revision)
         _check_eagle3_fits(loaded, target)
         draft = Eagle3Draft(loaded, target, attention)
+    elif spec.algorithm == "EAGLE":
+        loaded = load_eagle_draft(spec.draft_model_path, dtype=dtype,
+                                  revision=spec.draft_model_revision)
+        _check_eagle_fits(loaded, target)
+        draft = EagleDraft(loaded, target, attention)
     elif spec.algorithm == "STANDALONE":
         loaded = load_model(spec.draft_model_path, dtype=dtype,
                             revision=spec.draft_model_revision)
@@ -74,3 +91,10 @@ def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:
             f"the EAGLE3 draft has no own {' or '.join(shared)} and would share the target's, "
             f"but its hidden size {config.hidden_size} differs from the target's "
             f"{target.config.hidden_size}")
+
+
+def _check_eagle_fits(draft: LoadedDraft, target: LoadedModel) -> None:
+    if draft.config.hidden_size != target.config.hidden_size:
+        raise ValueError(
+            f"the EAGLE draft's hidden size {draft.config.hidden_size} differs from the "
+            f"target's {target.config.hidden_size}: is it the draft for another model?")

@@ -232,7 +232,7 @@ class SpecRunner:
             draft_ids = draft_ids.at[where].set(out.tokens, mode="drop")
             hidden, draft_kv = self.draft.forward(
                 draft_params, draft_kv, draft_ids, batch.positions,
-                jnp.concatenate(captured, axis=-1), batch.attention, from_target=True)
+                self._features(hidden, captured), batch.attention, from_target=True)
             root_hidden = hidden[batch.logits_indices]
             root_logits = self.draft.logits(draft_params, root_hidden)
         else:
@@ -262,7 +262,7 @@ class SpecRunner:
             target_kv = commit_path_kv(target_kv, page_table, kv_lens, verdict, self.page_size)
         path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)
         logprobs, top = _path_logprobs(logits[path_rows], verdict.tokens, want_top)
-        features = (jnp.concatenate(captured, axis=-1)[path_rows]
+        features = (self._features(hidden, captured)[path_rows]
                     if self.draft.uses_target_features else None)
         next_tree, draft_kv = self._redraft(draft_params, draft_kv, tree, verdict, features,
                                             page_table, kv_lens, active)
@@ -291,6 +291,12 @@ class SpecRunner:
         return grow_tree(self.draft, params, kv, root_tokens, root_hidden, root_logits,
                          kv_lens + verdict.num_accepted + 1, page_table, active,
                          shape=self.shape, page_size=self.page_size)
+
+    def _features(self, hidden: jax.Array, captured: tuple[jax.Array, ...]) -> jax.Array:
+        """What the draft reads of the target per token: f[T, 3H] (EAGLE3) or f[T, H]."""
+        if self.draft.feature_source == "aux":
+            return jnp.concatenate(captured, axis=-1)
+        return hidden
 
     def _count_compilation(self, kind: str, size: int) -> None:
         # Runs only while tracing, i.e. once per new bucket.

@@ -102,3 +102,57 @@ def _vocab_maps(vocab: int, draft_vocab: int, d2t_name: str, seed: int
     t2d = np.zeros(vocab, bool)
     t2d[target_ids] = True
     return {d2t_name: (target_ids - np.arange(draft_vocab)).astype(np.int64), "t2d": t2d}
+
+
+def write_tiny_eagle_draft(
+    path: str | os.PathLike,
+    target_config: dict[str, Any],
+    *,
+    num_layers: int = 1,
+    with_fc_bias: bool = True,
+    with_embed: bool = False,
+    model_prefix: str = "",
+    seed: int = 0,
+) -> Path:
+    """A random EAGLE (v1 / v2) draft head for the target: a Llama config of the target's
+    widths and the tensors fc [H, 2H] (+ bias), layers.{i}.* (no input norm in layer 0),
+    optional embed_tokens; `model_prefix` "model." spells them as some exports do."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {key: target_config[key] for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_theta")
+        if key in target_config}
+    config.update(architectures=["LlamaForCausalLM"], num_hidden_layers=num_layers,
+                  head_dim=target_config.get("head_dim", config["hidden_size"]
+                                             // config["num_attention_heads"]),
+                  hidden_act="silu", tie_word_embeddings=False)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"fc.weight": (h, 2 * h)}
+    for i in range(num_layers):
+        shapes.update({
+            f"layers.{i}.self_attn.q_proj.weight": (q, h),
+            f"layers.{i}.self_attn.k_proj.weight": (kv, h),
+            f"layers.{i}.self_attn.v_proj.weight": (kv, h),
+            f"layers.{i}.self_attn.o_proj.weight": (h, q),
+            f"layers.{i}.mlp.gate_proj.weight": (inter, h),
+            f"layers.{i}.mlp.up_proj.weight": (inter, h),
+            f"layers.{i}.mlp.down_proj.weight": (h, inter),
+        })
+    if with_embed:
+        shapes["embed_tokens.weight"] = (config["vocab_size"], h)
+    tensors = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+               for name, shape in shapes.items()}
+    if with_fc_bias:
+        tensors["fc.bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
+    for i in range(num_layers):
+        tensors[f"layers.{i}.post_attention_layernorm.weight"] = _norm_weight(rng, h)
+        if i > 0:
+            tensors[f"layers.{i}.input_layernorm.weight"] = _norm_weight(rng, h)
+    tensors = {model_prefix + name: t for name, t in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -17,6 +17,7 @@ from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import CheckpointError, load_eagle3_draft, load_model
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.torch_reference import rms_norm, rope, torch_tensors
 
 PAGE_SIZE = 4
 ATOL = 1e-4
@@ -33,22 +34,6 @@ def target_config(target_dir):
 
 
 # ---------------------------------------------------------------------- PyTorch reference
-
-
-def rms_norm(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x, positions, theta):
-    """Llama rotary embedding (rotate-half form) on x [T, heads, hd]."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    freqs = positions[:, None].double() * inv_freq[None]
-    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None].float()
-    sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None].float()
-    half = hd // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
 
 
 def reference_draft(w, cfg, embed, lm_head, ids, g):
@@ -74,10 +59,6 @@ def reference_draft(w, cfg, embed, lm_head, ids, g):
     gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
     h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
     return h, rms_norm(h, w["norm.weight"]) @ lm_head.T
-
-
-def torch_tensors(path) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v.copy()) for k, v in load_file(str(path)).items()}
 
 
 # ---------------------------------------------------------------------- our draft, paged

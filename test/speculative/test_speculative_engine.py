@@ -9,7 +9,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
-from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft, write_tiny_eagle_draft
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
             precompile_bs_paddings=[1, 8], max_prefill_tokens=256, chunked_prefill_size=48,
@@ -39,6 +39,7 @@ def checkpoints(tmp_path_factory):
         out[preset] = {
             "target": target,
             "eagle3": write_tiny_eagle3_draft(root / f"{preset}-eagle3", config),
+            "eagle": write_tiny_eagle_draft(root / f"{preset}-eagle", config),
             "noisy": write_noisy_copy(target, root / f"{preset}-noisy", relative_noise=0.03),
         }
     return out
@@ -70,6 +71,7 @@ CASES = [
     ("llama", "EAGLE3", "eagle3", TREE, 16),
     ("llama", "STANDALONE", "noisy", CHAIN, 16),
     ("llama", "STANDALONE", "noisy", TREE, 1),
+    ("llama", "EAGLE", "eagle", TREE, 16),
     ("qwen2", "EAGLE3", "eagle3", TREE, 1),
     ("qwen2", "STANDALONE", "noisy", CHAIN, 16),
     ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
@@ -201,10 +203,10 @@ def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tm
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
         self_draft.generate(input_ids=[5, 6], sampling_params={"repetition_penalty": 1.2})
     paths = checkpoints["llama"]
-    for algorithm, message in (("NEXTN", "NEXTN is not supported"),
-                               ("EAGLE", "EAGLE is not supported")):
-        with pytest.raises(NotImplementedError, match=message):
-            spec_engine(paths, algorithm, "eagle3", CHAIN)
+    with pytest.raises(NotImplementedError, match="NEXTN is not supported"):
+        spec_engine(paths, "NEXTN", "eagle3", CHAIN)
+    with pytest.raises(ValueError, match="not an EAGLE draft"):
+        spec_engine(paths, "EAGLE", "eagle3", CHAIN)  # an EAGLE3 head is no EAGLE v1 head
     with pytest.raises(ValueError, match="not an EAGLE3 draft"):
         spec_engine(paths, "EAGLE3", "target", CHAIN)  # a 4-layer model is no EAGLE3 head
     other = write_tiny_checkpoint(tmp_path / "wide", "llama", hidden_size=96)

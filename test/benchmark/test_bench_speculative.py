@@ -1,0 +1,45 @@
+"""benchmark/bench_speculative.py end to end on a tiny random target: rows for every shape and
+batch size, acceptance figures consistent with each other, JSON and PNG written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_speculative.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_speculative"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
+    bench = load_bench()
+    out_json, out_png = tmp_path / "spec.json", tmp_path / "spec.png"
+    code = bench.main(["--hidden-size", "64", "--num-layers", "2", "--batch-sizes", "1,2",
+                       "--input-len", "16", "--output-len", "12", "--draft", "noisy-copy",
+                       "--output-json", str(out_json), "--output-png", str(out_png)])
+    assert code == 0
+    rows = json.loads(out_json.read_text())
+    assert [(r["shape"], r["batch_size"]) for r in rows] == [
+        ("chain", 1), ("chain", 2), ("tree", 1), ("tree", 2)]
+    for row in rows:
+        steps = 5 if row["shape"] == "chain" else 3
+        draft_tokens = 6 if row["shape"] == "chain" else 8
+        assert len(row["position_rates"]) == steps
+        assert 1.0 <= row["accept_length"] <= steps + 1
+        assert abs(row["accept_rate"] - row["accept_length"] / draft_tokens) < 1e-9
+        assert abs(row["speedup"] - row["speculative_tok_s"] / row["baseline_tok_s"]) < 1e-9
+        # rates of later positions can only be lower: a position needs all before it
+        assert row["position_rates"] == sorted(row["position_rates"], reverse=True)
+        assert abs(sum(row["position_rates"]) + 1 - row["accept_length"]) < 1e-9
+    assert any(row["accept_length"] > 1.5 for row in rows)  # the near copy is accepted
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "baseline tok/s" in printed and printed.count("\nchain") == 2
