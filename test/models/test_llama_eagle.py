@@ -17,7 +17,7 @@ from sgl_jax.models import llama_eagle
 from sgl_jax.models.loader import CheckpointError, load_eagle_draft
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle_draft
-from sgl_jax.testing.torch_reference import rms_norm, rope, torch_tensors
+from sgl_jax.testing.torch_reference import causal_self_attention, rms_norm, torch_tensors
 
 PAGE_SIZE = 4
 
@@ -30,18 +30,9 @@ def target_config(tmp_path_factory):
 
 def reference_layer(w, p, cfg, x, first):
     heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    n = x.shape[0]
     a = x if first else rms_norm(x, w[p + "input_layernorm.weight"], cfg["rms_norm_eps"])
-    positions = torch.arange(n)
-    theta = cfg.get("rope_theta", 10000.0)
-    q = rope((a @ w[p + "self_attn.q_proj.weight"].T).view(n, heads, hd), positions, theta)
-    k = rope((a @ w[p + "self_attn.k_proj.weight"].T).view(n, kv_heads, hd), positions, theta)
-    v = (a @ w[p + "self_attn.v_proj.weight"].T).view(n, kv_heads, hd)
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    x = x + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1) @ w[
-        p + "self_attn.o_proj.weight"].T
+    x = x + causal_self_attention(w, p, a, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                                  theta=cfg.get("rope_theta", 10000.0))
     m = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
     gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
     return x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T

@@ -17,7 +17,7 @@ from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import CheckpointError, load_eagle3_draft, load_model
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
-from sgl_jax.testing.torch_reference import rms_norm, rope, torch_tensors
+from sgl_jax.testing.torch_reference import causal_self_attention, rms_norm, torch_tensors
 
 PAGE_SIZE = 4
 ATOL = 1e-4
@@ -43,18 +43,10 @@ def reference_draft(w, cfg, embed, lm_head, ids, g):
     p = "midlayer."
     heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     theta = cfg.get("rope_theta", 10000.0)
-    n = len(ids)
     a = torch.cat([rms_norm(embed[ids], w[p + "input_layernorm.weight"]),
                    rms_norm(g, w[p + "hidden_norm.weight"])], -1)
-    positions = torch.arange(n)
-    q = rope((a @ w[p + "self_attn.q_proj.weight"].T).view(n, heads, hd), positions, theta)
-    k = rope((a @ w[p + "self_attn.k_proj.weight"].T).view(n, kv_heads, hd), positions, theta)
-    v = (a @ w[p + "self_attn.v_proj.weight"].T).view(n, kv_heads, hd)
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * hd)
-    h = g + attn @ w[p + "self_attn.o_proj.weight"].T
+    h = g + causal_self_attention(w, p, a, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                                  theta=theta)
     x = rms_norm(h, w[p + "post_attention_layernorm.weight"])
     gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
     h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
