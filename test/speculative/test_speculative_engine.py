@@ -75,7 +75,7 @@ CASES = [
     ("qwen2", "EAGLE3", "eagle3", TREE, 1),
     ("qwen2", "STANDALONE", "noisy", CHAIN, 16),
     ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
-    ("qwen3", "STANDALONE", "noisy", TREE, 16),
+    ("qwen3", "STANDALONE", "noisy", TREE, 1),
 ]
 
 
@@ -216,3 +216,16 @@ def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tm
         spec_engine({**paths, "wrong": wrong}, "EAGLE3", "wrong", CHAIN)
     with pytest.raises(FileNotFoundError):
         spec_engine({**paths, "gone": tmp_path / "missing"}, "EAGLE3", "gone", CHAIN)
+
+
+def test_warmup_compiles_every_speculative_step_before_serving(checkpoints):
+    paths = checkpoints["qwen3"]
+    settings = {**BASE, "precompile_token_paddings": [16], "precompile_bs_paddings": [1, 2],
+                "max_prefill_tokens": 16, "skip_server_warmup": False}
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=str(paths["eagle3"]), page_size=4, **TREE,
+                **settings) as engine:
+        compiled = engine.get_server_info()["num_compilations"]
+        outputs = engine.generate(input_ids=[[5, 6, 7], [9] * 12], sampling_params=greedy(9))
+        assert [len(o["output_ids"]) for o in outputs] == [9, 9]
+        assert engine.get_server_info()["num_compilations"] == compiled
