@@ -117,11 +117,15 @@ class Buckets:
 
     def shape_for(self, chunks: Sequence[SeqChunk]) -> BatchShape:
         if all(len(c.token_ids) == 1 and c.tree_mask is None for c in chunks):
-            seqs = _pad_to(self.bs_paddings, len(chunks), "sequences in a decode batch")
+            seqs = self.batch_padding(len(chunks))
             return BatchShape(seqs, 1, self.pages_per_seq, seqs)
         needed = sum(aligned(len(c.token_ids)) for c in chunks)
         tokens = _pad_to(self.token_paddings, needed, "tokens (block-aligned) in an extend batch")
         return BatchShape(tokens, EXTEND_Q_BLOCK, self.pages_per_seq, tokens // EXTEND_Q_BLOCK)
+
+    def batch_padding(self, num_seqs: int) -> int:
+        """The padded batch size for num_seqs sequences (decode steps, verify rounds)."""
+        return _pad_to(self.bs_paddings, num_seqs, "sequences in a decode batch")
 
     def all_shapes(self) -> list[BatchShape]:
         decode = [BatchShape(s, 1, self.pages_per_seq, s) for s in self.bs_paddings]

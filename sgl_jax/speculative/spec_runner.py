@@ -140,7 +140,7 @@ class SpecRunner:
               ) -> RoundOutput:
         """Verify and redraft every row; `sampling` has one host row per request."""
         n = len(rows)
-        padded = self.target.buckets.shape_for([SeqChunk([0], 0, [0])] * n).num_tokens
+        padded = self.target.buckets.batch_padding(n)
         tree, page_table, kv_lens, active = self._round_inputs(rows, padded)
         node_sampling = self._node_sampling(sampling, rows, padded)
         self.target.kv_cache, self.draft_kv, result = self._round(
