@@ -63,19 +63,9 @@ def write_tiny_eagle3_draft(
 def _random_tensors(config: dict, draft_vocab: int, prefix: str, with_embed: bool,
                     with_lm_head: bool, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    shapes = {
-        "fc.weight": (h, 3 * config["target_hidden_size"]),
-        f"{prefix}self_attn.q_proj.weight": (q, 2 * h),
-        f"{prefix}self_attn.k_proj.weight": (kv, 2 * h),
-        f"{prefix}self_attn.v_proj.weight": (kv, 2 * h),
-        f"{prefix}self_attn.o_proj.weight": (h, q),
-        f"{prefix}mlp.gate_proj.weight": (inter, h),
-        f"{prefix}mlp.up_proj.weight": (inter, h),
-        f"{prefix}mlp.down_proj.weight": (h, inter),
-    }
+    h = config["hidden_size"]
+    shapes = {"fc.weight": (h, 3 * config["target_hidden_size"]),
+              **_layer_shapes(config, prefix, attention_input=2 * h)}
     if with_embed:
         shapes["embed_tokens.weight"] = (config["vocab_size"], h)
     if with_lm_head:
@@ -87,6 +77,24 @@ def _random_tensors(config: dict, draft_vocab: int, prefix: str, with_embed: boo
         tensors[f"{prefix}{norm}.weight"] = _norm_weight(rng, h)
     tensors["norm.weight"] = _norm_weight(rng, h)
     return tensors
+
+
+def _layer_shapes(config: dict, prefix: str, *, attention_input: int
+                  ) -> dict[str, tuple[int, int]]:
+    """Projection weight shapes of one Llama decoder layer whose q/k/v read
+    `attention_input` features."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    return {
+        f"{prefix}self_attn.q_proj.weight": (q, attention_input),
+        f"{prefix}self_attn.k_proj.weight": (kv, attention_input),
+        f"{prefix}self_attn.v_proj.weight": (kv, attention_input),
+        f"{prefix}self_attn.o_proj.weight": (h, q),
+        f"{prefix}mlp.gate_proj.weight": (inter, h),
+        f"{prefix}mlp.up_proj.weight": (inter, h),
+        f"{prefix}mlp.down_proj.weight": (h, inter),
+    }
 
 
 def _norm_weight(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -129,20 +137,10 @@ def write_tiny_eagle_draft(
                   hidden_act="silu", tie_word_embeddings=False)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
+    h = config["hidden_size"]
     shapes = {"fc.weight": (h, 2 * h)}
     for i in range(num_layers):
-        shapes.update({
-            f"layers.{i}.self_attn.q_proj.weight": (q, h),
-            f"layers.{i}.self_attn.k_proj.weight": (kv, h),
-            f"layers.{i}.self_attn.v_proj.weight": (kv, h),
-            f"layers.{i}.self_attn.o_proj.weight": (h, q),
-            f"layers.{i}.mlp.gate_proj.weight": (inter, h),
-            f"layers.{i}.mlp.up_proj.weight": (inter, h),
-            f"layers.{i}.mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update(_layer_shapes(config, f"layers.{i}.", attention_input=h))
     if with_embed:
         shapes["embed_tokens.weight"] = (config["vocab_size"], h)
     tensors = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
