@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers.attention import AttentionMetadata
+from sgl_jax.layers.attention.metadata import pack_mask_bits
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def build_forward_batch(
         kv_lens=kv_lens,
         window_starts=window_starts,
         q_starts=q_starts,
-        custom_mask=_custom_mask(chunks, starts, shape.num_tokens),
+        tree_bits=_tree_bits(chunks, starts, shape.num_tokens),
         q_block=qb,
     )
     return ForwardBatch(input_ids, positions, logits_indices, metadata)
@@ -229,23 +230,23 @@ def _check_pages(chunk: SeqChunk, pages: np.ndarray, shape: BatchShape, page_siz
         )
 
 
-def _custom_mask(
+def _tree_bits(
     chunks: Sequence[SeqChunk], starts: np.ndarray, num_tokens: int
 ) -> np.ndarray | None:
-    """bool[T, T] rows of each chunk's tree mask (columns = window positions), or None when
-    every chunk is causal."""
+    """i32[T, cdiv(W, 32)]: each token's packed tree-mask row over its chunk's new tokens
+    (W = the longest chunk), or None when every chunk is causal."""
     has_mask = [c.tree_mask is not None for c in chunks]
     if not any(has_mask):
         return None
     if not all(has_mask):
         raise ValueError("a batch with tree masks must give one for every chunk")
-    mask = np.zeros((num_tokens, num_tokens), bool)
+    mask = np.zeros((num_tokens, max(len(c.token_ids) for c in chunks)), bool)
     for chunk, start in zip(chunks, starts, strict=True):
         n = len(chunk.token_ids)
         if chunk.tree_mask.shape != (n, n):
             raise ValueError(f"tree_mask must be [{n}, {n}], got {list(chunk.tree_mask.shape)}")
         mask[start : start + n, :n] = chunk.tree_mask
-    return mask
+    return np.asarray(pack_mask_bits(mask))
 
 
 # ---------------------------------------------------------------- windows built on the device
@@ -280,6 +281,6 @@ def window_metadata(
         kv_lens=jnp.where(num_valid > 0, prefix_lens + num_valid, 0),
         window_starts=prefix_lens,
         q_starts=jnp.zeros_like(prefix_lens),
-        custom_mask=None if tree_mask is None else tree_mask.reshape(-1, width),
+        tree_bits=None if tree_mask is None else pack_mask_bits(tree_mask.reshape(-1, width)),
         q_block=width,
     )

@@ -199,7 +199,7 @@ class ModelRunner:
             "Compiling step #%d: tokens=%d q_block=%d pages/seq=%d logits=%d%s",
             self.num_compilations, batch.input_ids.shape[0], meta.q_block,
             meta.page_table.shape[1], batch.logits_indices.shape[0],
-            " tree-mask" if meta.custom_mask is not None else "",
+            " tree-mask" if meta.tree_bits is not None else "",
         )
 
 

@@ -8,6 +8,11 @@ sequence's KV after this step has kv_len entries; its new tokens occupy KV indic
 window_start .. kv_len - 1, and everything before window_start (the prefix) was written by
 earlier steps. Padding tokens write their K/V into the reserved null page 0; padding blocks
 have kv_len 0.
+
+A tree verify window carries its mask as bits: row t holds one bit per new token of its own
+sequence (bit w % 32 of word w // 32 says whether token t sees the w-th new token). A window
+of up to 32 tokens costs one int32 per query, built on the device; the prefix is always
+fully visible and needs no mask at all.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclass(frozen=True)
@@ -25,9 +31,9 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[NB]: KV length of the block's sequence after this step
     window_starts: jax.Array  # i32[NB]: KV index of the sequence's first new token
     q_starts: jax.Array  # i32[NB]: index among the sequence's new tokens of the block's first
-    # bool[T, W] or None: custom_mask[t, w] says whether token t sees the w-th new token of its
-    # own sequence (tree verification). The prefix is always fully visible. None = causal.
-    custom_mask: jax.Array | None = None
+    # i32[T, cdiv(W, 32)] or None: packed tree-mask bits of each token over its sequence's
+    # window of W new tokens (see pack_mask_bits). None = causal.
+    tree_bits: jax.Array | None = None
     q_block: int = 1  # static: tokens per query block (T = NB * q_block)
 
     @property
@@ -38,9 +44,40 @@ class AttentionMetadata:
 jax.tree_util.register_dataclass(
     AttentionMetadata,
     data_fields=["slot_mapping", "page_table", "kv_lens", "window_starts", "q_starts",
-                 "custom_mask"],
+                 "tree_bits"],
     meta_fields=["q_block"],
 )
+
+MASK_WORD_BITS = 32
+
+
+def pack_mask_bits(mask: jax.Array) -> jax.Array:
+    """bool[..., W] -> i32[..., cdiv(W, 32)]: bit w % 32 of word w // 32 is mask[..., w]."""
+    width = mask.shape[-1]
+    words = -(-width // MASK_WORD_BITS)
+    padded = jnp.pad(jnp.asarray(mask, jnp.int32),
+                     [(0, 0)] * (mask.ndim - 1) + [(0, words * MASK_WORD_BITS - width)])
+    bits = padded.reshape(*mask.shape[:-1], words, MASK_WORD_BITS)
+    # Distinct powers of two: their int32 sum is their OR (bit 31 wraps to the sign bit).
+    return (bits << jnp.arange(MASK_WORD_BITS, dtype=jnp.int32)).sum(-1, dtype=jnp.int32)
+
+
+def window_visible(words: list[jax.Array], window_offset: jax.Array) -> jax.Array:
+    """Tree-mask test for keys inside the window.
+
+    words: the mask words of the query rows, each i32[R, 1]; window_offset: i32[R or 1, C],
+    each key's index among the window's tokens (negative for prefix keys, which this does not
+    decide). Returns bool[R, C]. Written with shifts and compares only, so kernels on any
+    backend can run it on loaded tiles.
+    """
+    visible = jnp.zeros(jnp.broadcast_shapes(words[0].shape, window_offset.shape), jnp.bool_)
+    for j, word in enumerate(words):
+        shift = window_offset - j * MASK_WORD_BITS
+        in_word = (shift >= 0) & (shift < MASK_WORD_BITS)
+        bit = (word >> jnp.clip(shift, 0, MASK_WORD_BITS - 1)) & 1
+        visible = visible | (in_word & (bit == 1))
+    return visible
+
 
 LayerKV = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_pages, page_size, n_kv, hd]
 

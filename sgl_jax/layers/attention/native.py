@@ -11,7 +11,7 @@ values are zeroed so that garbage (even NaN) in unused pages can never leak into
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention.metadata import AttentionMetadata, LayerKV
+from sgl_jax.layers.attention.metadata import AttentionMetadata, LayerKV, window_visible
 
 _MASKED = -1e30  # finite, so fully masked padding rows give zeros instead of NaN
 
@@ -49,9 +49,10 @@ def ragged_paged_attention_reference(
     block_len = pages_per_block * page_size
     queries = q.reshape(num_blocks, q_block, n_kv, n_heads // n_kv, hd)
     q_offsets = metadata.q_starts[:, None] + jnp.arange(q_block)[None, :]  # i32[NB, Bq]
-    mask_rows = None
-    if metadata.custom_mask is not None:
-        mask_rows = metadata.custom_mask.reshape(num_blocks, q_block, -1)  # bool[NB, Bq, W]
+    mask_words = None
+    if metadata.tree_bits is not None:
+        bits = metadata.tree_bits.reshape(num_blocks, q_block, -1)  # i32[NB, Bq, words]
+        mask_words = [bits[:, :, j : j + 1] for j in range(bits.shape[2])]
 
     def kv_block(b: jax.Array, carry: tuple) -> tuple:
         pages = jax.lax.dynamic_slice_in_dim(page_table, b * pages_per_block, pages_per_block, 1)
@@ -61,7 +62,7 @@ def ragged_paged_attention_reference(
         # must be zeroed, since 0 * NaN would still poison the weighted sum.
         keys = _gather_pages(k_pages, pages)  # [NB, B, n_kv, hd]
         values = jnp.where(kv_valid[:, :, None, None], _gather_pages(v_pages, pages), 0)
-        visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_rows, kv_valid)
+        visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_words, kv_valid)
         return _online_softmax_step(carry, queries, keys, values, visible, scale)
 
     num_kv_blocks = _cdiv(jnp.max(metadata.kv_lens), block_len)
@@ -120,19 +121,15 @@ def _visibility(
     kv_index: jax.Array,  # i32[B]: positions in the sequences' KV of this block's keys
     window_starts: jax.Array,  # i32[NB]
     q_offsets: jax.Array,  # i32[NB, Bq]: each query's index among its sequence's new tokens
-    mask_rows: jax.Array | None,  # bool[NB, Bq, W]: custom mask rows of each query, or None
+    mask_words: list[jax.Array] | None,  # each i32[NB, Bq, 1]: tree-mask words, or None
     kv_valid: jax.Array,  # bool[NB, B]
 ) -> jax.Array:  # bool[NB, Bq, B]
     # Position of each key inside the window of new tokens; negative means prefix.
     window_offset = (kv_index[None, :] - window_starts[:, None])[:, None, :]  # i32[NB, 1, B]
-    if mask_rows is None:
+    if mask_words is None:
         in_window_visible = window_offset <= q_offsets[:, :, None]
     else:
-        width = mask_rows.shape[2]
-        column = jnp.clip(window_offset, 0, width - 1)
-        column = jnp.broadcast_to(column, mask_rows.shape[:2] + (kv_index.shape[0],))
-        in_window_visible = jnp.take_along_axis(mask_rows, column, axis=2)
-        in_window_visible &= window_offset < width
+        in_window_visible = window_visible(mask_words, window_offset)
     visible = (window_offset < 0) | in_window_visible
     return visible & kv_valid[:, None, :]
 

@@ -1,0 +1,151 @@
+"""Random ragged paged-attention problems for testing attention backends and kernels.
+
+Every problem lives in a cache whose unused slots hold NaN, so a kernel that reads a slot it
+should not see (another sequence's page, a stale tail, the null page) poisons its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.layers.attention import AttentionMetadata
+from sgl_jax.model_executor.forward_batch import (
+    Buckets,
+    SeqChunk,
+    build_forward_batch,
+    token_positions,
+    window_metadata,
+)
+
+# Query lengths and prefix lengths of each sequence, per batch mode.
+BATCH_MODES = {
+    "decode": dict(q_lens=[1, 1, 1], prefix_lens=[5, 70, 1]),
+    "prefill": dict(q_lens=[9, 3, 40], prefix_lens=[0, 0, 0]),
+    "mixed": dict(q_lens=[1, 12, 4, 1], prefix_lens=[30, 0, 7, 66]),
+}
+TREE_PREFIX_LENS = [0, 37, 11]  # prefixes of the verify windows (one window per sequence)
+
+
+@dataclass
+class AttentionProblem:
+    q: np.ndarray  # [T, n_heads, hd]
+    new_k: np.ndarray  # [T, n_kv, hd]: this step's keys, zero on padding tokens
+    new_v: np.ndarray  # [T, n_kv, hd]
+    k_pages: np.ndarray  # [num_pages, page_size, n_kv, hd]: prefixes written, the rest NaN
+    v_pages: np.ndarray
+    metadata: AttentionMetadata
+    chunks: list[SeqChunk]
+    full_k: list[np.ndarray]  # per sequence [prefix + q_len, n_kv, hd]: all its keys
+    full_v: list[np.ndarray]
+    rows: list[np.ndarray]  # per sequence: where its new tokens sit among the T tokens
+
+
+def random_tree_mask(rng: np.random.Generator, n: int, *, branching: bool = True) -> np.ndarray:
+    """bool[n, n]: each node sees itself and its ancestors. A chain when not branching."""
+    mask = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        parent = rng.integers(0, i) if branching else i - 1
+        mask[i] |= mask[parent]
+    return mask
+
+
+def random_problem(
+    rng: np.random.Generator,
+    *,
+    q_lens: list[int],
+    prefix_lens: list[int],
+    page_size: int,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    dtype=np.float32,
+    tree: str | None = None,  # None (causal), "chain" or "branching"
+    windows: bool = False,  # metadata as a verify round builds it on the device
+) -> AttentionProblem:
+    num_pages = 1 + sum(-(-(p + q) // page_size) for p, q in zip(prefix_lens, q_lens, strict=True))
+    k_pages = np.full((num_pages + 3, page_size, n_kv, head_dim), np.nan, np.float32)
+    v_pages = np.full_like(k_pages, np.nan)
+    page_ids = rng.permutation(np.arange(1, num_pages + 3))  # scattered, some never used
+    chunks, full_k, full_v, next_page = [], [], [], 0
+    for prefix, q_len in zip(prefix_lens, q_lens, strict=True):
+        n_pages = -(-(prefix + q_len) // page_size)
+        pages = page_ids[next_page : next_page + n_pages].tolist()
+        next_page += n_pages
+        k = rng.normal(size=(prefix + q_len, n_kv, head_dim)).astype(dtype).astype(np.float32)
+        v = rng.normal(size=(prefix + q_len, n_kv, head_dim)).astype(dtype).astype(np.float32)
+        for i in range(prefix):  # the prefix was written by earlier steps
+            k_pages[pages[i // page_size], i % page_size] = k[i]
+            v_pages[pages[i // page_size], i % page_size] = v[i]
+        mask = None if tree is None else random_tree_mask(rng, q_len,
+                                                           branching=tree == "branching")
+        chunks.append(SeqChunk([0] * q_len, prefix, pages, tree_mask=mask))
+        full_k.append(k)
+        full_v.append(v)
+
+    if windows:
+        metadata, rows = _window_batch(chunks, page_size, num_pages + 3)
+    else:
+        buckets = Buckets.automatic(max_tokens=256, max_seqs=8, context_len=128,
+                                    page_size=page_size)
+        shape = buckets.shape_for(chunks)
+        metadata = build_forward_batch(chunks, page_size=page_size, shape=shape).attention
+        rows = token_positions(chunks, shape)
+    num_tokens = metadata.slot_mapping.shape[0]
+    q = rng.normal(size=(num_tokens, n_heads, head_dim)).astype(dtype)
+    new_k = np.zeros((num_tokens, n_kv, head_dim), np.float32)
+    new_v = np.zeros((num_tokens, n_kv, head_dim), np.float32)
+    for chunk, k, v, where in zip(chunks, full_k, full_v, rows, strict=True):
+        new_k[where], new_v[where] = k[chunk.prefix_len :], v[chunk.prefix_len :]
+    return AttentionProblem(q, new_k.astype(dtype), new_v.astype(dtype), k_pages.astype(dtype),
+                            v_pages.astype(dtype), metadata, chunks, full_k, full_v, rows)
+
+
+def _window_batch(chunks: list[SeqChunk], page_size: int, num_pages: int):
+    """One window per chunk, all as wide as the longest, plus one padding window."""
+    width = max(len(c.token_ids) for c in chunks)
+    batch = len(chunks) + 1
+    pages_per_seq = max(len(c.page_ids) for c in chunks) + 1
+    page_table = np.zeros((batch, pages_per_seq), np.int32)
+    prefix_lens = np.zeros(batch, np.int32)
+    num_valid = np.zeros(batch, np.int32)
+    masks = np.zeros((batch, width, width), bool)
+    rows = []
+    for i, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        page_table[i, : len(chunk.page_ids)] = chunk.page_ids
+        prefix_lens[i], num_valid[i] = chunk.prefix_len, n
+        masks[i, :n, :n] = chunk.tree_mask
+        rows.append(i * width + np.arange(n))
+    metadata = window_metadata(jnp.asarray(page_table), jnp.asarray(prefix_lens),
+                               jnp.asarray(num_valid), width, page_size, jnp.asarray(masks))
+    return metadata, rows
+
+
+def naive_attention(q, keys, values, visible, scale):
+    """One query token: q [n_heads, hd]; keys/values [kv, n_kv, hd]; visible bool[kv]."""
+    group = q.shape[0] // keys.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    for h in range(q.shape[0]):
+        scores = keys[visible, h // group].astype(np.float64) @ q[h].astype(np.float64) * scale
+        probs = np.exp(scores - scores.max())
+        out[h] = (probs / probs.sum()) @ values[visible, h // group]
+    return out
+
+
+def expected_outputs(problem: AttentionProblem, scale: float) -> list[np.ndarray]:
+    """Per sequence [q_len, n_heads, hd], token by token in float64."""
+    outputs = []
+    for chunk, k, v, where in zip(problem.chunks, problem.full_k, problem.full_v, problem.rows,
+                                  strict=True):
+        rows = []
+        for j, token in enumerate(where):
+            visible = np.arange(len(k)) <= chunk.prefix_len + j
+            if chunk.tree_mask is not None:
+                visible[chunk.prefix_len :] = chunk.tree_mask[j]
+            rows.append(naive_attention(np.asarray(problem.q[token], np.float32), k, v, visible,
+                                        scale))
+        outputs.append(np.stack(rows))
+    return outputs
