@@ -69,7 +69,7 @@ class ServerArgs:
     precompile_bs_paddings: tuple[int, ...] | None = None  # default: powers of two
     skip_server_warmup: bool = False
     disable_overlap_schedule: bool = False  # steps never overlap here; accepted for SGLang users
-    attention_backend: str = "native"
+    attention_backend: str | None = None  # default: fa on TPU and GPU, native on CPU
     # Parallelism
     tp_size: int = 1
     # Speculative decoding
@@ -115,7 +115,7 @@ class ServerArgs:
     def _validate_choices(self) -> None:
         choices = {
             "dtype": DTYPE_CHOICES, "device": (None, *DEVICE_CHOICES),
-            "attention_backend": ATTENTION_BACKEND_CHOICES,
+            "attention_backend": (None, *ATTENTION_BACKEND_CHOICES),
             "speculative_algorithm": (None, *SPECULATIVE_ALGORITHMS),
             "reasoning_parser": (None, *REASONING_PARSERS), "log_level": LOG_LEVELS,
         }
@@ -312,9 +312,11 @@ def _add_scheduling_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-overlap-schedule", action="store_true",
                        help="accepted for compatibility: steps are never overlapped here, so "
                             "this is always the behaviour")
-    group.add_argument("--attention-backend", default="native",
+    group.add_argument("--attention-backend", default=None,
                        choices=ATTENTION_BACKEND_CHOICES,
-                       help="native = the jnp reference; fa (alias triton) = the Pallas kernels")
+                       help="fa (alias triton) = the Pallas ragged paged FlashAttention kernels, "
+                            "native = the jnp reference; default: fa on TPU and GPU, native on "
+                            "CPU")
 
 
 def _add_parallel_args(group: argparse._ArgumentGroup) -> None:

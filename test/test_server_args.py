@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from sgl_jax import launch_server
+from sgl_jax.layers.attention import resolve_attention_backend
 from sgl_jax.server_args import ServerArgs, build_parser
 
 # The launch commands users copy from the model cards and the server page (flags only).
@@ -152,7 +153,6 @@ def test_help_groups_and_documents_every_flag():
     (["--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", "d"],
      "--speculative-algorithm NEXTN is not supported"),
     (["--tp-size", "4"], "tensor parallelism (--tp-size 4) is not available"),
-    (["--attention-backend", "fa"], "--attention-backend fa) is not available"),
 ])
 def test_launch_refuses_unavailable_features_before_loading(extra, message, caplog, tmp_path):
     caplog.set_level(logging.ERROR)
@@ -180,3 +180,12 @@ def test_launch_refuses_an_unknown_chat_template_before_loading(caplog, tmp_path
     argv = ["--model-path", str(tmp_path / "never-read"), "--chat-template", "no-such"]
     assert launch_server.main(argv) == 2
     assert "neither a file nor a built-in name" in caplog.text
+
+
+def test_attention_backend_defaults_to_the_kernels_on_accelerators():
+    assert ServerArgs().attention_backend is None
+    assert resolve_attention_backend(None, platform="cpu") == "native"
+    assert resolve_attention_backend(None, platform="tpu") == "fa"
+    assert resolve_attention_backend(None, platform="gpu") == "fa"
+    assert resolve_attention_backend("triton") == "fa"  # SGLang's GPU spelling
+    assert resolve_attention_backend("native", platform="gpu") == "native"

@@ -8,6 +8,7 @@ offline callers can share one engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from sgl_jax.entrypoints.output_stream import OutputStream
+from sgl_jax.layers.attention import resolve_attention_backend
 from sgl_jax.mem_cache.kv_cache import kv_pool_pages
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.mem_cache.radix_cache import RadixCache
@@ -51,8 +53,11 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         if model_path is None:
             raise ValueError("Engine needs model_path (a local directory or a Hugging Face id)")
-        self.server_args = args = ServerArgs(model_path=model_path, **server_args)
+        args = ServerArgs(model_path=model_path, **server_args)
         _check_available(args)
+        # Settle the platform default once, so server info reports what actually runs.
+        self.server_args = args = dataclasses.replace(
+            args, attention_backend=resolve_attention_backend(args.attention_backend))
         self.model = load_model(model_path, dtype=args.dtype, revision=args.revision)
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir,
                                         trust_remote_code=args.trust_remote_code)
@@ -66,7 +71,8 @@ class Engine:
         # on the engine thread.
         self.output_observer: Callable[[Req, int], None] | None = None
         self._build_runtime()
-        logger.info("Engine ready: %s on %s", self.model.config.architecture, jax.devices()[0])
+        logger.info("Engine ready: %s on %s, attention backend %s",
+                    self.model.config.architecture, jax.devices()[0], args.attention_backend)
 
     # ------------------------------------------------------------------ start-up
 
@@ -443,10 +449,6 @@ def _check_available(args: ServerArgs) -> None:
     if args.tp_size > 1:
         raise NotImplementedError(f"tensor parallelism (--tp-size {args.tp_size}) is not "
                                   "available in this version yet; use --tp-size 1")
-    if args.attention_backend != "native":
-        raise NotImplementedError(f"the Pallas attention backend (--attention-backend "
-                                  f"{args.attention_backend}) is not available in this version "
-                                  "yet; use --attention-backend native")
     if args.device is not None:
         _check_device(args.device)
 
