@@ -149,3 +149,55 @@ def expected_outputs(problem: AttentionProblem, scale: float) -> list[np.ndarray
                                         scale))
         outputs.append(np.stack(rows))
     return outputs
+
+
+# Batch modes of the kernel tests: the plain ones plus verify windows of a chain (topk 1) and
+# of a branching tree (topk 4), built on the device as a speculative round builds them.
+KERNEL_MODES = {
+    **BATCH_MODES,
+    "tree_topk1": dict(q_lens=[6, 6, 4], prefix_lens=TREE_PREFIX_LENS, tree="chain",
+                       windows=True),
+    "tree_topk4": dict(q_lens=[7, 7, 5], prefix_lens=TREE_PREFIX_LENS, tree="branching",
+                       windows=True),
+}
+DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+
+
+def kernel_problem(mode: str, *, page_size: int, gqa: int, dtype: str, head_dim: int = 64,
+                   n_kv: int = 2, seed: int = 0) -> AttentionProblem:
+    return random_problem(np.random.default_rng(seed), **KERNEL_MODES[mode],
+                          page_size=page_size, n_heads=n_kv * gqa, n_kv=n_kv,
+                          head_dim=head_dim, dtype=DTYPES[dtype])
+
+
+def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype: str) -> None:
+    """kernel(q, k_pages, v_pages, metadata, scale) against the jnp reference on the same
+    cache: equal on every real token, and finite everywhere although unused slots are NaN."""
+    from sgl_jax.layers.attention.checks import check_dynamic_inputs
+    from sgl_jax.layers.attention.native import ragged_paged_attention_reference, write_kv
+
+    page_size, head_dim = problem.k_pages.shape[1], problem.q.shape[2]
+    check_dynamic_inputs(problem.metadata, num_pages=problem.k_pages.shape[0],
+                         page_size=page_size)
+    layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
+                        jnp.asarray(problem.new_k), jnp.asarray(problem.new_v),
+                        problem.metadata.slot_mapping)
+    q, scale = jnp.asarray(problem.q), head_dim**-0.5
+    expected = ragged_paged_attention_reference(q, *layer_kv, problem.metadata, scale=scale)
+    out = kernel(q, *layer_kv, problem.metadata, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    assert np.isfinite(out).all(), "a NaN from an unused cache slot reached the output"
+    rows = np.concatenate(problem.rows)
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(out[rows], expected[rows], rtol=tolerance, atol=tolerance)
+
+
+def lowered_text(kernel, problem: AttentionProblem, platform: str) -> str:
+    """StableHLO of kernel(q, k_pages, v_pages, metadata) lowered for `platform` ('tpu' or
+    'cuda'): runs the real Pallas -> Mosaic / Triton lowering on any host."""
+    import jax
+
+    args = (jnp.asarray(problem.q), jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages),
+            problem.metadata)
+    return jax.jit(kernel).trace(*args).lower(lowering_platforms=(platform,)).as_text()

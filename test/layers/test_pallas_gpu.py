@@ -1,0 +1,80 @@
+"""The Pallas GPU (Triton) attention kernel against the jnp reference with `interpret=True`:
+the kernel code a GPU compiles, executed on the CPU, with NaN in every unused cache slot.
+Lowering it for the 'cuda' platform runs the real Pallas -> Triton IR translation without a
+GPU, so unsupported ops, non-power-of-two tensors and bad index shapes fail here too."""
+
+import functools
+
+import pytest
+
+from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
+from sgl_jax.testing.attention import (
+    DTYPES,
+    KERNEL_MODES,
+    assert_kernel_matches_reference,
+    kernel_problem,
+    lowered_text,
+)
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def interpreted(**tunables):
+    def run(q, k_pages, v_pages, metadata, scale):
+        return ragged_paged_attention_gpu(q, k_pages, v_pages, metadata, scale=scale,
+                                          interpret=True, **tunables)
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_matches_reference(mode, gqa, page_size, dtype):
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
+    assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim,gqa,n_kv", [(128, 7, 1), (256, 2, 2)])
+@pytest.mark.parametrize("mode", ["mixed", "tree_topk4"])
+def test_large_head_dims_and_odd_groups(mode, head_dim, gqa, n_kv):
+    """Qwen3-Next's head_dim 256, and Qwen2.5-7B's 7 query heads per KV head."""
+    problem = kernel_problem(mode, page_size=16, gqa=gqa, dtype="bfloat16", head_dim=head_dim,
+                             n_kv=n_kv)
+    assert_kernel_matches_reference(interpreted(), problem, dtype="bfloat16")
+
+
+def test_several_kv_blocks_per_sequence():
+    problem = kernel_problem("mixed", page_size=4, gqa=2, dtype="float32")
+    assert_kernel_matches_reference(interpreted(kv_block_tokens=16), problem, dtype="float32")
+
+
+def lower_for_cuda(problem, **tunables) -> str:
+    kernel = functools.partial(ragged_paged_attention_gpu, scale=0.125, **tunables)
+    return lowered_text(kernel, problem, "cuda")
+
+
+@pytest.mark.parametrize("mode,head_dim,dtype,page_size,gqa", [
+    ("mixed", 64, "float32", 16, 1),
+    ("decode", 128, "bfloat16", 1, 7),  # 7 query heads per KV head: rows padded to 16
+    ("prefill", 256, "bfloat16", 16, 1),
+    ("tree_topk4", 128, "float32", 1, 1),  # tree windows of 7 tokens
+    ("tree_topk1", 64, "bfloat16", 16, 7),  # 42 rows padded to 64
+    ("tree_topk4", 256, "float32", 16, 7),
+])
+def test_lowers_to_triton(mode, head_dim, dtype, page_size, gqa):
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype, head_dim=head_dim)
+    assert TRITON_CALL in lower_for_cuda(problem)
+
+
+def test_lowers_with_other_tunables():
+    problem = kernel_problem("mixed", page_size=16, gqa=4, dtype="bfloat16")
+    assert TRITON_CALL in lower_for_cuda(problem, kv_block_tokens=16, num_warps=8,
+                                         num_stages=3)
+
+
+@pytest.mark.parametrize("head_dim,kv_block_tokens", [(24, 64), (8, 64), (64, 48), (64, 8)])
+def test_rejects_shapes_triton_cannot_tile(head_dim, kv_block_tokens):
+    problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32", head_dim=head_dim)
+    with pytest.raises(ValueError, match="power of two"):
+        lower_for_cuda(problem, kv_block_tokens=kv_block_tokens)

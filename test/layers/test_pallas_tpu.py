@@ -1,0 +1,80 @@
+"""The Pallas TPU attention kernel against the jnp reference, under TPU interpret mode: the
+kernel code a TPU compiles, executed on the CPU, with NaN in every unused cache slot. Lowering
+it for the 'tpu' platform runs the real Pallas -> Mosaic translation, which checks what
+interpret mode cannot."""
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from sgl_jax.layers.attention.checks import check_dynamic_inputs
+from sgl_jax.layers.attention.pallas_tpu import ragged_paged_attention_tpu
+from sgl_jax.testing.attention import (
+    DTYPES,
+    KERNEL_MODES,
+    assert_kernel_matches_reference,
+    kernel_problem,
+    lowered_text,
+)
+
+
+def interpreted(kernel=ragged_paged_attention_tpu):
+    def run(q, k_pages, v_pages, metadata, scale):
+        with pltpu.force_tpu_interpret_mode():
+            return kernel(q, k_pages, v_pages, metadata, scale=scale)
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_matches_reference(mode, gqa, page_size, dtype):
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
+    assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim,gqa,n_kv", [(128, 7, 1), (256, 2, 2)])
+@pytest.mark.parametrize("mode", ["mixed", "tree_topk4"])
+def test_large_head_dims_and_odd_groups(mode, head_dim, gqa, n_kv):
+    """Qwen3-Next's head_dim 256, and Qwen2.5-7B's 7 query heads per KV head."""
+    problem = kernel_problem(mode, page_size=16, gqa=gqa, dtype="bfloat16", head_dim=head_dim,
+                             n_kv=n_kv)
+    assert_kernel_matches_reference(interpreted(), problem, dtype="bfloat16")
+
+
+def test_several_kv_blocks_per_sequence():
+    problem = kernel_problem("mixed", page_size=4, gqa=2, dtype="float32")
+    kernel = functools.partial(ragged_paged_attention_tpu, kv_block_tokens=16)
+    assert_kernel_matches_reference(interpreted(kernel), problem, dtype="float32")
+
+
+@pytest.mark.parametrize("head_dim,dtype,mode,page_size", [
+    (64, "float32", "decode", 1),
+    (128, "bfloat16", "mixed", 16),
+    (256, "bfloat16", "tree_topk4", 64),
+])
+def test_lowers_to_mosaic(head_dim, dtype, mode, page_size):
+    problem = kernel_problem(mode, page_size=page_size, gqa=4, dtype=dtype, head_dim=head_dim)
+    kernel = functools.partial(ragged_paged_attention_tpu, scale=0.1)
+    assert "tpu_custom_call" in lowered_text(kernel, problem, "tpu")
+
+
+def test_dynamic_check_names_the_problem():
+    problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32")
+    too_long = problem.metadata.kv_lens.copy()
+    too_long[0] = 10_000
+    metadata = dataclasses.replace(problem.metadata, kv_lens=too_long)
+    with pytest.raises(ValueError, match="kv_lens must lie"):
+        check_dynamic_inputs(metadata, num_pages=problem.k_pages.shape[0], page_size=16)
+
+
+def test_static_check_names_the_problem():
+    problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32", n_kv=4)
+    q = jnp.zeros((problem.q.shape[0], 6, 64))  # 6 query heads over 4 KV heads
+    with pytest.raises(ValueError, match="do not share 4 KV heads"):
+        ragged_paged_attention_tpu(q, jnp.asarray(problem.k_pages),
+                                   jnp.asarray(problem.v_pages), problem.metadata, scale=0.1)
