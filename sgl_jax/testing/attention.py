@@ -6,6 +6,7 @@ should not see (another sequence's page, a stale tail, the null page) poisons it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -161,6 +162,10 @@ KERNEL_MODES = {
                        windows=True),
 }
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+# (mode, gqa, page_size, dtype): the product every kernel is tested over.
+KERNEL_PRODUCT = list(itertools.product(KERNEL_MODES, [1, 4, 8], [1, 16, 64], DTYPES))
+# (mode, head_dim, gqa, n_kv): Qwen3-Next's head_dim 256, Qwen2.5-7B's 7 query heads per KV head.
+KERNEL_WIDE_HEADS = list(itertools.product(["mixed", "tree_topk4"], [(128, 7, 1), (256, 2, 2)]))
 
 
 def kernel_problem(mode: str, *, page_size: int, gqa: int, dtype: str, head_dim: int = 64,
@@ -168,6 +173,13 @@ def kernel_problem(mode: str, *, page_size: int, gqa: int, dtype: str, head_dim:
     return random_problem(np.random.default_rng(seed), **KERNEL_MODES[mode],
                           page_size=page_size, n_heads=n_kv * gqa, n_kv=n_kv,
                           head_dim=head_dim, dtype=DTYPES[dtype])
+
+
+def check_wide_heads(kernel, mode: str, heads: tuple[int, int, int]) -> None:
+    head_dim, gqa, n_kv = heads
+    problem = kernel_problem(mode, page_size=16, gqa=gqa, dtype="bfloat16", head_dim=head_dim,
+                             n_kv=n_kv)
+    assert_kernel_matches_reference(kernel, problem, dtype="bfloat16")
 
 
 def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype: str) -> None:

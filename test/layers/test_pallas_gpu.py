@@ -9,9 +9,10 @@ import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.testing.attention import (
-    DTYPES,
-    KERNEL_MODES,
+    KERNEL_PRODUCT,
+    KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
+    check_wide_heads,
     kernel_problem,
     lowered_text,
 )
@@ -26,22 +27,15 @@ def interpreted(**tunables):
     return run
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("gqa", [1, 4, 8])
-@pytest.mark.parametrize("mode", KERNEL_MODES)
+@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_PRODUCT)
 def test_matches_reference(mode, gqa, page_size, dtype):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
     assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
 
 
-@pytest.mark.parametrize("head_dim,gqa,n_kv", [(128, 7, 1), (256, 2, 2)])
-@pytest.mark.parametrize("mode", ["mixed", "tree_topk4"])
-def test_large_head_dims_and_odd_groups(mode, head_dim, gqa, n_kv):
-    """Qwen3-Next's head_dim 256, and Qwen2.5-7B's 7 query heads per KV head."""
-    problem = kernel_problem(mode, page_size=16, gqa=gqa, dtype="bfloat16", head_dim=head_dim,
-                             n_kv=n_kv)
-    assert_kernel_matches_reference(interpreted(), problem, dtype="bfloat16")
+@pytest.mark.parametrize("mode,heads", KERNEL_WIDE_HEADS)
+def test_wide_heads_and_odd_groups(mode, heads):
+    check_wide_heads(interpreted(), mode, heads)
 
 
 def test_several_kv_blocks_per_sequence():
