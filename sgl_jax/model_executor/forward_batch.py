@@ -246,7 +246,7 @@ def _tree_bits(
         if chunk.tree_mask.shape != (n, n):
             raise ValueError(f"tree_mask must be [{n}, {n}], got {list(chunk.tree_mask.shape)}")
         mask[start : start + n, :n] = chunk.tree_mask
-    return np.asarray(pack_mask_bits(mask))
+    return pack_mask_bits(mask)
 
 
 # ---------------------------------------------------------------- windows built on the device

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,18 @@ jax.tree_util.register_dataclass(
 MASK_WORD_BITS = 32
 
 
-def pack_mask_bits(mask: jax.Array) -> jax.Array:
-    """bool[..., W] -> i32[..., cdiv(W, 32)]: bit w % 32 of word w // 32 is mask[..., w]."""
+def pack_mask_bits(mask):
+    """bool[..., W] -> i32[..., cdiv(W, 32)]: bit w % 32 of word w // 32 is mask[..., w].
+
+    numpy in, numpy out (host-built batches); a jax array in, packed on the device."""
+    xp = np if isinstance(mask, np.ndarray) else jnp
     width = mask.shape[-1]
     words = -(-width // MASK_WORD_BITS)
-    padded = jnp.pad(jnp.asarray(mask, jnp.int32),
-                     [(0, 0)] * (mask.ndim - 1) + [(0, words * MASK_WORD_BITS - width)])
+    padded = xp.pad(mask.astype(xp.int32),
+                    [(0, 0)] * (mask.ndim - 1) + [(0, words * MASK_WORD_BITS - width)])
     bits = padded.reshape(*mask.shape[:-1], words, MASK_WORD_BITS)
     # Distinct powers of two: their int32 sum is their OR (bit 31 wraps to the sign bit).
-    return (bits << jnp.arange(MASK_WORD_BITS, dtype=jnp.int32)).sum(-1, dtype=jnp.int32)
+    return (bits << xp.arange(MASK_WORD_BITS, dtype=xp.int32)).sum(-1, dtype=xp.int32)
 
 
 def window_visible(words: list[jax.Array], window_offset: jax.Array) -> jax.Array:
