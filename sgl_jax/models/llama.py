@@ -1,18 +1,22 @@
 """The dense Llama-style decoder shared by Llama, Qwen2 and Qwen3.
 
 Parameters are a plain pytree:
-    {"embed": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
-     "layers": [{"input_norm": [H], "w_qkv": [(nq + 2*nkv)*hd, H], "w_o": [H, nq*hd],
-                 "post_norm": [H], "w_gate_up": [2*I, H], "w_down": [H, I],
+    {"embed": [V, H], "norm": [H], "lm_head": [V, H] (absent when tied),
+     "layers": [{"input_norm": [H], "w_qkv": [nkv, (nq/nkv + 2)*hd, H], "w_o": [H, nq*hd],
+                 "post_norm": [H], "w_gate_up": [2, I, H], "w_down": [H, I],
                  optional "b_qkv"/"b_o"/"b_gate_up"/"b_down" biases,
                  optional "q_norm"/"k_norm": [hd]}, ...]}
 Matrices keep the checkpoint's [out, in] layout: XLA streams a matrix-vector product over
 contiguous rows faster than over columns, which is what decode is made of. q|k|v and gate|up
-are fused at load time: one larger product streams faster than several small ones.
+are fused at load time: one larger product streams faster than several small ones. The fused
+matrices keep a leading group axis (one group per KV head; gate vs up), and split along it
+for tensor parallelism without cutting through q, k or v. Token tables may carry padding
+rows past V when sharded, so logits are cut back to V.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,7 +26,7 @@ from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerK
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
-from sgl_jax.models.weights import WeightSpec
+from sgl_jax.models.weights import FusedPart, WeightSpec
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 Params = dict[str, Any]
@@ -47,36 +51,70 @@ def hf_weight_specs(config: ModelConfig) -> dict[str, WeightSpec]:
 
 
 def _layer_weight_specs(config: ModelConfig, i: int) -> dict[str, WeightSpec]:
+    return decoder_layer_specs(config, f"model.layers.{i}.", ("layers", i))
+
+
+def decoder_layer_specs(
+    config: ModelConfig, prefix: str, path: tuple[str | int, ...], attn_in: int | None = None
+) -> dict[str, WeightSpec]:
+    """The tensors of one decoder layer named `prefix`..., placed under `path`; `attn_in` is
+    the width the q/k/v projections read (the hidden size unless given)."""
     h, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.q_size, config.kv_size
-    # hf module -> (our name, in features, out features, has bias, rows in the fused matrix)
+    attn_in = attn_in or h
+    qkv, gate_up = _qkv_parts(config), _gate_up_parts(config)
+    # hf module -> (our name, in features, out features, has bias, where in a fused parameter)
     linears = {
-        "self_attn.q_proj": ("_qkv", h, q, config.qkv_bias, (0, q)),
-        "self_attn.k_proj": ("_qkv", h, kv, config.qkv_bias, (q, q + kv)),
-        "self_attn.v_proj": ("_qkv", h, kv, config.qkv_bias, (q + kv, q + 2 * kv)),
-        "self_attn.o_proj": ("_o", q, h, config.o_bias, None),
-        "mlp.gate_proj": ("_gate_up", h, inter, config.mlp_bias, (0, inter)),
-        "mlp.up_proj": ("_gate_up", h, inter, config.mlp_bias, (inter, 2 * inter)),
+        "self_attn.q_proj": ("_qkv", attn_in, config.q_size, config.qkv_bias, qkv[0]),
+        "self_attn.k_proj": ("_qkv", attn_in, config.kv_size, config.qkv_bias, qkv[1]),
+        "self_attn.v_proj": ("_qkv", attn_in, config.kv_size, config.qkv_bias, qkv[2]),
+        "self_attn.o_proj": ("_o", config.q_size, h, config.o_bias, None),
+        "mlp.gate_proj": ("_gate_up", h, inter, config.mlp_bias, gate_up[0]),
+        "mlp.up_proj": ("_gate_up", h, inter, config.mlp_bias, gate_up[1]),
         "mlp.down_proj": ("_down", inter, h, config.mlp_bias, None),
     }
-    prefix = f"model.layers.{i}."
     specs = {
-        prefix + "input_layernorm.weight": WeightSpec(("layers", i, "input_norm"), (h,)),
-        prefix + "post_attention_layernorm.weight": WeightSpec(("layers", i, "post_norm"), (h,)),
+        prefix + "input_layernorm.weight": WeightSpec((*path, "input_norm"), (h,)),
+        prefix + "post_attention_layernorm.weight": WeightSpec((*path, "post_norm"), (h,)),
     }
-    for module, (name, in_features, out_features, has_bias, rows) in linears.items():
+    for module, (name, in_features, out_features, has_bias, part) in linears.items():
         specs[f"{prefix}{module}.weight"] = WeightSpec(
-            ("layers", i, "w" + name), (out_features, in_features), rows
+            (*path, "w" + name), (out_features, in_features), part and part(in_features)
         )
         if has_bias:
             specs[f"{prefix}{module}.bias"] = WeightSpec(
-                ("layers", i, "b" + name), (out_features,), rows
+                (*path, "b" + name), (out_features,), part and part()
             )
     if config.qk_norm:
         hd = config.head_dim
-        specs[prefix + "self_attn.q_norm.weight"] = WeightSpec(("layers", i, "q_norm"), (hd,))
-        specs[prefix + "self_attn.k_norm.weight"] = WeightSpec(("layers", i, "k_norm"), (hd,))
+        specs[prefix + "self_attn.q_norm.weight"] = WeightSpec((*path, "q_norm"), (hd,))
+        specs[prefix + "self_attn.k_norm.weight"] = WeightSpec((*path, "k_norm"), (hd,))
     return specs
+
+
+def _qkv_parts(config: ModelConfig) -> list[Callable[..., FusedPart]]:
+    """q, k and v inside w_qkv [G, W, in]: group g holds the q heads that read KV head g,
+    then k and v of that head (W = (nq/G + 2) * hd), so splitting groups keeps them whole."""
+    groups, hd = config.num_kv_heads, config.head_dim
+    q_width = config.num_heads // groups * hd
+    spans = [(0, q_width), (q_width, q_width + hd), (q_width + hd, q_width + 2 * hd)]
+
+    def part(start: int, stop: int) -> Callable[..., FusedPart]:
+        return lambda *in_features: FusedPart(
+            (groups, q_width + 2 * hd, *in_features), (groups, stop - start, *in_features),
+            (slice(None), slice(start, stop)),
+        )
+    return [part(*span) for span in spans]
+
+
+def _gate_up_parts(config: ModelConfig) -> list[Callable[..., FusedPart]]:
+    """gate and up inside w_gate_up [2, I, in]."""
+    inter = config.intermediate_size
+
+    def part(i: int) -> Callable[..., FusedPart]:
+        return lambda *in_features: FusedPart(
+            (2, inter, *in_features), (1, inter, *in_features), (slice(i, i + 1),)
+        )
+    return [part(0), part(1)]
 
 
 def forward(
@@ -114,8 +152,9 @@ def forward(
 
 def compute_logits(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
     """hidden f[N, H] (final-normed) -> f32[N, V]."""
-    weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]  # [V, H]
-    return matmul_rows(hidden, weight, preferred_element_type=jnp.float32)
+    weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]  # [V', H]
+    logits = matmul_rows(hidden, weight, preferred_element_type=jnp.float32)
+    return logits[:, : config.vocab_size]  # V' > V when the table is padded for sharding
 
 
 def _decoder_layer(
@@ -146,10 +185,10 @@ def self_attention(
     attention: AttentionBackend,
 ) -> tuple[jax.Array, LayerKV]:
     num_tokens, hd = x.shape[0], config.head_dim
-    q, k, v = jnp.split(_linear(p, "_qkv", x), [config.q_size, config.q_size + config.kv_size], -1)
-    q = q.reshape(num_tokens, config.num_heads, hd)
-    k = k.reshape(num_tokens, config.num_kv_heads, hd)
-    v = v.reshape(num_tokens, config.num_kv_heads, hd)
+    qkv = _linear(p, "_qkv", x)  # [T, G, W]: G KV heads (more than the config's when sharded)
+    q_width = qkv.shape[-1] - 2 * hd
+    q = qkv[..., :q_width].reshape(num_tokens, config.num_heads, hd)
+    k, v = qkv[..., q_width : q_width + hd], qkv[..., q_width + hd :]  # [T, G, hd]
     if config.qk_norm:
         q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
@@ -159,7 +198,8 @@ def self_attention(
 
 
 def mlp(p: Params, x: jax.Array) -> jax.Array:
-    gate, up = jnp.split(_linear(p, "_gate_up", x), 2, axis=-1)
+    gate_up = _linear(p, "_gate_up", x)  # [T, 2, I]
+    gate, up = gate_up[:, 0], gate_up[:, 1]
     return _linear(p, "_down", jax.nn.silu(gate) * up)
 
 
@@ -170,5 +210,5 @@ def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
 
 
 def matmul_rows(x: jax.Array, weight: jax.Array, **kwargs) -> jax.Array:
-    """x [T, in] times weight [out, in] -> [T, out] (x @ weight.T without a transpose)."""
-    return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), **kwargs)
+    """x [T, in] times weight [*out, in] -> [T, *out] (x @ weight.T without a transpose)."""
+    return jax.lax.dot_general(x, weight, (((1,), (weight.ndim - 1,)), ((), ())), **kwargs)

@@ -9,7 +9,7 @@ with `layers.0.` accepted for `midlayer.` and `draft_id_to_target_id` for `d2t`.
 shares the target's lm_head (then the draft vocabulary is the target's).
 
 Parameters: {"fc": [H, 3*Ht], "input_norm", "hidden_norm", "post_norm", "norm": [H],
-"w_qkv": [(nq + 2*nkv)*hd, 2H], "w_o": [H, nq*hd], "w_gate_up": [2I, H], "w_down": [H, I],
+"w_qkv": [nkv, (nq/nkv + 2)*hd, 2H], "w_o": [H, nq*hd], "w_gate_up": [2, I, H], "w_down": [H, I],
 optional "embed": [V, H], "lm_head": [Vd, H], "d2t": i32[Vd]}.
 """
 
@@ -26,7 +26,7 @@ from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerK
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
-from sgl_jax.models.llama import matmul_rows, mlp, self_attention
+from sgl_jax.models.llama import decoder_layer_specs, matmul_rows, mlp, self_attention
 from sgl_jax.models.weights import WeightSpec
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -94,25 +94,15 @@ def hf_weight_specs(config: Eagle3Config, names: Collection[str]) -> dict[str, W
     """The tensors of this draft, in whichever accepted spelling `names` (the checkpoint's
     tensor names) uses."""
     c = config.layer
-    h, inter, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+    h = c.hidden_size
     prefix = next((p for p in _LAYER_PREFIXES if any(n.startswith(p) for n in names)),
                   _LAYER_PREFIXES[0])
     specs = {
         "fc.weight": WeightSpec(("fc",), (h, NUM_CAPTURED * config.target_hidden_size)),
         "norm.weight": WeightSpec(("norm",), (h,)),
-        prefix + "input_layernorm.weight": WeightSpec(("input_norm",), (h,)),
         prefix + "hidden_norm.weight": WeightSpec(("hidden_norm",), (h,)),
-        prefix + "post_attention_layernorm.weight": WeightSpec(("post_norm",), (h,)),
-        prefix + "self_attn.q_proj.weight": WeightSpec(("w_qkv",), (q, 2 * h), (0, q)),
-        prefix + "self_attn.k_proj.weight": WeightSpec(("w_qkv",), (kv, 2 * h), (q, q + kv)),
-        prefix + "self_attn.v_proj.weight": WeightSpec(("w_qkv",), (kv, 2 * h),
-                                                       (q + kv, q + 2 * kv)),
-        prefix + "self_attn.o_proj.weight": WeightSpec(("w_o",), (h, q)),
-        prefix + "mlp.gate_proj.weight": WeightSpec(("w_gate_up",), (inter, h), (0, inter)),
-        prefix + "mlp.up_proj.weight": WeightSpec(("w_gate_up",), (inter, h),
-                                                  (inter, 2 * inter)),
-        prefix + "mlp.down_proj.weight": WeightSpec(("w_down",), (h, inter)),
     }
+    specs.update(decoder_layer_specs(c, prefix, (), attn_in=2 * h))
     if "embed_tokens.weight" in names:
         specs["embed_tokens.weight"] = WeightSpec(("embed",), (c.vocab_size, h))
     if "lm_head.weight" in names:
@@ -158,7 +148,8 @@ def compute_logits(params: Params, hidden: jax.Array, config: Eagle3Config,
     """hidden f[N, H] (pre-norm) -> f32[N, Vd] over the draft vocabulary; `lm_head` [Vd, H] is
     the draft's own or the target's."""
     x = rms_norm(hidden, params["norm"], config.layer.rms_norm_eps)
-    return matmul_rows(x, lm_head, preferred_element_type=jnp.float32)
+    logits = matmul_rows(x, lm_head, preferred_element_type=jnp.float32)
+    return logits[:, : config.draft_vocab_size]  # drops rows padded in for sharding
 
 
 def draft_to_target_ids(draft_ids: jax.Array, params: Params) -> jax.Array:

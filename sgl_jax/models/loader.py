@@ -206,7 +206,7 @@ def load_params(
         for path, file_names in by_file.items():
             with safe_open(path, framework="numpy") as f:
                 for name in file_names:
-                    _place(host, f.get_tensor(name), specs[name], specs, dtype)
+                    _place(host, f.get_tensor(name), specs[name], dtype)
                     bar.update()
     flat = {path: jax.device_put(array) for path, array in host.items()}
     return _unflatten(flat)
@@ -254,21 +254,17 @@ def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -
                 )
 
 
-def _place(
-    host: dict[tuple, np.ndarray], array: np.ndarray, spec: WeightSpec,
-    specs: dict[str, WeightSpec], dtype: Any,
-) -> None:
-    """Put a checkpoint tensor (converted to dtype) into its parameter, or into its rows of a
+def _place(host: dict[tuple, np.ndarray], array: np.ndarray, spec: WeightSpec, dtype: Any
+           ) -> None:
+    """Put a checkpoint tensor (converted to dtype) into its parameter, or into its part of a
     fused parameter, which is allocated when its first piece arrives."""
     array = array.astype(np.int32 if spec.integer else dtype, copy=False)
-    if spec.rows is None:
+    if spec.part is None:
         host[spec.path] = array
         return
     if spec.path not in host:
-        height = max(s.rows[1] for s in specs.values() if s.path == spec.path)
-        host[spec.path] = np.empty((height,) + array.shape[1:], array.dtype)
-    start, stop = spec.rows
-    host[spec.path][start:stop] = array
+        host[spec.path] = np.empty(spec.part.param_shape, array.dtype)
+    spec.part.write(host[spec.path], array)
 
 
 def _unflatten(flat: dict[tuple, jax.Array]) -> dict[str, Any]:

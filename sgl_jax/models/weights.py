@@ -1,15 +1,45 @@
-"""How a checkpoint tensor maps into a model's parameter pytree."""
+"""How a checkpoint tensor maps into a model's parameter pytree, and the logical axes of every
+parameter (which `sgl_jax.parallel` maps onto a device mesh)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FusedPart:
+    """Where a checkpoint tensor lands inside a fused parameter (e.g. k_proj inside q|k|v):
+    reshaped to `view`, then written at `index` of the parameter of shape `param_shape`."""
+
+    param_shape: tuple[int, ...]
+    view: tuple[int, ...]
+    index: tuple[slice, ...]
+
+    def write(self, param: np.ndarray, tensor: np.ndarray) -> None:
+        param[self.index] = tensor.reshape(self.view)
 
 
 @dataclass(frozen=True)
 class WeightSpec:
     path: tuple[str | int, ...]  # where the tensor goes in the parameter pytree
     shape: tuple[int, ...]  # its shape in the checkpoint (PyTorch layout, [out, in])
-    # Rows (first axis) of a fused parameter this tensor fills, e.g. k_proj inside the fused
-    # q|k|v matrix; None when the tensor is the whole parameter.
-    rows: tuple[int, int] | None = None
+    part: FusedPart | None = None  # None when the tensor is the whole parameter
     integer: bool = False  # an index table (e.g. an EAGLE3 draft's d2t), loaded as int32
+
+
+# Logical axes of each parameter, by its name in the pytree; names not listed are replicated.
+# "vocab": rows of a token table; "kv_heads": groups of a fused q|k|v projection, one per KV
+# head (its q heads, then its k and v); "heads": the q-head features an output projection
+# reads; "mlp": the intermediate features.
+LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", None),
+    "lm_head": ("vocab", None),
+    "w_qkv": ("kv_heads", None, None),
+    "b_qkv": ("kv_heads", None),
+    "w_o": (None, "heads"),
+    "w_gate_up": (None, "mlp", None),
+    "b_gate_up": (None, "mlp"),
+    "w_down": (None, "mlp"),
+}

@@ -106,7 +106,8 @@ class EagleDraft:
                                    embed=params["embed"])
 
     def logits(self, params, hidden):
-        return llama.matmul_rows(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = llama.matmul_rows(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        return logits[:, : self.config.vocab_size]  # drops rows padded in for sharding
 
     def to_target(self, params, draft_ids):
         return draft_ids

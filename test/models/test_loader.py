@@ -135,7 +135,7 @@ def assert_same_params(a, b) -> None:
 
 
 def assert_params_match_file(model: LoadedModel, expected_dtype) -> None:
-    """Each parameter (or its rows of a fused parameter) is its file tensor cast to
+    """Each parameter (or its part of a fused parameter) is its file tensor cast to
     `expected_dtype`; fused parameters are fully covered."""
     tensors = file_tensors(model.model_dir)
     specs = model.impl.hf_weight_specs(model.config)
@@ -144,14 +144,14 @@ def assert_params_match_file(model: LoadedModel, expected_dtype) -> None:
     for name, spec in specs.items():
         value = leaf(model.params, spec.path)
         assert value.dtype == expected_dtype, name
-        if spec.rows is not None:
-            covered[spec.path] = covered.get(spec.path, 0) + spec.rows[1] - spec.rows[0]
-            value = value[spec.rows[0] : spec.rows[1]]
         want = tensors[name].astype(expected_dtype)
+        if spec.part is not None:
+            covered[spec.path] = covered.get(spec.path, 0) + want.size
+            value = np.asarray(value)[spec.part.index].reshape(want.shape)
         assert value.shape == want.shape, name
         np.testing.assert_array_equal(bits(value), bits(want), err_msg=name)
-    for path, width in covered.items():
-        assert leaf(model.params, path).shape[0] == width, path
+    for path, size in covered.items():
+        assert leaf(model.params, path).size == size, path
 
 
 # --------------------------------------------------------------------------- sharding, dtypes
