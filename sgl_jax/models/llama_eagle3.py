@@ -9,7 +9,7 @@ with `layers.0.` accepted for `midlayer.` and `draft_id_to_target_id` for `d2t`.
 shares the target's lm_head (then the draft vocabulary is the target's).
 
 Parameters: {"fc": [H, 3*Ht], "input_norm", "hidden_norm", "post_norm", "norm": [H],
-"w_qkv": [nkv, (nq/nkv + 2)*hd, 2H], "w_o": [H, nq*hd], "w_gate_up": [2, I, H], "w_down": [H, I],
+"w_qkv": [nkv, (nq/nkv + 2)*hd, 2H], "w_o": [H, nq*hd], "w_gate_up": [I, 2, H], "w_down": [H, I],
 optional "embed": [V, H], "lm_head": [Vd, H], "d2t": i32[Vd]}.
 """
 

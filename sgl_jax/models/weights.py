@@ -39,7 +39,7 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "w_qkv": ("kv_heads", None, None),
     "b_qkv": ("kv_heads", None),
     "w_o": (None, "heads"),
-    "w_gate_up": (None, "mlp", None),
-    "b_gate_up": (None, "mlp"),
+    "w_gate_up": ("mlp", None, None),
+    "b_gate_up": ("mlp", None),
     "w_down": (None, "mlp"),
 }
