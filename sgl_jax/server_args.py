@@ -72,6 +72,9 @@ class ServerArgs:
     attention_backend: str | None = None  # default: fa on TPU and GPU, native on CPU
     # Parallelism
     tp_size: int = 1
+    nnodes: int = 1  # processes (usually hosts) that form the mesh together
+    node_rank: int = 0  # this process's index among them; rank 0 serves HTTP
+    dist_init_addr: str | None = None  # host:port of rank 0's coordinator, with nnodes > 1
     # Speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -109,6 +112,7 @@ class ServerArgs:
         self._validate_choices()
         self._validate_ranges()
         self._validate_paddings()
+        self._validate_nodes()
         if self.speculative_algorithm is not None:
             self._validate_speculative()
 
@@ -127,7 +131,7 @@ class ServerArgs:
 
     def _validate_ranges(self) -> None:
         positive = ("page_size", "max_running_requests", "max_prefill_tokens",
-                    "decode_log_interval", "tp_size")
+                    "decode_log_interval", "tp_size", "nnodes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -157,6 +161,18 @@ class ServerArgs:
             raise ValueError(f"precompile_token_paddings must be multiples of {EXTEND_Q_BLOCK} "
                              f"(prefill chunks start on {EXTEND_Q_BLOCK}-token blocks), "
                              f"got {tokens}")
+
+    def _validate_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes) = [0, {self.nnodes}), got "
+                             f"{self.node_rank}")
+        if self.nnodes == 1:
+            return
+        host, _, port = (self.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (rank "
+                             f"0's address, reachable from every node), got "
+                             f"{self.dist_init_addr!r}")
 
     def _validate_speculative(self) -> None:
         if not self.speculative_draft_model_path:
@@ -321,7 +337,16 @@ def _add_scheduling_args(group: argparse._ArgumentGroup) -> None:
 
 def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
-                       help="tensor-parallel degree")
+                       help="tensor-parallel degree: devices the model is split over, across "
+                            "all nodes")
+    group.add_argument("--nnodes", type=int, default=1,
+                       help="processes (usually hosts) that form the mesh together; start "
+                            "the same command on each with its own --node-rank")
+    group.add_argument("--node-rank", type=int, default=0,
+                       help="this process's index in [0, nnodes); rank 0 serves HTTP")
+    group.add_argument("--dist-init-addr", default=None,
+                       help="HOST:PORT of rank 0, where the nodes meet (needed with "
+                            "--nnodes > 1); PORT + 1 carries the scheduled steps")
 
 
 def _add_speculative_args(group: argparse._ArgumentGroup) -> None:

@@ -22,12 +22,13 @@ import numpy as np
 
 from sgl_jax.entrypoints.output_stream import OutputStream
 from sgl_jax.layers.attention import resolve_attention_backend
-from sgl_jax.mem_cache.kv_cache import kv_pool_pages
+from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_pool_pages
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.mem_cache.radix_cache import RadixCache
 from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings, powers_of_two
 from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, ModelRunner
 from sgl_jax.models.loader import load_model
+from sgl_jax.parallel import TensorParallel, bytes_per_device, init_distributed
 from sgl_jax.sampling_params import SamplingParams
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.engine_loop import EngineLoop
@@ -54,11 +55,13 @@ class Engine:
         if model_path is None:
             raise ValueError("Engine needs model_path (a local directory or a Hugging Face id)")
         args = ServerArgs(model_path=model_path, **server_args)
+        init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)  # before any device use
         _check_available(args)
         # Settle the platform default once, so server info reports what actually runs.
         self.server_args = args = dataclasses.replace(
             args, attention_backend=resolve_attention_backend(args.attention_backend))
-        self.model = load_model(model_path, dtype=args.dtype, revision=args.revision)
+        self.model = load_model(model_path, dtype=args.dtype, revision=args.revision,
+                                tp=TensorParallel.of_size(args.tp_size))
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir,
                                         trust_remote_code=args.trust_remote_code)
         self.context_length = args.context_length or self.model.config.max_position_embeddings
@@ -71,8 +74,9 @@ class Engine:
         # on the engine thread.
         self.output_observer: Callable[[Req, int], None] | None = None
         self._build_runtime()
-        logger.info("Engine ready: %s on %s, attention backend %s",
-                    self.model.config.architecture, jax.devices()[0], args.attention_backend)
+        logger.info("Engine ready: %s on %d x %s (tensor parallel), attention backend %s",
+                    self.model.config.architecture, args.tp_size, jax.devices()[0].device_kind,
+                    args.attention_backend)
 
     # ------------------------------------------------------------------ start-up
 
@@ -80,14 +84,16 @@ class Engine:
         args, config = self.server_args, self.model.config
         buckets = self._buckets()
         draft = load_draft(args, self.model) if args.speculative else None
+        tp, dtype = self.model.tp, self.model.dtype
+        params = {id(x): x for x in jax.tree.leaves((self.model.params, draft and draft.params))}
         num_pages = kv_pool_pages(
-            config, page_size=args.page_size, dtype=self.model.dtype,
+            page_size=args.page_size,
+            bytes_per_token=sum(kv_bytes_per_token(c, dtype, tp)
+                                for c in (config, draft and draft.cache_config) if c),
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static or _default_mem_fraction(),
-            param_bytes=sum(x.nbytes for x in jax.tree.leaves((self.model.params,
-                                                               draft and draft.params))),
+            param_bytes=bytes_per_device(params.values()),  # shared arrays counted once
             max_useful_tokens=buckets.max_seqs * self.context_length,
-            draft_config=draft and draft.cache_config,
         )
         self._allocator = PageAllocator(num_pages)
         self._runner = ModelRunner(
@@ -446,9 +452,6 @@ def _check_available(args: ServerArgs) -> None:
             f"--speculative-algorithm {args.speculative_algorithm} is not supported: "
             f"{_UNSUPPORTED_DRAFTS[args.speculative_algorithm]}; use EAGLE3, EAGLE or STANDALONE"
         )
-    if args.tp_size > 1:
-        raise NotImplementedError(f"tensor parallelism (--tp-size {args.tp_size}) is not "
-                                  "available in this version yet; use --tp-size 1")
     if args.device is not None:
         _check_device(args.device)
 

@@ -72,11 +72,13 @@ class ModelRunner:
             page_size=page_size,
         )
         self.num_compilations = 0  # traces of the jitted functions; steady serving adds none
+        self.tp = model.tp
         self.kv_cache: list[LayerKV] = allocate_kv_cache(
-            model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype
+            model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype, tp=self.tp
         )
-        self.penalties: PenaltyState = init_penalty_state(num_penalty_slots, self.config.vocab_size)
-        attention = get_attention_backend(attention_backend)
+        self.penalties: PenaltyState = self.tp.put_replicated(
+            init_penalty_state(num_penalty_slots, self.config.vocab_size))
+        attention = self.tp.attention(get_attention_backend(attention_backend))
         forward = functools.partial(self._forward, attention=attention, capture=capture_layers)
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, forward=forward), donate_argnums=(1,)
@@ -157,7 +159,8 @@ class ModelRunner:
         return kv_cache, logits, captured
 
     def _logits_step_impl(self, params, kv_cache, batch, *, forward):
-        return forward(params, kv_cache, batch)
+        kv_cache, logits, captured = forward(params, kv_cache, batch)
+        return kv_cache, *self.tp.constrain_replicated((logits, captured))
 
     def _sampling_step_impl(
         self, params, kv_cache, penalties, batch, sampling, slots, emits, want_top, *, forward
@@ -166,11 +169,11 @@ class ModelRunner:
         out = sample(logits, sampling, penalties, slots)
         penalties = record_tokens(penalties, slots, out.tokens, emits)
         top = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
-        return kv_cache, penalties, out, top
+        return kv_cache, *self.tp.constrain_replicated((penalties, out, top))
 
     def _reset_slots_impl(self, penalties, slots, prompt_ids):
         self.num_compilations += 1
-        return reset_slots(penalties, slots, prompt_ids)
+        return self.tp.constrain_replicated(reset_slots(penalties, slots, prompt_ids))
 
     # ------------------------------------------------------------------ helpers
 

@@ -25,6 +25,7 @@ from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
 from sgl_jax.models.weights import WeightSpec
+from sgl_jax.parallel.sharding import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +50,23 @@ class LoadedModel:
     params: dict[str, Any]
     model_dir: Path
     dtype: Any
+    tp: TensorParallel  # the mesh the parameters are split over
 
 
 def load_model(
-    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
+    """`tp`: the mesh to load onto, split by its rules (default: the first device)."""
     model_dir = resolve_model_dir(model_path, revision)
     hf_config = read_hf_config(model_dir)
     impl = get_model_impl(hf_config)
     config = impl.config_from_hf(hf_config)
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
-    params = load_params(model_dir, impl.hf_weight_specs(config), jax_dtype, progress=progress)
-    return LoadedModel(impl, config, params, model_dir, jax_dtype)
+    tp = tp or TensorParallel.of_size(1)
+    params = load_params(model_dir, impl.hf_weight_specs(config), jax_dtype, progress=progress,
+                         tp=tp, config=config)
+    return LoadedModel(impl, config, params, model_dir, jax_dtype, tp)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,8 @@ class LoadedDraft:
 
 
 def load_eagle3_draft(
-    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
+    tp: TensorParallel | None = None,
 ) -> LoadedDraft:
     """An EAGLE3 draft head in any of the accepted tensor spellings."""
     model_dir = resolve_model_dir(model_path, revision)
@@ -86,13 +93,14 @@ def load_eagle3_draft(
     config = llama_eagle3.config_from_hf(hf_config)
     specs = llama_eagle3.hf_weight_specs(config, checkpoint_files(model_dir).keys())
     jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
-    params = load_params(model_dir, specs, jax_dtype, progress=progress,
-                         ignored=llama_eagle3.TRAINING_ONLY_TENSORS)
+    params = load_params(model_dir, specs, jax_dtype, progress=progress, tp=tp,
+                         config=config.layer, ignored=llama_eagle3.TRAINING_ONLY_TENSORS)
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
 def load_eagle_draft(
-    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
+    tp: TensorParallel | None = None,
 ) -> LoadedDraft:
     """An EAGLE (v1 / v2) draft head: fc [H, 2H] and Llama layers (see llama_eagle)."""
     model_dir = resolve_model_dir(model_path, revision)
@@ -106,7 +114,8 @@ def load_eagle_draft(
     config = llama_eagle.config_from_hf(hf_config)
     specs, ignored = llama_eagle.hf_weight_specs(config, names)
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
-    params = load_params(model_dir, specs, jax_dtype, progress=progress, ignored=ignored)
+    params = load_params(model_dir, specs, jax_dtype, progress=progress, tp=tp, config=config,
+                         ignored=ignored)
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
@@ -187,10 +196,14 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_params(
-    model_dir: Path, specs: dict[str, WeightSpec], dtype: Any, *, progress: bool = True,
+    model_dir: Path, specs: dict[str, WeightSpec], dtype: Any, *, config: ModelConfig,
+    tp: TensorParallel | None = None, progress: bool = True,
     ignored: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """`ignored`: tensors a checkpoint may hold that inference does not use."""
+    """`config`: the layers' shapes, checked against `tp` before any tensor is read;
+    `ignored`: tensors a checkpoint may hold that inference does not use."""
+    tp = tp or TensorParallel.of_size(1)
+    tp.check(config, what=f"the model in {str(model_dir)!r}")
     files = checkpoint_files(model_dir)
     names = [n for n in files
              if n in specs or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored)]
@@ -208,8 +221,7 @@ def load_params(
                 for name in file_names:
                     _place(host, f.get_tensor(name), specs[name], dtype)
                     bar.update()
-    flat = {path: jax.device_put(array) for path, array in host.items()}
-    return _unflatten(flat)
+    return _unflatten(tp.shard_params(host, config))
 
 
 def _check_tensor_names(names: list[str], specs: dict[str, WeightSpec]) -> None:

@@ -23,6 +23,7 @@ from sgl_jax.model_executor.forward_batch import window_metadata
 from sgl_jax.models import llama, llama_eagle, llama_eagle3
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
+from sgl_jax.parallel import TensorParallel
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
 
 Params = dict[str, Any]
@@ -137,11 +138,12 @@ class StandaloneDraft:
         return draft_ids
 
 
-def allocate_draft_cache(draft: DraftModel, *, num_pages: int, page_size: int, dtype
-                         ) -> list[LayerKV]:
-    """The draft's cache uses the same page ids as the target's, so one allocator serves both."""
+def allocate_draft_cache(draft: DraftModel, *, num_pages: int, page_size: int, dtype,
+                         tp: TensorParallel) -> list[LayerKV]:
+    """The draft's cache uses the same page ids as the target's, so one allocator serves both;
+    it is split over the target's mesh by the same rules."""
     return allocate_kv_cache(draft.cache_config, num_pages=num_pages, page_size=page_size,
-                             dtype=dtype)
+                             dtype=dtype, tp=tp)
 
 
 def grow_tree(

@@ -35,20 +35,20 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
     the target stops start-up (there is no fallback to plain decoding)."""
     spec = args.speculative
     dtype = jnp.dtype(target.dtype).name
-    attention = get_attention_backend(args.attention_backend)
+    attention = target.tp.attention(get_attention_backend(args.attention_backend))
     if spec.algorithm == "EAGLE3":
         loaded = load_eagle3_draft(spec.draft_model_path, dtype=dtype,
-                                   revision=spec.draft_model_revision)
+                                   revision=spec.draft_model_revision, tp=target.tp)
         _check_eagle3_fits(loaded, target)
         draft = Eagle3Draft(loaded, target, attention)
     elif spec.algorithm == "EAGLE":
         loaded = load_eagle_draft(spec.draft_model_path, dtype=dtype,
-                                  revision=spec.draft_model_revision)
+                                  revision=spec.draft_model_revision, tp=target.tp)
         _check_eagle_fits(loaded, target)
         draft = EagleDraft(loaded, target, attention)
     elif spec.algorithm == "STANDALONE":
         loaded = load_model(spec.draft_model_path, dtype=dtype,
-                            revision=spec.draft_model_revision)
+                            revision=spec.draft_model_revision, tp=target.tp)
         if loaded.config.vocab_size > target.config.vocab_size:
             raise ValueError(
                 f"the STANDALONE draft's vocabulary ({loaded.config.vocab_size}) is larger than "

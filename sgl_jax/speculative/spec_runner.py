@@ -91,10 +91,12 @@ class SpecRunner:
         self.thresholds = thresholds
         self.capture_layers = capture_layers
         self.page_size = target.page_size
-        self.attention = get_attention_backend(attention_backend)
+        self.tp = target.tp
+        self.attention = self.tp.attention(get_attention_backend(attention_backend))
         num_pages = target.kv_cache[0][0].shape[0]
         self.draft_kv: list[LayerKV] = allocate_draft_cache(
-            draft, num_pages=num_pages, page_size=self.page_size, dtype=target.model.dtype
+            draft, num_pages=num_pages, page_size=self.page_size, dtype=target.model.dtype,
+            tp=self.tp,
         )
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._round = jax.jit(self._round_impl, donate_argnums=(2, 3))
@@ -243,7 +245,7 @@ class SpecRunner:
         tree, draft_kv = grow_tree(
             self.draft, draft_params, draft_kv, out.tokens, root_hidden, root_logits, row_lens,
             row_pages, emits, shape=self.shape, page_size=self.page_size)
-        return target_kv, draft_kv, out, top, tree
+        return target_kv, draft_kv, *self.tp.constrain_replicated((out, top, tree))
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
                     kv_lens, active, tree: DraftTree, sampling, want_top):
@@ -266,7 +268,8 @@ class SpecRunner:
                     if self.draft.uses_target_features else None)
         next_tree, draft_kv = self._redraft(draft_params, draft_kv, tree, verdict, features,
                                             page_table, kv_lens, active)
-        return target_kv, draft_kv, (verdict, logprobs, top, next_tree)
+        return target_kv, draft_kv, self.tp.constrain_replicated(
+            (verdict, logprobs, top, next_tree))
 
     def _redraft(self, params, kv, tree, verdict: Verdict, features, page_table, kv_lens,
                  active):

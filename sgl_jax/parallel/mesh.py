@@ -1,0 +1,50 @@
+"""The device mesh of `--tp-size`, and JAX's multi-controller start-up across hosts."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+logger = logging.getLogger(__name__)
+
+TP_AXIS = "tp"
+
+
+def make_mesh(tp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over the first `tp_size` devices (all devices of all hosts by default).
+
+    Across several processes the mesh must span every device: each process runs the same
+    steps, and a device outside the mesh would have nothing to do."""
+    devices = jax.devices() if devices is None else devices
+    kind = f"{len(devices)} {devices[0].platform} device(s)" if devices else "no devices"
+    if tp_size > len(devices):
+        raise ValueError(f"--tp-size {tp_size} needs {tp_size} devices, but JAX sees {kind}"
+                         f"{_more_devices_hint(devices)}")
+    if jax.process_count() > 1 and tp_size != len(devices):
+        raise ValueError(f"--tp-size {tp_size} across {jax.process_count()} processes must use "
+                         f"all {len(devices)} devices of the processes together")
+    return Mesh(np.array(devices[:tp_size]), (TP_AXIS,))
+
+
+def _more_devices_hint(devices: list[jax.Device]) -> str:
+    if devices and devices[0].platform == "cpu":
+        return ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N "
+                "devices")
+    return "; lower --tp-size, or add hosts with --nnodes"
+
+
+def init_distributed(nnodes: int, node_rank: int, dist_init_addr: str | None) -> None:
+    """Join the JAX processes of all nodes (rank 0 hosts the coordinator at dist_init_addr).
+
+    Must run before anything else touches JAX's devices. CPU collectives between processes
+    go through gloo; the setting does nothing on accelerators."""
+    if nnodes == 1:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=dist_init_addr, num_processes=nnodes,
+                               process_id=node_rank)
+    logger.info("Node %d of %d joined %s: %d devices in all, %d here", node_rank, nnodes,
+                dist_init_addr, jax.device_count(), jax.local_device_count())

@@ -1,0 +1,151 @@
+"""Tensor parallelism: the logical axes models name (`models.weights.LOGICAL_AXES`) mapped onto
+the mesh, and the few places where the model's arrays meet it.
+
+Megatron-style: q/k/v and gate/up are split by output (column-parallel), o and down by input
+(row-parallel, so XLA adds one all-reduce after each), embedding and lm_head by vocabulary
+rows. Attention runs per device on its own heads (`shard_map`), with the KV cache split by KV
+head. A model with fewer KV heads than devices gets one copy of a KV head per device: each
+device's q heads read the copy it holds, so attention never communicates.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sgl_jax.layers.attention import AttentionBackend
+from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.weights import LOGICAL_AXES
+from sgl_jax.parallel.mesh import TP_AXIS, make_mesh
+
+# Logical axis -> mesh axis; axes not named here are replicated.
+MESH_AXES = {"vocab": TP_AXIS, "kv_heads": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS}
+_HEADS = P(None, TP_AXIS, None)  # q/k/v and attention output [T, heads, hd]
+_PAGES = P(None, None, TP_AXIS, None)  # KV pages [num_pages, page_size, kv_heads, hd]
+_VOCAB_TABLES = ("embed", "lm_head")
+_QKV = ("w_qkv", "b_qkv")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    mesh: Mesh
+
+    @classmethod
+    def of_size(cls, tp_size: int = 1, devices: list[jax.Device] | None = None
+                ) -> TensorParallel:
+        return cls(make_mesh(tp_size, devices))
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[TP_AXIS]
+
+    # ------------------------------------------------------------------ what a model allows
+
+    def check(self, config: ModelConfig, what: str = "the model") -> None:
+        """A clear error when `config` cannot be split `size` ways."""
+        problems = _split_problems(config, self.size)
+        if problems:
+            usable = [t for t in range(1, len(jax.devices()) + 1)
+                      if not _split_problems(config, t)]
+            raise ValueError(
+                f"--tp-size {self.size} cannot split {what}: {'; '.join(problems)}. Sizes "
+                f"that work with the {len(jax.devices())} device(s) here: "
+                f"{', '.join(map(str, usable))}")
+
+    def kv_heads(self, config: ModelConfig) -> int:
+        """KV heads in the cache: the model's, or one copy per device when it has fewer."""
+        return max(config.num_kv_heads, self.size)
+
+    # ------------------------------------------------------------------ parameters
+
+    def shard_params(self, host: dict[tuple, np.ndarray], config: ModelConfig
+                     ) -> dict[tuple, jax.Array]:
+        """Host arrays (by pytree path) -> arrays on the mesh; each device receives only its
+        own shard."""
+        out = {}
+        for path, array in host.items():
+            name = path[-1]
+            array = self._adapt(name, array, config)
+            out[path] = jax.device_put(array, self.param_sharding(name, array.ndim))
+        return out
+
+    def param_sharding(self, name: str, ndim: int) -> NamedSharding:
+        axes = LOGICAL_AXES.get(name, (None,) * ndim)
+        return NamedSharding(self.mesh, P(*(MESH_AXES.get(a) for a in axes)))
+
+    def _adapt(self, name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+        if name in _QKV and array.shape[0] < self.size:
+            return _copy_kv_heads(array, self.size // array.shape[0], config.head_dim)
+        if name in _VOCAB_TABLES and array.shape[0] % self.size:
+            rows = -array.shape[0] % self.size  # never looked up, cut from the logits
+            return np.concatenate([array, np.zeros((rows, *array.shape[1:]), array.dtype)])
+        return array
+
+    # ------------------------------------------------------------------ caches and state
+
+    def kv_pages(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """Zeroed pages [num_pages, page_size, kv_heads, hd], created already split."""
+        return _zeros(shape, jnp.dtype(dtype), NamedSharding(self.mesh, _PAGES))
+
+    def put_replicated(self, tree: Any) -> Any:
+        """Arrays -> the same values on every device of the mesh (through the host, which
+        every process can do for its own devices)."""
+        host = jax.tree.map(np.asarray, tree)
+        return jax.device_put(host, NamedSharding(self.mesh, P()))
+
+    def constrain_replicated(self, tree: Any) -> Any:
+        """Inside a jitted step: whole on every device, e.g. results every process reads back
+        on the host, or state whose sharding must not drift from one step to the next."""
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, P()))
+
+    # ------------------------------------------------------------------ attention
+
+    def attention(self, backend: AttentionBackend) -> AttentionBackend:
+        """The backend run on each device over its own heads and its own KV cache shard."""
+        def sharded(q, k, v, layer_kv, metadata, *, scale):
+            local = jax.shard_map(
+                functools.partial(backend, scale=scale), mesh=self.mesh,
+                in_specs=(_HEADS, _HEADS, _HEADS, (_PAGES, _PAGES), P()),
+                out_specs=(_HEADS, (_PAGES, _PAGES)), check_vma=False)
+            return local(q, k, v, layer_kv, metadata)
+        return sharded
+
+
+def bytes_per_device(arrays: Iterable[jax.Array]) -> int:
+    """What the arrays occupy on one device (the first of their mesh)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in arrays)
+
+
+def _split_problems(config: ModelConfig, tp: int) -> list[str]:
+    problems = []
+    if config.num_heads % tp:
+        problems.append(f"{config.num_heads} attention heads do not divide by {tp}")
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(f"{kv} KV heads neither divide by {tp} nor divide {tp}")
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate size {config.intermediate_size} does not divide by {tp}")
+    return problems
+
+
+def _copy_kv_heads(array: np.ndarray, copies: int, head_dim: int) -> np.ndarray:
+    """w_qkv [G, W, ...] -> [G * copies, W', ...]: each group's q heads split `copies` ways,
+    each part with its own copy of the group's k and v."""
+    groups, width = array.shape[:2]
+    q_width = width - 2 * head_dim
+    q = array[:, :q_width].reshape(groups * copies, q_width // copies, *array.shape[2:])
+    kv = np.repeat(array[:, q_width:], copies, axis=0)
+    return np.concatenate([q, kv], axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
