@@ -26,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_chat_template(args.chat_template)  # a bad name or path fails before loading
         args = _with_model(args)
-        _select_platform(args.device)
+        _select_platform(args)
         from sgl_jax.entrypoints.engine import Engine  # loads JAX after the platform choice
         from sgl_jax.entrypoints.http_server import create_app
 
         engine = Engine(**dataclasses.asdict(args))
+        if args.node_rank > 0:  # it followed rank 0 until rank 0 stopped
+            return 0
         app = create_app(engine, args)
     except _USER_ERRORS as exc:
         logger.error("cannot start: %s", exc)
@@ -56,16 +58,21 @@ def _with_model(args: ServerArgs) -> ServerArgs:
                                served_model_name=args.served_model_name or "sgl-jax-demo")
 
 
-def _select_platform(device: str | None) -> None:
-    """Point JAX at --device before any backend starts (the engine checks the outcome)."""
+def _select_platform(args: ServerArgs) -> None:
+    """Point JAX at --device and join the other nodes before any backend starts (the engine
+    checks the outcome)."""
+    device = args.device
     if device is None:
         return
     import jax
+
+    from sgl_jax.parallel import init_distributed
 
     try:
         jax.config.update("jax_platforms", "cuda" if device == "gpu" else device)
     except RuntimeError:  # a backend is already running; Engine reports a mismatch
         return
+    init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)
     try:
         jax.devices()
     except RuntimeError as exc:

@@ -29,6 +29,13 @@ from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings
 from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, ModelRunner
 from sgl_jax.models.loader import load_model
 from sgl_jax.parallel import TensorParallel, bytes_per_device, init_distributed
+from sgl_jax.parallel.multihost import (
+    Mirrored,
+    StepReceiver,
+    StepSender,
+    channel_address,
+    follow,
+)
 from sgl_jax.sampling_params import SamplingParams
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.engine_loop import EngineLoop
@@ -37,6 +44,7 @@ from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.scheduler import Scheduler
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.speculative.setup import load_draft, make_spec_runner
+from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.tokenizer import load_tokenizer
 from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -101,8 +109,13 @@ class Engine:
             attention_backend=args.attention_backend, num_penalty_slots=buckets.max_seqs,
         )
         self._spec = None if draft is None else make_spec_runner(args, self._runner, draft)
-        if not args.skip_server_warmup:
+        if not args.skip_server_warmup:  # every rank compiles the same buckets
             (self._spec or self._runner).warmup()
+        self._sender: StepSender | None = None
+        if args.node_rank > 0:
+            self._follow_rank0()
+            return
+        runner, spec = self._mirror_to_followers()
         radix = None if args.disable_radix_cache else RadixCache(self._allocator, args.page_size)
         cache = CacheManager(self._allocator, radix, args.page_size,
                              last_slot_needs_next_token=bool(draft and
@@ -113,11 +126,35 @@ class Engine:
             max_running_requests=buckets.max_seqs,
             completion_lookahead=self._spec.lookahead if self._spec else 0,
         )
-        scheduler = Scheduler(self._runner, cache, limits, on_output=self._deliver,
-                              decode_log_interval=args.decode_log_interval, spec=self._spec)
+        scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
+                              decode_log_interval=args.decode_log_interval, spec=spec)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
         logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
                     num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
+
+    def _mirror_to_followers(self) -> tuple[ModelRunner, SpecRunner | None]:
+        """With several nodes, rank 0's scheduler calls go to every rank (see multihost)."""
+        args = self.server_args
+        if args.nnodes == 1:
+            return self._runner, self._spec
+        self._sender = StepSender(channel_address(args.dist_init_addr), args.nnodes - 1)
+        runner = Mirrored(self._runner, "runner", _RUNNER_STEPS, self._sender)
+        spec = self._spec and Mirrored(self._spec, "spec", _SPEC_STEPS, self._sender)
+        return runner, spec
+
+    def _follow_rank0(self) -> None:
+        """Ranks > 0 take no requests: they replay rank 0's steps until it shuts down."""
+        args = self.server_args
+        logger.info("Rank %d of %d: following rank 0 at %s", args.node_rank, args.nnodes,
+                    args.dist_init_addr)
+        receiver = StepReceiver(channel_address(args.dist_init_addr))
+        try:
+            steps = follow(receiver, {"runner": self._runner, "spec": self._spec})
+        finally:
+            receiver.close()
+        logger.info("Rank %d: rank 0 stopped after %d steps", args.node_rank, steps)
+        self._loop = None
+        self._runner.kv_cache = []
 
     def _buckets(self) -> Buckets:
         args = self.server_args
@@ -225,6 +262,8 @@ class Engine:
                                            for rid in list(self._streams)])
         self._loop.stop()
         self._loop = None
+        if self._sender is not None:
+            self._sender.close()
         self._runner.kv_cache = []
 
     def __enter__(self) -> Engine:
@@ -406,6 +445,10 @@ class Engine:
     # ------------------------------------------------------------------ misc
 
     def _require_loop(self) -> EngineLoop:
+        if self._loop is None and self.server_args.node_rank > 0:
+            raise RuntimeError(f"this engine is rank {self.server_args.node_rank} of "
+                               f"{self.server_args.nnodes}: it only replays rank 0's steps, "
+                               "and rank 0 has stopped; send requests to rank 0")
         if self._loop is None:
             raise RuntimeError("the engine has been shut down")
         return self._loop
@@ -439,6 +482,10 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
             scheduler.add_request(req)
     return add_all
 
+
+# What the scheduler calls on the device, and so what followers replay.
+_RUNNER_STEPS = ("step", "reset_penalty_slot")
+_SPEC_STEPS = ("prefill", "round")
 
 _UNSUPPORTED_DRAFTS = {
     "NEXTN": "multi-token-prediction heads (DeepSeek / MiMo NextN layers) are not implemented",

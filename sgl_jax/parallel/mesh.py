@@ -41,7 +41,7 @@ def init_distributed(nnodes: int, node_rank: int, dist_init_addr: str | None) ->
 
     Must run before anything else touches JAX's devices. CPU collectives between processes
     go through gloo; the setting does nothing on accelerators."""
-    if nnodes == 1:
+    if nnodes == 1 or jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=dist_init_addr, num_processes=nnodes,
