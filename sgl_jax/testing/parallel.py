@@ -1,0 +1,154 @@
+"""The same greedy requests through Engines of several --tp-size values, for the tests and the
+benchmark of tensor parallelism.
+
+The device count is fixed when JAX starts, so callers run this module in a subprocess with
+the devices they need (`run_subprocess`), e.g. 8 CPU devices for TP 1, 2, 4 and 8:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m sgl_jax.testing.parallel \\
+        --model-path M [--draft-model-path D] --tp-sizes 1,2,4,8 --out result.json
+
+With --nnodes > 1 each process is one rank of a multi-host group; rank 0 writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+PROMPT_LENGTHS = (3, 50, 12)  # 50 takes two prefill chunks of 48
+MAX_NEW_TOKENS = 8
+ENGINE_SETTINGS = dict(
+    dtype="float32", precompile_token_paddings=[64], precompile_bs_paddings=[4],
+    max_prefill_tokens=64, chunked_prefill_size=48, skip_server_warmup=True,
+    max_total_tokens=1024,
+)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+
+
+# Eight heads split up to 8 ways (head_dim 16, what the fa kernels need at least). Vocabularies
+# of 514 and 518 do not divide by 4 or 8, so those tables are padded; the llama draft maps a
+# 100-token draft vocabulary (d2t), which pads too.
+TP_PRESETS = {
+    "llama": dict(vocab_size=512, draft=dict(draft_vocab_size=100)),  # 2 KV heads
+    "qwen2": dict(vocab_size=514, draft={}),  # 1 KV head
+    "qwen3": dict(vocab_size=518, draft={}),  # 2 KV heads, head_dim 32, tied embeddings
+}
+
+
+def write_tp_checkpoints(root: Path, preset: str) -> tuple[Path, Path]:
+    """A tiny `preset` target that splits 8 ways, and an EAGLE3 draft for it."""
+    from sgl_jax.testing.checkpoints import write_tiny_checkpoint
+    from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+    spec = TP_PRESETS[preset]
+    target = write_tiny_checkpoint(root / preset, preset, hidden_size=128,
+                                   num_attention_heads=8, vocab_size=spec["vocab_size"])
+    config = json.loads((target / "config.json").read_text())
+    draft = write_tiny_eagle3_draft(root / f"{preset}-eagle3", config, num_heads=8,
+                                    num_kv_heads=2, **spec["draft"])
+    return target, draft
+
+
+def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+
+
+def transformers_greedy(model_dir: Path) -> list[list[int]]:
+    """The oracle: transformers' greedy continuation of each of `prompts`, on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    for ids in prompts(model.config.vocab_size):
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS,
+                                   min_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        outputs.append(generated[0, len(ids):].tolist())
+    return outputs
+
+
+def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str | None = None,
+                 draft_algorithm: str = "EAGLE3", **settings: Any) -> dict[int, dict[str, Any]]:
+    """Per TP size: the greedy output ids, the mean accepted length (with a draft, which
+    grows a tree) and the parameter bytes on one device. `settings`: more Engine arguments."""
+    from sgl_jax import Engine
+    from sgl_jax.parallel import bytes_per_device
+
+    if draft_model_path is not None:
+        settings = {**TREE, "speculative_algorithm": draft_algorithm,
+                    "speculative_draft_model_path": draft_model_path, **settings}
+    results = {}
+    for tp in tp_sizes:
+        engine = Engine(model_path=model_path, tp_size=tp, **ENGINE_SETTINGS, **settings)
+        if engine.server_args.node_rank > 0:  # it has followed rank 0 to the end
+            continue
+        with engine:
+            params = [{"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}]
+            outputs = engine.generate(input_ids=prompts(engine.model.config.vocab_size),
+                                      sampling_params=params * len(PROMPT_LENGTHS))
+            info = engine.get_server_info()
+            results[tp] = {
+                "output_ids": [o["output_ids"] for o in outputs],
+                "finish_reasons": [o["meta_info"]["finish_reason"]["type"] for o in outputs],
+                "accept_length": info.get("avg_spec_accept_length"),
+                "param_bytes_per_device": bytes_per_device(jax.tree.leaves(engine.model.params)),
+                "param_bytes": sum(x.nbytes for x in jax.tree.leaves(engine.model.params)),
+                "kv_heads": engine.model.tp.kv_heads(engine.model.config),
+                "devices": len(engine.model.tp.mesh.devices.flat),
+            }
+    return results
+
+
+def run_subprocess(args: list[str], *, devices: int, timeout: float = 1200) -> dict[int, Any]:
+    """Run this module with `args` in a fresh process that sees `devices` CPU devices."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sgl-jax-tp-{os.getpid()}-{id(args)}.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "sgl_jax.testing.parallel", *args, "--out", str(out)],
+        env=cpu_devices_env(devices), capture_output=True, text=True, timeout=timeout)
+    if completed.returncode != 0:
+        raise RuntimeError(f"TP worker failed ({completed.returncode}):\n"
+                           f"{completed.stderr[-6000:]}")
+    try:
+        return {int(tp): result for tp, result in json.loads(out.read_text()).items()}
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def cpu_devices_env(devices: int) -> dict[str, str]:
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--draft-model-path", default=None)
+    parser.add_argument("--draft-algorithm", default="EAGLE3")
+    parser.add_argument("--attention-backend", default="native")
+    parser.add_argument("--tp-sizes", default="1,2,4,8")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--dist-init-addr", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    results = run_tp_sizes(
+        args.model_path, [int(t) for t in args.tp_sizes.split(",")],
+        draft_model_path=args.draft_model_path, draft_algorithm=args.draft_algorithm,
+        attention_backend=args.attention_backend,
+        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    if args.node_rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

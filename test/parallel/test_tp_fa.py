@@ -1,0 +1,22 @@
+"""Tensor parallelism with the `fa` attention backend (the Pallas kernel, interpreted on a
+CPU, run per device on its own heads): greedy outputs of TP 1, 2, 4 and 8 on an 8-device CPU
+mesh are identical to transformers', with and without EAGLE3."""
+
+import pytest
+
+from sgl_jax.testing.parallel import run_subprocess, transformers_greedy, write_tp_checkpoints
+
+TP_SIZES = "1,2,4,8"
+
+
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen3"])
+def test_fa_greedy_identical_across_tp_sizes(preset, tmp_path):
+    target, draft = write_tp_checkpoints(tmp_path, preset)
+    common = ["--model-path", str(target), "--tp-sizes", TP_SIZES, "--attention-backend", "fa"]
+    plain = run_subprocess(common, devices=8)
+    eagle3 = run_subprocess([*common, "--draft-model-path", str(draft)], devices=8)
+    expected = transformers_greedy(target)
+    for tp in map(int, TP_SIZES.split(",")):
+        assert plain[tp]["output_ids"] == expected, tp
+        assert eagle3[tp]["output_ids"] == expected, tp
+        assert eagle3[tp]["accept_length"] > 0, tp

@@ -1,0 +1,71 @@
+"""Tensor parallelism with the `native` attention backend: greedy outputs of TP 1, 2, 4 and 8
+on an 8-device CPU mesh are identical, with and without EAGLE3, and TP 1 is transformers'
+greedy output. Parameter memory per device falls as 1/tp (printed).
+
+Each case runs in a subprocess: the device count is fixed when JAX starts.
+"""
+
+import json
+
+import pytest
+
+from sgl_jax.testing.parallel import run_subprocess, transformers_greedy, write_tp_checkpoints
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+def expected_bytes_per_device(config: dict, tp: int) -> int:
+    """float32 parameter bytes one device holds under Megatron-style splitting: q/k/v, gate/up
+    by output rows, o/down by input columns, token tables by (padded) rows, KV heads copied
+    when there are fewer than devices, norms whole."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or h // heads
+    qkv_rows = heads * hd // tp + 2 * hd * max(kv_heads, tp) // tp
+    per_layer = qkv_rows * h + h * heads * hd // tp + 3 * inter // tp * h + 2 * h
+    if config["model_type"] == "qwen2":
+        per_layer += qkv_rows  # q/k/v biases
+    if config["model_type"] == "qwen3":
+        per_layer += 2 * hd  # q_norm, k_norm
+    tables = 1 if config["tie_word_embeddings"] else 2
+    vocab_rows = -(-config["vocab_size"] // tp)
+    return 4 * (layers * per_layer + tables * vocab_rows * h + h)
+
+
+def print_memory(preset: str, results: dict) -> None:
+    for tp, result in sorted(results.items()):
+        print(f"{preset} tp={tp}: {result['param_bytes_per_device'] / 2**20:.3f} MiB of "
+              f"{result['param_bytes'] / 2**20:.3f} MiB parameters per device, "
+              f"{result['kv_heads']} KV heads over {result['devices']} device(s)")
+
+
+@pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen3"])
+def test_greedy_identical_across_tp_sizes(preset, tmp_path):
+    target, draft = write_tp_checkpoints(tmp_path, preset)
+    tp_sizes = ",".join(map(str, TP_SIZES))
+    plain = run_subprocess(["--model-path", str(target), "--tp-sizes", tp_sizes], devices=8)
+    eagle3 = run_subprocess(["--model-path", str(target), "--draft-model-path", str(draft),
+                             "--tp-sizes", tp_sizes], devices=8)
+    print_memory(preset, plain)
+    assert plain[1]["output_ids"] == transformers_greedy(target)
+    for tp in TP_SIZES:
+        assert plain[tp]["finish_reasons"] == ["length"] * 3, tp
+        assert plain[tp]["output_ids"] == plain[1]["output_ids"], tp
+        assert eagle3[tp]["output_ids"] == plain[1]["output_ids"], tp
+        assert eagle3[tp]["accept_length"] > 0, tp  # verify rounds ran
+    config = json.loads((target / "config.json").read_text())
+    for tp in TP_SIZES:
+        assert plain[tp]["param_bytes_per_device"] == expected_bytes_per_device(config, tp), tp
+
+
+def test_accepted_tree_paths_move_sharded_kv(tmp_path):
+    """The target as its own STANDALONE draft accepts a whole tree path every round, so each
+    round moves accepted K/V within the sharded caches (random EAGLE3 heads rarely accept)."""
+    target, _ = write_tp_checkpoints(tmp_path, "llama")
+    results = run_subprocess(["--model-path", str(target), "--draft-model-path", str(target),
+                              "--draft-algorithm", "STANDALONE", "--tp-sizes", "1,4"], devices=8)
+    expected = transformers_greedy(target)
+    for tp in (1, 4):
+        assert results[tp]["output_ids"] == expected, tp
+        # 4 tokens a round (num_steps + 1), less only where max_new_tokens cuts the last one
+        assert results[tp]["accept_length"] == results[1]["accept_length"] > 3.0, tp
