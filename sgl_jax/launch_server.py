@@ -5,9 +5,11 @@ Without --model-path the built-in demo model (tiny, random weights) is served.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
+from collections.abc import AsyncIterator
 
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.tokenizer.chat_template import resolve_chat_template
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
         return 2
     try:
-        _serve(app, args)
+        _serve(app, engine, args)
     finally:
         engine.shutdown()
     return 0
@@ -80,9 +82,17 @@ def _select_platform(args: ServerArgs) -> None:
                          ) from None
 
 
-def _serve(app, args: ServerArgs) -> None:
+def _serve(app, engine, args: ServerArgs) -> None:
     import uvicorn
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_app) -> AsyncIterator[None]:
+        yield
+        # uvicorn re-raises SIGTERM/SIGINT once it has stopped, which ends the process before
+        # main's `finally`; shutting down here also releases the other nodes cleanly.
+        engine.shutdown()
+
+    app.router.lifespan_context = lifespan
     logger.info("Serving %s on http://%s:%d", args.http.served_model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=30)

@@ -28,7 +28,12 @@ from sgl_jax.mem_cache.radix_cache import RadixCache
 from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings, powers_of_two
 from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, ModelRunner
 from sgl_jax.models.loader import load_model
-from sgl_jax.parallel import TensorParallel, bytes_per_device, init_distributed
+from sgl_jax.parallel import (
+    TensorParallel,
+    bytes_per_device,
+    init_distributed,
+    shutdown_distributed,
+)
 from sgl_jax.parallel.multihost import (
     Mirrored,
     StepReceiver,
@@ -153,6 +158,7 @@ class Engine:
         finally:
             receiver.close()
         logger.info("Rank %d: rank 0 stopped after %d steps", args.node_rank, steps)
+        shutdown_distributed()
         self._loop = None
         self._runner.kv_cache = []
 
@@ -264,6 +270,7 @@ class Engine:
         self._loop = None
         if self._sender is not None:
             self._sender.close()
+            shutdown_distributed()
         self._runner.kv_cache = []
 
     def __enter__(self) -> Engine:

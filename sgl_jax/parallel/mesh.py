@@ -48,3 +48,10 @@ def init_distributed(nnodes: int, node_rank: int, dist_init_addr: str | None) ->
                                process_id=node_rank)
     logger.info("Node %d of %d joined %s: %d devices in all, %d here", node_rank, nnodes,
                 dist_init_addr, jax.device_count(), jax.local_device_count())
+
+
+def shutdown_distributed() -> None:
+    """Leave the group together: every rank waits here for the others, so rank 0 (which
+    hosts the coordinator) does not exit while another rank still needs it."""
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
