@@ -108,6 +108,10 @@ def test_speculative_defaults_chain_and_tree():
     (["--port", "70000"], "port must be in"),
     (["--precompile-token-paddings", "64,100"], "multiples of 16"),
     (["--api-key", ""], "api_key must not be empty"),
+    (["--nnodes", "2"], "--nnodes 2 needs --dist-init-addr HOST:PORT"),
+    (["--nnodes", "2", "--dist-init-addr", "10.0.0.1"], "needs --dist-init-addr HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"], "node_rank must be in"),
+    (["--nnodes", "0"], "nnodes must be >= 1"),
 ])
 def test_invalid_values_name_the_setting(argv, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("+", r"\+")):
@@ -152,7 +156,7 @@ def test_help_groups_and_documents_every_flag():
 @pytest.mark.parametrize("extra, message", [
     (["--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", "d"],
      "--speculative-algorithm NEXTN is not supported"),
-    (["--tp-size", "4"], "tensor parallelism (--tp-size 4) is not available"),
+    (["--tp-size", "4"], "--tp-size 4 needs 4 devices, but JAX sees 1 cpu device(s)"),
 ])
 def test_launch_refuses_unavailable_features_before_loading(extra, message, caplog, tmp_path):
     caplog.set_level(logging.ERROR)

@@ -10,8 +10,8 @@ Matrices keep the checkpoint's [out, in] layout: XLA streams a matrix-vector pro
 contiguous rows faster than over columns, which is what decode is made of. q|k|v and gate|up
 are fused at load time: one larger product streams faster than several small ones. The fused
 matrices keep a leading group axis (one group per KV head; one gate|up pair per intermediate
-feature), and split along it for tensor parallelism without cutting through q, k or v. Token tables may carry padding
-rows past V when sharded, so logits are cut back to V.
+feature), and split along it for tensor parallelism without cutting through q, k or v. Token
+tables may carry padding rows past V when sharded, so logits are cut back to V.
 """
 
 from __future__ import annotations

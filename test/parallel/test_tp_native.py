@@ -18,7 +18,8 @@ def expected_bytes_per_device(config: dict, tp: int) -> int:
     """float32 parameter bytes one device holds under Megatron-style splitting: q/k/v, gate/up
     by output rows, o/down by input columns, token tables by (padded) rows, KV heads copied
     when there are fewer than devices, norms whole."""
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or h // heads
     qkv_rows = heads * hd // tp + 2 * hd * max(kv_heads, tp) // tp
