@@ -87,6 +87,8 @@ class Engine:
         # on the engine thread.
         self.output_observer: Callable[[Req, int], None] | None = None
         self._build_runtime()
+        if self._loop is None:  # a follower rank, done following
+            return
         logger.info("Engine ready: %s on %d x %s (tensor parallel), attention backend %s",
                     self.model.config.architecture, args.tp_size, jax.devices()[0].device_kind,
                     args.attention_backend)

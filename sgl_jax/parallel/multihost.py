@@ -119,10 +119,16 @@ class Mirrored:
 
 
 def follow(receiver: StepReceiver, targets: dict[str, Any]) -> int:
-    """Replay rank 0's calls on this rank's runners until it stops; returns the calls run."""
+    """Replay rank 0's calls on this rank's runners until it stops; returns the calls run.
+
+    A call that raises is logged and skipped, as rank 0's engine fails that step's requests
+    and goes on serving."""
     count = 0
     while (call := receiver.receive()) is not None:
         name, method, args, kwargs = call
-        getattr(targets[name], method)(*args, **kwargs)
+        try:
+            getattr(targets[name], method)(*args, **kwargs)
+        except Exception:
+            logger.exception("replaying rank 0's %s.%s failed", name, method)
         count += 1
     return count

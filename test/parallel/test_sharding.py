@@ -84,6 +84,9 @@ class Recorder:
     def untouched(self):
         return "local only"
 
+    def fails(self):
+        raise RuntimeError("a step that fails on every rank")
+
 
 def test_rank0_calls_reach_every_follower_in_order():
     address = ("127.0.0.1", free_port())
@@ -100,15 +103,17 @@ def test_rank0_calls_reach_every_follower_in_order():
         thread.start()
     sender = StepSender(address, num_followers=2, timeout=30)
     leader = Recorder()
-    mirrored = Mirrored(leader, "runner", ("step",), sender)
+    mirrored = Mirrored(leader, "runner", ("step", "fails"), sender)
     big = np.arange(300_000, dtype=np.int32)  # larger than one socket read
     assert mirrored.step([1, 2], flag=True) == 1
-    assert mirrored.step(big) == 2
+    with pytest.raises(RuntimeError):  # rank 0 fails the step's requests and goes on ...
+        mirrored.fails()
+    assert mirrored.step(big) == 2  # ... and so do the followers
     assert mirrored.untouched() == "local only"
     sender.close()
     for thread in threads:
         thread.join(timeout=30)
-    assert counts == [2, 2]
+    assert counts == [3, 3]
     for recorder in [leader, *followers]:
         assert recorder.calls[0] == (([1, 2],), {"flag": True})
         np.testing.assert_array_equal(recorder.calls[1][0][0], big)
