@@ -75,8 +75,8 @@ def test_engine_across_two_processes_matches_tp1(tmp_path):
     follower = start_follower([*worker, "--node-rank", "1", "--out", str(tmp_path / "f")],
                               tmp_path / "rank1.log")
     try:
-        leader = run_subprocess(worker[3:] + ["--node-rank", "0"], devices=2)
-        tp1 = run_subprocess(["--model-path", str(target), "--tp-sizes", "1"], devices=1)
+        leader = run_subprocess(worker[3:] + ["--node-rank", "0"], devices=2)["plain"]
+        tp1 = run_subprocess(["--model-path", str(target), "--tp-sizes", "1"], devices=1)["plain"]
         assert leader[4]["devices"] == 4
         assert leader[4]["output_ids"] == tp1[1]["output_ids"] == transformers_greedy(target)
         assert follower.wait(timeout=120) == 0, (tmp_path / "rank1.log").read_text()[-4000:]

@@ -12,9 +12,9 @@ TP_SIZES = "1,2,4,8"
 @pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen3"])
 def test_fa_greedy_identical_across_tp_sizes(preset, tmp_path):
     target, draft = write_tp_checkpoints(tmp_path, preset)
-    common = ["--model-path", str(target), "--tp-sizes", TP_SIZES, "--attention-backend", "fa"]
-    plain = run_subprocess(common, devices=8)
-    eagle3 = run_subprocess([*common, "--draft-model-path", str(draft)], devices=8)
+    results = run_subprocess(["--model-path", str(target), "--draft-model-path", str(draft),
+                              "--tp-sizes", TP_SIZES, "--attention-backend", "fa"], devices=8)
+    plain, eagle3 = results["plain"], results["speculative"]
     expected = transformers_greedy(target)
     for tp in map(int, TP_SIZES.split(",")):
         assert plain[tp]["output_ids"] == expected, tp
