@@ -355,7 +355,11 @@ def metrics_text(server) -> str:
 
 
 def abort_count(server) -> float:
-    found = re.search(r'^sgl_jax_requests_total\{finish_reason="abort"[^}]*\} (\S+)$',
+    return finished_count(server, "abort")
+
+
+def finished_count(server, reason: str) -> float:
+    found = re.search(rf'^sgl_jax_requests_total\{{finish_reason="{reason}"[^}}]*\}} (\S+)$',
                       metrics_text(server), re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -403,7 +407,7 @@ def test_fifty_streams_half_disconnecting_leave_no_pages_in_use(server, client):
                                      max_retries=0, timeout=300)
         return await asyncio.gather(*(one_client(i, aclient) for i in range(50)))
 
-    aborted_before = abort_count(server)
+    aborted_before, finished_before = abort_count(server), finished_count(server, "length")
     results = asyncio.run(run_all())
     for i, text in enumerate(results):
         assert (text is None) == bool(i % 2)
@@ -416,7 +420,11 @@ def test_fifty_streams_half_disconnecting_leave_no_pages_in_use(server, client):
             break
         time.sleep(0.5)
     assert info["num_running_reqs"] == 0 and info["kv_pages_in_use"] == 0
-    assert abort_count(server) - aborted_before == 25  # each hang-up aborted its request
+    # Each hang-up aborts its request, unless (on a loaded machine) the request reached its
+    # 200 tokens before the server saw the client go; every request ended one way or the other.
+    aborted = abort_count(server) - aborted_before
+    assert 0 < aborted <= 25
+    assert aborted + finished_count(server, "length") - finished_before == 50
     reply = client.chat.completions.create(messages=prompts[0], **request)
     assert reply.choices[0].message.content == expected[0]
 
