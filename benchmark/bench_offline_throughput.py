@@ -46,7 +46,13 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import sgl_jax
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
-from bench_one_batch import int_list, machine_info, random_llama, random_prompts  # noqa: E402
+from bench_one_batch import (  # noqa: E402
+    int_list,
+    machine_info,
+    random_llama,
+    random_prompts,
+    time_weight_products,
+)
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK  # noqa: E402
 
@@ -203,11 +209,29 @@ def bench_engine(path: str, prompts: list[list[int]], c: int, args) -> dict:
                 decode_ms_per_step=(wall_s - prefill_s) / max(decode_steps, 1) * 1e3,
                 prefill_tok_s=n * args.input_len / prefill_s,
             )
+            result.update(products_ceiling(engine.model, n, c, args))
     finally:
         engine.shutdown()
         del engine
         gc.collect()
     return result
+
+
+def products_ceiling(model, n: int, c: int, args) -> dict:
+    """The most output tok/s this workload could reach if only the model's weight matrix
+    products cost anything: no attention, norms, sampling, scheduling or padding.
+
+    Each wave of c prompts is prefilled in extend batches of at most --max-prefill-tokens
+    (each gives one logits row per prompt), then decoded for output_len - 1 steps of c rows.
+    """
+    prompt = -(-args.input_len // EXTEND_Q_BLOCK) * EXTEND_Q_BLOCK
+    per_extend = min(c, max(1, args.max_prefill_tokens // prompt))
+    prefill_ms = -(-c // per_extend) * time_weight_products(model, per_extend * prompt,
+                                                            per_extend)
+    decode_ms = time_weight_products(model, c)
+    wall_s = -(-n // c) * (prefill_ms + (args.output_len - 1) * decode_ms) / 1e3
+    return {"floor_prefill_ms_per_wave": prefill_ms, "floor_decode_ms_per_step": decode_ms,
+            "ceiling_output_tok_s": n * args.output_len / wall_s}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -299,7 +323,8 @@ def print_table(ours: list[dict], hf: dict[int, dict], args) -> None:
         print("\nWhere our time goes (prefill-only = the same prompts with max_new_tokens=1):")
         head = (f"{'conc':>4} {'total s':>8} {'prefill-only s':>14} {'prefill share':>13} "
                 f"{'prefill tok/s':>13} {'decode s':>8} {'decode ms/step':>14} "
-                f"{'decode tok/s':>12}")
+                f"{'decode tok/s':>12} {'floor prefill ms':>16} {'floor step ms':>13} "
+                f"{'ceiling tok/s':>13}")
         print(head)
         print("-" * len(head))
         for r in ours:
@@ -307,7 +332,12 @@ def print_table(ours: list[dict], hf: dict[int, dict], args) -> None:
             print(f"{c:>4} {r['wall_s']:>8.2f} {r['prefill_only_s']:>14.2f} "
                   f"{r['prefill_share']:>13.0%} {r['prefill_tok_s']:>13.0f} "
                   f"{r['decode_s']:>8.2f} {r['decode_ms_per_step']:>14.2f} "
-                  f"{c / r['decode_ms_per_step'] * 1e3 if r['decode_ms_per_step'] else 0:>12.1f}")
+                  f"{c / r['decode_ms_per_step'] * 1e3 if r['decode_ms_per_step'] else 0:>12.1f} "
+                  f"{r['floor_prefill_ms_per_wave']:>16.1f} {r['floor_decode_ms_per_step']:>13.2f} "
+                  f"{r['ceiling_output_tok_s']:>13.1f}")
+        print("floor = the weight matrix products alone (prefill: per wave of c prompts; "
+              "decode: per step of c rows); ceiling = output tok/s if nothing else cost "
+              "anything")
 
 
 def summarize(ours: list[dict], hf: dict[int, dict], args) -> dict:
@@ -351,6 +381,11 @@ def summarize(ours: list[dict], hf: dict[int, dict], args) -> dict:
         print(f"Target: ours >= {TARGET_RATIO:g}x transformers' output tok/s at concurrency "
               f"{TARGET_CONCURRENCY}: {target['output_tok_s']:.1f} vs {h['output_tok_s']:.1f} "
               f"tok/s = {ratio:.2f}x -> {'MET' if ratio >= TARGET_RATIO else 'MISSED'}")
+        if "ceiling_output_tok_s" in target:
+            ceiling = target["ceiling_output_tok_s"] / h["output_tok_s"]
+            summary["ceiling_ratio"] = ceiling
+            print(f"  ceiling (weight products only, everything else free): "
+                  f"{target['ceiling_output_tok_s']:.1f} tok/s = {ceiling:.2f}x transformers")
     return summary
 
 

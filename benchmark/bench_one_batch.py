@@ -54,6 +54,7 @@ from sgl_jax.model_executor.forward_batch import (
     build_forward_batch,
 )
 from sgl_jax.model_executor.model_runner import ModelRunner
+from sgl_jax.models.llama import matmul_rows
 from sgl_jax.models.loader import LoadedModel, load_model
 
 GB = 1e9
@@ -302,6 +303,40 @@ def bench_batch(runner: ModelRunner, page_ids: list, batch: int, args, vocab: in
     }
 
 
+def weight_products_only(model: LoadedModel) -> Callable[[jax.Array, int], jax.Array]:
+    """A jitted chain of only the model's weight products (q|k|v, o, gate|up, down per layer,
+    then the LM head over the first num_logits rows), with the model's own `matmul_rows` and
+    nothing but slicing in between.
+
+    No step of that many tokens can beat it however attention, norms, sampling or the runner
+    change: it is the floor XLA's matrix products put under the step.
+    """
+    config, params = model.config, model.params
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+
+    def chain(layers, head, hidden, num_logits):  # hidden [T, H] -> f32[num_logits, V']
+        for layer in layers:
+            qkv = matmul_rows(hidden, layer["w_qkv"]).reshape(hidden.shape[0], -1)
+            hidden = hidden + matmul_rows(qkv[:, : config.q_size], layer["w_o"])
+            gate_up = matmul_rows(hidden, layer["w_gate_up"])  # [T, I, 2]
+            hidden = hidden + matmul_rows(gate_up[..., 0] * gate_up[..., 1], layer["w_down"])
+        return matmul_rows(hidden[:num_logits], head, preferred_element_type=jnp.float32)
+
+    jitted = jax.jit(chain, static_argnums=3)
+    return lambda hidden, num_logits: jitted(params["layers"], head, hidden,
+                                             num_logits).block_until_ready()
+
+
+def time_weight_products(model: LoadedModel, num_tokens: int, num_logits: int | None = None
+                         ) -> float:
+    """Median ms of weight_products_only over num_tokens rows (logits for num_logits of them,
+    all by default): a decode step of B sequences is (B, B), a prefill of T tokens (T, B)."""
+    run = weight_products_only(model)
+    hidden = jnp.ones((num_tokens, model.config.hidden_size), model.dtype)
+    calls = 20 if num_tokens <= 64 else 3  # large prefills take about a second each
+    return _median_ms(lambda: run(hidden, num_logits or num_tokens), calls)
+
+
 def add_roofline(result: dict, weight_bytes: dict, kv_per_token: int, bandwidth_gbps: float,
                  args) -> None:
     """Time to stream the weights (and, for reference, the KV read) vs the decode step."""
@@ -311,6 +346,7 @@ def add_roofline(result: dict, weight_bytes: dict, kv_per_token: int, bandwidth_
         stream_s = weight_bytes[key] / (bandwidth_gbps * GB)
         result[f"stream_{key}_ms"] = stream_s * 1e3
         result[f"roofline_{key}"] = stream_s / step_s  # 1.0 = at the bandwidth limit
+    result["products_over_stream"] = result["products_ms"] / result["stream_streamed_ms"]
     mean_context = args.input_len + (args.output_len + 1) / 2
     result["kv_read_bytes_per_step"] = int(result["batch_size"] * mean_context * kv_per_token)
 
@@ -482,16 +518,20 @@ def _memory_gib() -> float | None:
 
 def print_table(results: list[dict]) -> None:
     header = (f"{'batch':>5} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms/step':>15} "
-              f"{'(p10-p90)':>14} {'decode tok/s':>13} {'GB/s':>6} {'roofline':>9}")
+              f"{'(p10-p90)':>14} {'decode tok/s':>13} {'GB/s':>6} {'roofline':>9} "
+              f"{'products ms':>12}")
     print(header)
     print("-" * len(header))
     for r in results:
         spread = f"{r['decode_ms_p10']:.1f}-{r['decode_ms_p90']:.1f}"
         print(f"{r['batch_size']:>5} {r['prefill_ms']:>11.1f} {r['prefill_tok_s']:>14.0f} "
               f"{r['decode_ms']:>15.2f} {spread:>14} {r['decode_tok_s']:>13.1f} "
-              f"{r['bandwidth_GBps']:>6.1f} {r['roofline_streamed']:>9.2f}")
+              f"{r['bandwidth_GBps']:>6.1f} {r['roofline_streamed']:>9.2f} "
+              f"{r['products_ms']:>12.2f}")
     print("GB/s = best read bandwidth of the probes around that batch; roofline = time to stream "
-          "the decode-streamed weights once at it / decode step time (1.0 = bandwidth bound)")
+          "the decode-streamed weights once at it / decode step time (1.0 = bandwidth bound); "
+          "products ms = the model's weight matrix products alone, chained (no attention, "
+          "norms or RoPE): a floor under the decode step")
 
 
 def summarize(results: list[dict], weights: dict, bandwidth: dict, hf: dict | None) -> dict:
@@ -514,6 +554,9 @@ def summarize(results: list[dict], weights: dict, bandwidth: dict, hf: dict | No
         print(f"  (against all {weights['all'] / 1e6:.1f} MB of parameters: "
               f"{summary['batch1_step_over_stream_all']:.2f}x, "
               f"{first['stream_all_ms']:.2f} ms to stream)")
+        summary["batch1_products_over_stream"] = first["products_over_stream"]
+        print(f"  floor: the weight products alone take {first['products_ms']:.2f} ms = "
+              f"{first['products_over_stream']:.2f}x the stream time")
     for batch, figures in (hf or {}).get("by_batch", {}).items():
         ours = next((r for r in results if r["batch_size"] == batch), None)
         if ours is None:
@@ -570,6 +613,7 @@ def run(args: argparse.Namespace, path: str) -> dict:
     results = []
     for batch in args.batch_sizes:
         r = bench_batch(runner, page_ids, batch, args, model.config.vocab_size)
+        r["products_ms"] = time_weight_products(model, batch)
         probes.append(probe.measure())
         # A busy neighbour can only slow a probe down, so the best adjacent one counts.
         add_roofline(r, weights, kv_bytes_per_token(model),
@@ -577,7 +621,8 @@ def run(args: argparse.Namespace, path: str) -> dict:
         results.append(r)
         print(f"  batch {batch:>3}: prefill {r['prefill_ms']:.1f} ms "
               f"({r['prefill_forwards']} extend batch(es)), decode {r['decode_ms']:.2f} ms/step, "
-              f"{r['recompilations_while_timed']} recompilations while timed", flush=True)
+              f"{r['recompilations_while_timed']} recompilations while timed; the weight "
+              f"products alone {r['products_ms']:.2f} ms", flush=True)
         _print_bandwidth(probes[-1])
     profile = profile_decode_step(model, runner, page_ids, args) if args.profile else None
     del runner, probe  # frees the KV pool and the probe's arrays before transformers
