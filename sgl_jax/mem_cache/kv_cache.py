@@ -15,10 +15,10 @@ def allocate_kv_cache(
     config: ModelConfig, *, num_pages: int, page_size: int, dtype: jax.typing.DTypeLike,
     tp: TensorParallel | None = None,
 ) -> list[LayerKV]:
-    """Per layer: (k_pages, v_pages), each [num_pages, page_size, kv_heads, head_dim] with
+    """Per layer: (k_pages, v_pages), each [num_pages, kv_heads, page_size, head_dim] with
     kv_heads = tp.kv_heads(config) (the model's, or one per device when it has fewer)."""
     tp = tp or TensorParallel.of_size(1)
-    shape = (num_pages, page_size, tp.kv_heads(config), config.head_dim)
+    shape = (num_pages, tp.kv_heads(config), page_size, config.head_dim)
     return [(tp.kv_pages(shape, dtype), tp.kv_pages(shape, dtype))
             for _ in range(config.num_layers)]
 

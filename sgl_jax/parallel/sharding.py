@@ -29,7 +29,7 @@ from sgl_jax.parallel.mesh import TP_AXIS, make_mesh
 # Logical axis -> mesh axis; axes not named here are replicated.
 MESH_AXES = {"vocab": TP_AXIS, "kv_heads": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS}
 _HEADS = P(None, TP_AXIS, None)  # q/k/v and attention output [T, heads, hd]
-_PAGES = P(None, None, TP_AXIS, None)  # KV pages [num_pages, page_size, kv_heads, hd]
+_PAGES = P(None, TP_AXIS, None, None)  # KV pages [num_pages, kv_heads, page_size, hd]
 _VOCAB_TABLES = ("embed", "lm_head")
 _QKV = ("w_qkv", "b_qkv")
 
@@ -92,7 +92,7 @@ class TensorParallel:
     # ------------------------------------------------------------------ caches and state
 
     def kv_pages(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-        """Zeroed pages [num_pages, page_size, kv_heads, hd], created already split."""
+        """Zeroed pages [num_pages, kv_heads, page_size, hd], created already split."""
         return _zeros(shape, jnp.dtype(dtype), NamedSharding(self.mesh, _PAGES))
 
     def put_replicated(self, tree: Any) -> Any:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers.attention import LayerKV, get_attention_backend
+from sgl_jax.layers.attention.metadata import read_slots, write_slots
 from sgl_jax.layers.sampler import SamplingBatch, sample
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
@@ -321,8 +322,7 @@ def commit_path_kv(kv: list[LayerKV], page_table: jax.Array, prefix_lens: jax.Ar
     dest = jnp.where(moved, dest, 0).reshape(-1)
 
     def move(pages: jax.Array) -> jax.Array:
-        flat = pages.reshape(-1, *pages.shape[2:])
-        return flat.at[dest].set(flat[source]).reshape(pages.shape)
+        return write_slots(pages, dest, read_slots(pages, source))
 
     return [(move(k), move(v)) for k, v in kv]
 

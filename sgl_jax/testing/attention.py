@@ -35,7 +35,7 @@ class AttentionProblem:
     q: np.ndarray  # [T, n_heads, hd]
     new_k: np.ndarray  # [T, n_kv, hd]: this step's keys, zero on padding tokens
     new_v: np.ndarray  # [T, n_kv, hd]
-    k_pages: np.ndarray  # [num_pages, page_size, n_kv, hd]: prefixes written, the rest NaN
+    k_pages: np.ndarray  # [num_pages, n_kv, page_size, hd]: prefixes written, the rest NaN
     v_pages: np.ndarray
     metadata: AttentionMetadata
     chunks: list[SeqChunk]
@@ -67,7 +67,7 @@ def random_problem(
     windows: bool = False,  # metadata as a verify round builds it on the device
 ) -> AttentionProblem:
     num_pages = 1 + sum(-(-(p + q) // page_size) for p, q in zip(prefix_lens, q_lens, strict=True))
-    k_pages = np.full((num_pages + 3, page_size, n_kv, head_dim), np.nan, np.float32)
+    k_pages = np.full((num_pages + 3, n_kv, page_size, head_dim), np.nan, np.float32)
     v_pages = np.full_like(k_pages, np.nan)
     page_ids = rng.permutation(np.arange(1, num_pages + 3))  # scattered, some never used
     chunks, full_k, full_v, next_page = [], [], [], 0
@@ -78,8 +78,8 @@ def random_problem(
         k = rng.normal(size=(prefix + q_len, n_kv, head_dim)).astype(dtype).astype(np.float32)
         v = rng.normal(size=(prefix + q_len, n_kv, head_dim)).astype(dtype).astype(np.float32)
         for i in range(prefix):  # the prefix was written by earlier steps
-            k_pages[pages[i // page_size], i % page_size] = k[i]
-            v_pages[pages[i // page_size], i % page_size] = v[i]
+            k_pages[pages[i // page_size], :, i % page_size] = k[i]
+            v_pages[pages[i // page_size], :, i % page_size] = v[i]
         mask = None if tree is None else random_tree_mask(rng, q_len,
                                                            branching=tree == "branching")
         chunks.append(SeqChunk([0] * q_len, prefix, pages, tree_mask=mask))
@@ -188,7 +188,7 @@ def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype:
     from sgl_jax.layers.attention.checks import check_dynamic_inputs
     from sgl_jax.layers.attention.native import ragged_paged_attention_reference, write_kv
 
-    page_size, head_dim = problem.k_pages.shape[1], problem.q.shape[2]
+    page_size, head_dim = problem.k_pages.shape[2], problem.q.shape[2]
     check_dynamic_inputs(problem.metadata, num_pages=problem.k_pages.shape[0],
                          page_size=page_size)
     layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),

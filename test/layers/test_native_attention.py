@@ -48,7 +48,7 @@ def test_matches_per_token_loop(mode, page_size, gqa, tree, block_tokens):
         np.testing.assert_allclose(out[rows], expected, rtol=1e-5, atol=1e-5)
     for chunk, k in zip(problem.chunks, problem.full_k, strict=True):
         last = chunk.page_ids[(len(k) - 1) // page_size]
-        np.testing.assert_array_equal(k_after[last, (len(k) - 1) % page_size], k[-1])
+        np.testing.assert_array_equal(k_after[last, :, (len(k) - 1) % page_size], k[-1])
     assert not np.isnan(out[np.concatenate(problem.rows)]).any()
 
 
@@ -83,9 +83,9 @@ def test_mask_bits_round_trip_past_one_word():
 def test_hand_worked_single_query():
     # One head, head_dim 1, keys 0, 1, 2 and values 10, 20, 30 in pages of 2; query 1, scale 1:
     # softmax([0, 1, 2]) @ [10, 20, 30].
-    k_pages = np.zeros((3, 2, 1, 1), np.float32)
-    v_pages = np.zeros((3, 2, 1, 1), np.float32)
-    k_pages[1, :, 0, 0], v_pages[1, :, 0, 0] = [0, 1], [10, 20]
+    k_pages = np.zeros((3, 1, 2, 1), np.float32)  # [pages, n_kv, page_size, hd]
+    v_pages = np.zeros((3, 1, 2, 1), np.float32)
+    k_pages[1, 0, :, 0], v_pages[1, 0, :, 0] = [0, 1], [10, 20]
     batch = pack([SeqChunk([0], 2, [1, 2])], page_size=2)
     q = np.ones((1, 1, 1), np.float32)
     new = np.full((1, 1, 1), 2.0, np.float32)

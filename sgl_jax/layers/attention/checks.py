@@ -16,8 +16,8 @@ from sgl_jax.layers.attention.metadata import MASK_WORD_BITS, AttentionMetadata
 
 def check_static_inputs(
     q: jax.Array,  # [T, n_heads, hd]
-    k_pages: jax.Array,  # [num_pages, page_size, n_kv, hd]
-    v_pages: jax.Array,  # [num_pages, page_size, n_kv, hd]
+    k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
     metadata: AttentionMetadata,
     *,
     head_dim_ok: Callable[[int], bool] = lambda hd: True,
@@ -25,13 +25,13 @@ def check_static_inputs(
 ) -> None:
     """Raise ValueError naming the first shape or dtype the kernels cannot take."""
     if q.ndim != 3 or k_pages.ndim != 4:
-        raise ValueError(f"q must be [T, n_heads, head_dim] and the pages [num_pages, page_size, "
-                         f"n_kv, head_dim]; got {q.shape} and {k_pages.shape}")
+        raise ValueError(f"q must be [T, n_heads, head_dim] and the pages [num_pages, n_kv, "
+                         f"page_size, head_dim]; got {q.shape} and {k_pages.shape}")
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} "
                          f"{v_pages.dtype} differ")
     num_tokens, n_heads, head_dim = q.shape
-    n_kv = k_pages.shape[2]
+    n_kv = k_pages.shape[1]
     if k_pages.shape[3] != head_dim:
         raise ValueError(f"q has head_dim {head_dim}, the cache {k_pages.shape[3]}")
     if not head_dim_ok(head_dim):

@@ -83,7 +83,23 @@ def window_visible(words: list[jax.Array], window_offset: jax.Array) -> jax.Arra
     return visible
 
 
-LayerKV = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_pages, page_size, n_kv, hd]
+# (k_pages, v_pages), each [num_pages, n_kv, page_size, hd]. Head-major within a page, so one
+# KV head's tokens of a page are one contiguous [page_size, hd] slab: gathering a sequence's
+# keys per head (what attention reads) is a plain copy of slabs, with no transpose.
+LayerKV = tuple[jax.Array, jax.Array]
+
+
+def write_slots(pages: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """pages [num_pages, n_kv, page_size, hd] with new [T, n_kv, hd] written at the flat cache
+    slots i32[T] (slot = page * page_size + offset)."""
+    page_size = pages.shape[2]
+    return pages.at[slots // page_size, :, slots % page_size].set(new.astype(pages.dtype))
+
+
+def read_slots(pages: jax.Array, slots: jax.Array) -> jax.Array:
+    """The [T, n_kv, hd] entries of pages [num_pages, n_kv, page_size, hd] at slots i32[T]."""
+    page_size = pages.shape[2]
+    return pages[slots // page_size, :, slots % page_size]
 
 
 class AttentionBackend(Protocol):

@@ -11,7 +11,12 @@ values are zeroed so that garbage (even NaN) in unused pages can never leak into
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention.metadata import AttentionMetadata, LayerKV, window_visible
+from sgl_jax.layers.attention.metadata import (
+    AttentionMetadata,
+    LayerKV,
+    window_visible,
+    write_slots,
+)
 
 _MASKED = -1e30  # finite, so fully masked padding rows give zeros instead of NaN
 
@@ -19,23 +24,17 @@ _MASKED = -1e30  # finite, so fully masked padding rows give zeros instead of Na
 def write_kv(layer_kv: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
     """Scatter this step's k, v ([T, n_kv, hd]) into the paged cache at slot_mapping (i32[T])."""
     k_pages, v_pages = layer_kv
-    num_pages, page_size, n_kv, hd = k_pages.shape
-
-    def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pages.reshape(num_pages * page_size, n_kv, hd)
-        return flat.at[slot_mapping].set(new.astype(pages.dtype)).reshape(pages.shape)
-
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return write_slots(k_pages, slot_mapping, k), write_slots(v_pages, slot_mapping, v)
 
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, n_heads, hd]
-    k_pages: jax.Array,  # [num_pages, page_size, n_kv, hd], this step's K already written
-    v_pages: jax.Array,  # [num_pages, page_size, n_kv, hd]
+    k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
     metadata: AttentionMetadata,
     *,
     scale: float,
-    block_tokens: int = 64,
+    block_tokens: int = 32,
 ) -> jax.Array:  # [T, n_heads, hd]
     """Each query block walks its sequence's KV in blocks of pages with an online softmax.
 
@@ -43,7 +42,7 @@ def ragged_paged_attention_reference(
     compiled shape does not depend on how long the sequences are, only on the page table width.
     """
     num_tokens, n_heads, hd = q.shape
-    n_kv, page_size = k_pages.shape[2], k_pages.shape[1]
+    n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
     num_blocks, q_block = metadata.num_blocks, metadata.q_block
     page_table, pages_per_block = _pad_page_table(metadata.page_table, page_size, block_tokens)
     block_len = pages_per_block * page_size
@@ -60,8 +59,8 @@ def ragged_paged_attention_reference(
         kv_valid = kv_index[None, :] < metadata.kv_lens[:, None]  # bool[NB, B]
         # Scores of invisible keys are overwritten, so garbage keys need no masking; values
         # must be zeroed, since 0 * NaN would still poison the weighted sum.
-        keys = _gather_pages(k_pages, pages)  # [NB, B, n_kv, hd]
-        values = jnp.where(kv_valid[:, :, None, None], _gather_pages(v_pages, pages), 0)
+        keys = _gather_pages(k_pages, pages)  # [NB, n_kv, B, hd]
+        values = jnp.where(kv_valid[:, None, :, None], _gather_pages(v_pages, pages), 0)
         visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_words, kv_valid)
         return _online_softmax_step(carry, queries, keys, values, visible, scale)
 
@@ -93,7 +92,7 @@ def _online_softmax_step(carry, queries, keys, values, visible, scale):
     """Fold one KV block into the running (max, sum, acc) of every query row."""
     running_max, denominator, acc = carry
     scores = jnp.einsum(
-        "sqkgd,sckd->skgqc", queries, keys, preferred_element_type=jnp.float32
+        "sqkgd,skcd->skgqc", queries, keys, preferred_element_type=jnp.float32
     ) * scale  # f32[S, n_kv, group, Q, B]
     visible = visible[:, None, None]  # bool[S, 1, 1, Q, B]
     scores = jnp.where(visible, scores, _MASKED)
@@ -104,17 +103,18 @@ def _online_softmax_step(carry, queries, keys, values, visible, scale):
     weights = jnp.exp(scores - new_max[..., None]) * visible
     denominator = denominator * correction + weights.sum(axis=-1)
     update = jnp.einsum(
-        "skgqc,sckd->skgqd", weights.astype(values.dtype), values,
+        "skgqc,skcd->skgqd", weights.astype(values.dtype), values,
         preferred_element_type=jnp.float32,
     )
     return new_max, denominator, acc * correction[..., None] + update
 
 
 def _gather_pages(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
-    """pages [N, ps, n_kv, hd], page_ids i32[S, P] -> [S, P * ps, n_kv, hd]."""
+    """pages [N, n_kv, ps, hd], page_ids i32[S, P] -> [S, n_kv, P * ps, hd]."""
     num_seqs, num_pages = page_ids.shape
-    _, page_size, n_kv, hd = pages.shape
-    return pages[page_ids].reshape(num_seqs, num_pages * page_size, n_kv, hd)
+    _, n_kv, page_size, hd = pages.shape
+    gathered = pages[page_ids]  # [S, P, n_kv, ps, hd]
+    return jnp.swapaxes(gathered, 1, 2).reshape(num_seqs, n_kv, num_pages * page_size, hd)
 
 
 def _visibility(

@@ -44,8 +44,8 @@ def _head_dim_ok(head_dim: int) -> bool:
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, n_heads, hd]
-    k_pages: jax.Array,  # [num_pages, page_size, n_kv, hd], this step's K already written
-    v_pages: jax.Array,  # [num_pages, page_size, n_kv, hd]
+    k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
     metadata: AttentionMetadata,
     *,
     scale: float,
@@ -61,7 +61,7 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"kv_block_tokens must be a power of two >= {_MIN_DOT}, "
                          f"got {kv_block_tokens}")
     num_tokens, n_heads, hd = q.shape
-    num_pages, page_size, n_kv, _ = k_pages.shape
+    num_pages, n_kv, page_size, _ = k_pages.shape
     num_blocks, q_block = metadata.num_blocks, metadata.q_block
     group = n_heads // n_kv
     rows = max(_MIN_DOT, _next_pow2(q_block * group))
@@ -77,7 +77,7 @@ def ragged_paged_attention_gpu(
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, n_kv),
-        in_specs=_in_specs(rows, hd, num_pages * page_size, metadata.page_table.shape[1],
+        in_specs=_in_specs(rows, hd, num_pages, page_size, metadata.page_table.shape[1],
                            None if tree_bits is None else tree_bits.shape[2]),
         out_specs=pl.BlockSpec((None, None, rows, hd), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(queries.shape, q.dtype),
@@ -86,8 +86,8 @@ def ragged_paged_attention_gpu(
         name="ragged_paged_attention_gpu",
     )(
         queries,
-        k_pages.reshape(num_pages * page_size, n_kv, hd),
-        v_pages.reshape(num_pages * page_size, n_kv, hd),
+        k_pages,
+        v_pages,
         metadata.page_table,
         metadata.kv_lens,
         metadata.window_starts,
@@ -126,10 +126,11 @@ def _tree_bits_to_rows(
     return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, _next_pow2(words) - words)))
 
 
-def _in_specs(rows: int, hd: int, num_slots: int, table_width: int, words: int | None):
+def _in_specs(rows: int, hd: int, num_pages: int, page_size: int, table_width: int,
+              words: int | None):
     """Blocks of (queries, k, v, page table, kv_lens, window_starts, q_starts, tree bits)."""
     per_block = pl.BlockSpec((None,), lambda b, h: (b,))  # one scalar per query block
-    cache = pl.BlockSpec((num_slots, None, hd), lambda b, h: (0, h, 0))  # one KV head
+    cache = pl.BlockSpec((num_pages, None, page_size, hd), lambda b, h: (0, h, 0, 0))  # 1 head
     bits = None if words is None else pl.BlockSpec((None, rows, words), lambda b, h: (b, 0, 0))
     return [
         pl.BlockSpec((None, None, rows, hd), lambda b, h: (b, h, 0, 0)),
@@ -145,8 +146,8 @@ def _in_specs(rows: int, hd: int, num_slots: int, table_width: int, words: int |
 
 def _attention_kernel(
     q_ref,  # [R, hd]: this block's rows for one KV head
-    k_ref,  # [num_slots, hd]: the whole cache for that KV head
-    v_ref,  # [num_slots, hd]
+    k_ref,  # [num_pages, page_size, hd]: the whole cache for that KV head
+    v_ref,  # [num_pages, page_size, hd]
     page_table_ref,  # i32[P]: the block's sequence's pages
     kv_len_ref,  # i32[]
     window_start_ref,  # i32[]
@@ -194,7 +195,7 @@ def _attention_kernel(
 
 
 def _load_kv_block(
-    k_ref, v_ref,  # [num_slots, hd]
+    k_ref, v_ref,  # [num_pages, page_size, hd]
     page_table_ref,  # i32[P]
     kv_index: jax.Array,  # i32[Bk]: KV positions of this block's keys
     kv_len: jax.Array,  # i32[]
@@ -203,11 +204,12 @@ def _load_kv_block(
     valid = kv_index < kv_len  # bool[Bk]
     # Clamped so positions past the table read a real entry; they are masked below anyway.
     page_col = jnp.minimum(kv_index // page_size, page_table_ref.shape[0] - 1)
-    slot = page_table_ref[page_col] * page_size + kv_index % page_size  # i32[Bk]
-    # Integer indices on both axes: the interpreter cannot mix an index array with a slice.
-    index = (slot[:, None], jnp.arange(k_ref.shape[1], dtype=jnp.int32)[None, :])
+    page, offset = page_table_ref[page_col], kv_index % page_size  # i32[Bk] each
+    hd = k_ref.shape[2]
+    # Integer indices on every axis: the interpreter cannot mix an index array with a slice.
+    index = (page[:, None], offset[:, None], jnp.arange(hd, dtype=jnp.int32)[None, :])
     # A masked load never reads the slot, so stale NaN past kv_len cannot reach the p @ V sum.
-    mask = jnp.broadcast_to(valid[:, None], (kv_index.shape[0], k_ref.shape[1]))
+    mask = jnp.broadcast_to(valid[:, None], (kv_index.shape[0], hd))
     keys = plgpu.load(k_ref.at[index], mask=mask, other=0)
     values = plgpu.load(v_ref.at[index], mask=mask, other=0)
     return keys, values

@@ -30,8 +30,8 @@ _MASKED = -1e30  # finite, as in the reference: fully masked rows give 0, not Na
 @functools.partial(jax.jit, static_argnames=("scale", "kv_block_tokens"))
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, n_heads, hd]
-    k_pages: jax.Array,  # [num_pages, page_size, n_kv, hd], this step's K already written
-    v_pages: jax.Array,  # [num_pages, page_size, n_kv, hd]
+    k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
     metadata: AttentionMetadata,
     *,
     scale: float,
@@ -42,7 +42,7 @@ def ragged_paged_attention_tpu(
     check_static_inputs(q, k_pages, v_pages, metadata,
                         head_dim_ok=lambda hd: hd % 8 == 0, head_dim_rule="a multiple of 8")
     num_tokens, n_heads, hd = q.shape
-    _, page_size, n_kv, _ = k_pages.shape
+    _, n_kv, page_size, _ = k_pages.shape
     group, q_block, num_blocks = n_heads // n_kv, metadata.q_block, metadata.num_blocks
     rows = q_block * group
     pages_per_block = max(1, kv_block_tokens // page_size)
@@ -164,7 +164,7 @@ def _copy_kv_block(page_table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, *, first_pa
 
     def copies(i):
         page = page_table_ref[first_page + i]
-        return [pltpu.make_async_copy(src.at[page, :, head], dst.at[head, i],
+        return [pltpu.make_async_copy(src.at[page, head], dst.at[head, i],
                                       sems.at[kind, head, i])
                 for head in range(n_kv)
                 for kind, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
