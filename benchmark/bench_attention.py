@@ -91,7 +91,7 @@ def build_problem(args, mode: str, batch: int, context: int, page_size: int):
     metadata = jax.tree.map(jnp.asarray, metadata)
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 3)
-    cache_shape = (1 + batch * pages_per_seq, page_size, args.num_kv_heads, args.head_dim)
+    cache_shape = (1 + batch * pages_per_seq, args.num_kv_heads, page_size, args.head_dim)
     k_pages = jax.random.normal(keys[0], cache_shape, dtype)
     v_pages = jax.random.normal(keys[1], cache_shape, dtype)
     q = jax.random.normal(keys[2], (metadata.slot_mapping.shape[0], args.num_heads,
