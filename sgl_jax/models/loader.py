@@ -1,4 +1,5 @@
-"""Load a Hugging Face safetensors checkpoint (local directory or hub id) into a parameter pytree.
+"""Load a checkpoint into a parameter pytree: a Hugging Face safetensors directory (local or a
+hub id) or a GGUF file (see `gguf`).
 
 Every problem is reported before any tensor data is read: the whole checkpoint is validated
 against the tensors the architecture expects (names, shapes, dtypes) from the file headers.
@@ -10,9 +11,10 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from tqdm.auto import tqdm
 
 from sgl_jax.models import llama_eagle, llama_eagle3
 from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.gguf import GGUFCheckpoint, find_gguf_file
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
 from sgl_jax.models.weights import WeightSpec
@@ -43,6 +46,33 @@ class CheckpointError(ValueError):
     """A checkpoint does not match what its config.json describes."""
 
 
+class TensorSource(Protocol):
+    """Where a checkpoint's tensors come from, under Hugging Face names."""
+
+    def names(self) -> list[str]: ...
+
+    def check(self, names: list[str], specs: dict[str, WeightSpec]) -> None:
+        """Raise if a tensor's stored shape or type does not fit its spec; reads no data."""
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]: ...
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    model_dir: Path  # config.json, generation_config.json and the tokenizer
+    tensors: TensorSource
+
+
+def open_checkpoint(model_path: str, revision: str | None = None) -> Checkpoint:
+    """A GGUF file (or a directory holding one), else a safetensors directory or hub id."""
+    gguf_file = find_gguf_file(model_path)
+    if gguf_file is not None:
+        gguf = GGUFCheckpoint(gguf_file)
+        return Checkpoint(gguf.metadata_dir(), gguf)
+    model_dir = resolve_model_dir(model_path, revision)
+    return Checkpoint(model_dir, SafetensorsSource(model_dir))
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     impl: ModelImpl
@@ -58,15 +88,16 @@ def load_model(
     tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """`tp`: the mesh to load onto, split by its rules (default: the first device)."""
-    model_dir = resolve_model_dir(model_path, revision)
-    hf_config = read_hf_config(model_dir)
+    checkpoint = open_checkpoint(model_path, revision)
+    hf_config = read_hf_config(checkpoint.model_dir)
     impl = get_model_impl(hf_config)
     config = impl.config_from_hf(hf_config)
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
     tp = tp or TensorParallel.of_size(1)
-    params = load_params(model_dir, impl.hf_weight_specs(config), jax_dtype, progress=progress,
-                         tp=tp, config=config)
-    return LoadedModel(impl, config, params, model_dir, jax_dtype, tp)
+    params = load_params(checkpoint.tensors, impl.hf_weight_specs(config), jax_dtype,
+                         progress=progress, tp=tp, config=config,
+                         what=f"the model in {model_path!r}")
+    return LoadedModel(impl, config, params, checkpoint.model_dir, jax_dtype, tp)
 
 
 @dataclass(frozen=True)
@@ -91,10 +122,12 @@ def load_eagle3_draft(
             "(expected LlamaForCausalLMEagle3, or a one-layer LlamaForCausalLM)"
         )
     config = llama_eagle3.config_from_hf(hf_config)
-    specs = llama_eagle3.hf_weight_specs(config, checkpoint_files(model_dir).keys())
+    source = SafetensorsSource(model_dir)
+    specs = llama_eagle3.hf_weight_specs(config, source.names())
     jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
-    params = load_params(model_dir, specs, jax_dtype, progress=progress, tp=tp,
-                         config=config.layer, ignored=llama_eagle3.TRAINING_ONLY_TENSORS)
+    params = load_params(source, specs, jax_dtype, progress=progress, tp=tp,
+                         config=config.layer, ignored=llama_eagle3.TRAINING_ONLY_TENSORS,
+                         what=f"the draft in {model_path!r}")
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
@@ -105,7 +138,8 @@ def load_eagle_draft(
     """An EAGLE (v1 / v2) draft head: fc [H, 2H] and Llama layers (see llama_eagle)."""
     model_dir = resolve_model_dir(model_path, revision)
     hf_config = read_hf_config(model_dir)
-    names = checkpoint_files(model_dir).keys()
+    source = SafetensorsSource(model_dir)
+    names = source.names()
     if any("hidden_norm" in n for n in names):
         raise CheckpointError(f"{model_path!r} is not an EAGLE draft but an EAGLE3 one (it has "
                               "hidden_norm weights): use --speculative-algorithm EAGLE3")
@@ -114,8 +148,8 @@ def load_eagle_draft(
     config = llama_eagle.config_from_hf(hf_config)
     specs, ignored = llama_eagle.hf_weight_specs(config, names)
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
-    params = load_params(model_dir, specs, jax_dtype, progress=progress, tp=tp, config=config,
-                         ignored=ignored)
+    params = load_params(source, specs, jax_dtype, progress=progress, tp=tp, config=config,
+                         ignored=ignored, what=f"the draft in {model_path!r}")
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
@@ -125,7 +159,8 @@ def resolve_model_dir(model_path: str, revision: str | None = None) -> Path:
     if local.is_dir():
         return local
     if local.exists():
-        raise NotADirectoryError(f"model path {model_path!r} is a file, not a directory")
+        raise NotADirectoryError(f"model path {model_path!r} is a file, not a directory (nor a "
+                                 ".gguf file)")
     if not _HUB_ID.match(model_path):
         raise FileNotFoundError(f"model directory {model_path!r} does not exist")
     return _download_from_hub(model_path, revision)
@@ -196,32 +231,52 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_params(
-    model_dir: Path, specs: dict[str, WeightSpec], dtype: Any, *, config: ModelConfig,
+    source: TensorSource, specs: dict[str, WeightSpec], dtype: Any, *, config: ModelConfig,
     tp: TensorParallel | None = None, progress: bool = True,
-    ignored: frozenset[str] = frozenset(),
+    ignored: frozenset[str] = frozenset(), what: str = "the model",
 ) -> dict[str, Any]:
     """`config`: the layers' shapes, checked against `tp` before any tensor is read;
     `ignored`: tensors a checkpoint may hold that inference does not use."""
     tp = tp or TensorParallel.of_size(1)
-    tp.check(config, what=f"the model in {str(model_dir)!r}")
-    files = checkpoint_files(model_dir)
-    names = [n for n in files
+    tp.check(config, what=what)
+    names = [n for n in source.names()
              if n in specs or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored)]
     _check_tensor_names(names, specs)
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        if name in specs:
-            by_file.setdefault(files[name], []).append(name)
-    for path, file_names in by_file.items():
-        _check_headers(path, file_names, specs)
+    names = [n for n in names if n in specs]
+    source.check(names, specs)
     host: dict[tuple, np.ndarray] = {}
-    with tqdm(total=len(specs), desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for path, file_names in by_file.items():
+    with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for name, array in source.read(names):
+            _place(host, array, specs[name], dtype)
+            bar.update()
+    return _unflatten(tp.shard_params(host, config))
+
+
+class SafetensorsSource:
+    """The tensors of a directory of safetensors files (sharded or not)."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self._files = checkpoint_files(model_dir)
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def check(self, names: list[str], specs: dict[str, WeightSpec]) -> None:
+        for path, file_names in self._by_file(names).items():
+            _check_headers(path, file_names, specs)
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        for path, file_names in self._by_file(names).items():
             with safe_open(path, framework="numpy") as f:
                 for name in file_names:
-                    _place(host, f.get_tensor(name), specs[name], dtype)
-                    bar.update()
-    return _unflatten(tp.shard_params(host, config))
+                    yield name, f.get_tensor(name)
+
+    def _by_file(self, names: list[str]) -> dict[Path, list[str]]:
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._files[name], []).append(name)
+        return by_file
 
 
 def _check_tensor_names(names: list[str], specs: dict[str, WeightSpec]) -> None:

@@ -1,0 +1,286 @@
+"""GGUF checkpoints (llama.cpp's single-file format) for Llama, Qwen2 and Qwen3.
+
+A GGUF file carries the config, the tokenizer and the chat template as metadata and the
+weights as (often quantized) tensors under llama.cpp's names. The config, tokenizer and
+generation config are written once, as a Hugging Face directory, into the user cache, so the
+rest of the project (tokenizer, chat templates, EOS ids) reads them as it reads any model.
+Tensors are dequantized with the `gguf` library at every load (about a second for 135M
+parameters), renamed to the Hugging Face names the architectures expect, and Llama's q/k rows
+are put back in the order the converter permuted them out of.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sgl_jax import __version__
+from sgl_jax.cache import user_cache_dir
+from sgl_jax.models.weights import WeightSpec
+
+logger = logging.getLogger(__name__)
+
+# GGUF's general.architecture -> the Hugging Face architecture that implements it here.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# Tensor types dequantized here; others (IQ*, TQ*, ...) are refused by name.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                   "Q4_K", "Q5_K", "Q6_K")
+# Bumped when the files written into the cache change.
+_METADATA_FORMAT = 1
+
+# llama.cpp tensor name -> Hugging Face name ("{i}" is the layer).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **{f"{gguf}.{kind}": f"{hf}.{kind}" for gguf, hf in (
+        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+        ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+    ) for kind in ("weight", "bias")},
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Buffers that carry no learned weights: llama3 rope factors become rope_scaling instead.
+_METADATA_TENSORS = ("rope_freqs.weight",)
+
+
+class GGUFError(ValueError):
+    """A GGUF file this project cannot serve; the message names what and why."""
+
+
+def find_gguf_file(model_path: str | Path) -> Path | None:
+    """`model_path` if it is a .gguf file, the one .gguf in a directory without config.json,
+    else None (not a GGUF checkpoint)."""
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise GGUFError(f"{str(path)!r} holds {len(found)} GGUF files ({names}); pass the "
+                        "path of the one to serve")
+    return found[0] if found else None
+
+
+class GGUFCheckpoint:
+    """The tensors of one GGUF file under Hugging Face names (a loader TensorSource), and its
+    metadata as a Hugging Face config."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self._reader = GGUFReader(str(path))
+        except (ValueError, OSError) as exc:
+            raise GGUFError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
+        self.arch = self._field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise GGUFError(f"GGUF architecture {self.arch!r} in {path.name} is not supported; "
+                            f"supported: {', '.join(ARCHITECTURES)}")
+        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors
+                         if t.name not in _METADATA_TENSORS}
+
+    # ------------------------------------------------------------------ metadata
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _arch_field(self, key: str, default: Any = None) -> Any:
+        return self._field(f"{self.arch}.{key}", default)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json a Hugging Face export of this model would have."""
+        heads = self._arch_field("attention.head_count")
+        hidden = self._arch_field("embedding_length")
+        vocab = self._arch_field("vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
+        config = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": self._arch_field("feed_forward_length"),
+            "num_hidden_layers": self._arch_field("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._arch_field("attention.head_count_kv", heads),
+            "head_dim": self._arch_field("attention.key_length", hidden // heads),
+            "rms_norm_eps": self._arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self._arch_field("rope.freq_base", 10000.0),
+            "max_position_embeddings": self._arch_field("context_length", 4096),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.o_proj.bias" in self._tensors,
+            "hidden_act": "silu",
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
+            "torch_dtype": self._stored_dtype(),
+        }
+        rope_scaling = self._rope_scaling()
+        if rope_scaling:
+            config["rope_scaling"] = rope_scaling
+        return config
+
+    def _stored_dtype(self) -> str | None:
+        """The float dtype the matrices are stored in, or None when quantized or mixed."""
+        kinds = {t.tensor_type.name for t in self._tensors.values() if len(t.shape) > 1}
+        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(
+            kinds.pop() if len(kinds) == 1 else "")
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self._arch_field("rope.scaling.type")
+        factor = self._arch_field("rope.scaling.factor")
+        if kind == "linear" and factor:
+            return {"rope_type": "linear", "factor": float(factor)}
+        if kind not in (None, "none"):
+            raise GGUFError(f"rope scaling {kind!r} in {self.path.name} is not supported")
+        freqs = next((t for t in self._reader.tensors if t.name in _METADATA_TENSORS), None)
+        return None if freqs is None else self._llama3_rope(np.asarray(freqs.data, np.float64))
+
+    def _llama3_rope(self, divisors: np.ndarray) -> dict[str, Any]:
+        """llama.cpp stores Llama 3.1's rope scaling as per-frequency divisors (rope_freqs);
+        recover the llama3 parameters and check they give back every divisor."""
+        scaling = {
+            "rope_type": "llama3", "factor": float(divisors.max()), "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings":
+                int(self._arch_field("rope.scaling.original_context_length", 8192)),
+        }
+        head_dim = 2 * len(divisors)
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        if not np.allclose(llama3_rope_divisors(theta, head_dim, scaling), divisors, rtol=1e-3):
+            raise GGUFError(f"the rope_freqs tensor of {self.path.name} is not llama3 rope "
+                            "scaling with low/high frequency factors 1 and 4; not supported")
+        return scaling
+
+    # ------------------------------------------------------------------ tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def check(self, names: list[str], specs: dict[str, WeightSpec]) -> None:
+        for name in names:
+            tensor = self._tensors[name]
+            kind = tensor.tensor_type.name
+            if kind not in SUPPORTED_TYPES:
+                raise GGUFError(f"tensor {tensor.name!r} of {self.path.name} is stored as {kind}, "
+                                f"which is not supported; supported GGUF types: "
+                                f"{', '.join(SUPPORTED_TYPES)}")
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            if shape != specs[name].shape:
+                raise GGUFError(f"tensor {tensor.name!r} of {self.path.name} has shape "
+                                f"{list(shape)}, but its metadata implies "
+                                f"{list(specs[name].shape)}")
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        from gguf import quants
+
+        config = self.hf_config()
+        for name in names:
+            tensor = self._tensors[name]
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            array = quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            yield name, self._unpermute(name, array, config)
+
+    def _unpermute(self, name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+        """llama.cpp's converter reorders Llama's q/k rows within each head from rotate-half
+        pairs (i, i + d/2) to interleaved ones (2i, 2i + 1); undo it."""
+        if self.arch != "llama":
+            return array
+        if ".self_attn.q_proj." in name:
+            return unpermute_rows(array, config["num_attention_heads"])
+        if ".self_attn.k_proj." in name:
+            return unpermute_rows(array, config["num_key_value_heads"])
+        return array
+
+    # ------------------------------------------------------------------ Hugging Face files
+
+    def metadata_dir(self) -> Path:
+        """A cached directory with config.json, generation_config.json and the tokenizer."""
+        stat = self.path.stat()
+        identity = f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_METADATA_FORMAT}"
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+        target = user_cache_dir() / "gguf" / f"{self.path.stem}-{digest}-{__version__}"
+        if not (target / "config.json").is_file():
+            self._write_metadata(target)
+        return target
+
+    def _write_metadata(self, target: Path) -> None:
+        logger.info("Converting the tokenizer and config of %s (once; cached in %s)",
+                    self.path.name, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Written beside the target and renamed, so a crash never leaves half a directory.
+        staging = Path(tempfile.mkdtemp(dir=target.parent))
+        config = self.hf_config()
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", {
+            k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None})
+        self._tokenizer().save_pretrained(str(staging))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+
+    def _tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except (ValueError, KeyError, OSError) as exc:
+            raise GGUFError(f"cannot build a tokenizer from the metadata of {self.path.name}: "
+                            f"{exc}") from exc
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation: rows [heads * head_dim, ...] (or a bias)."""
+    shape = weight.shape
+    half = shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (what its converter writes)."""
+    shape = weight.shape
+    half = shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def llama3_rope_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """Per-frequency divisors of llama3 rope scaling (f64[head_dim / 2]), as llama.cpp
+    stores them in rope_freqs."""
+    freqs = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelengths = 2 * np.pi / freqs
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    smooth = np.clip((original / wavelengths - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1 - smooth) / scaling["factor"] + smooth)
+
+
+def _hf_name(name: str) -> str:
+    """A llama.cpp tensor name in Hugging Face spelling; unknown names stay as they are, so
+    the loader reports them as unexpected."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.match(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return name
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
