@@ -2,6 +2,11 @@
 
 from typing import Any
 
+from sgl_jax.import_noise import silence_import_noise
+
+# Here, not in the launcher: the launcher and the Engine both import transformers early.
+silence_import_noise()
+
 __version__ = "0.1.0"
 __all__ = ["Engine", "__version__"]
 

@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 
-from sgl_jax.server_args import ServerArgs
+from sgl_jax.server_args import ServerArgs, build_parser
 from sgl_jax.tokenizer.chat_template import resolve_chat_template
 
 logger = logging.getLogger("sgl_jax.launch_server")
@@ -21,11 +21,14 @@ _USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = ServerArgs.from_cli(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    # argparse refuses unknown flags and choices itself (usage, exit 2); --log-level is one
+    # of those choices, so logging is set up before a bad value can be reported.
+    cli = build_parser().parse_args(argv)
+    logging.basicConfig(level=cli.log_level.upper(),
                         format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
     engine = None
     try:
+        args = ServerArgs(**vars(cli))  # validates every value
         resolve_chat_template(args.chat_template)  # a bad name or path fails before loading
         args = _with_model(args)
         _select_platform(args)

@@ -1,0 +1,84 @@
+"""The launcher's first-run behaviour: bad values are one `cannot start:` line with exit status
+2, and start-up logs no dependency noise that reads like an error."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sgl_jax import launch_server
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.server import launch_server as start_server
+
+BAD_VALUES = [
+    (["--speculative-algorithm", "EAGLE3"], "needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
+      "--speculative-num-draft-tokens", "8", "--speculative-eagle-topk", "1"],
+     "must be num_steps + 1"),
+    (["--page-size", "0"], "page_size must be >= 1, got 0"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
+      "--speculative-accept-threshold-acc", "0"], "speculative_accept_threshold_acc"),
+]
+TORCH_MESSAGE = "PyTorch was not found"
+TPU_MESSAGE = "Unable to initialize backend 'tpu'"
+
+
+@pytest.mark.parametrize("argv, message", BAD_VALUES)
+def test_a_bad_value_is_one_cannot_start_line(argv, message, caplog):
+    caplog.set_level(logging.ERROR)
+    assert launch_server.main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("cannot start: ")
+    assert message in errors[0]
+
+
+def test_a_bad_value_exits_2_without_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "sgl_jax.launch_server", "--page-size", "0",
+                             "--log-level", "warning"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot start: page_size must be >= 1, got 0" in lines[0]
+
+
+def hide_packages(tmp_path, *names: str) -> dict[str, str]:
+    """An environment whose Python cannot import `names`, as if they were not installed."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{n!r}] = None\n" for n in names))
+    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def test_the_noise_is_there_without_sgl_jax(tmp_path):
+    """The check below would see both messages: transformers and JAX print them by default."""
+    code = ("import logging; logging.basicConfig(level='INFO'); import transformers; "
+            "import jax; jax.devices()")
+    result = subprocess.run([sys.executable, "-c", code], env=hide_packages(tmp_path, "torch"),
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert TORCH_MESSAGE in result.stderr and TPU_MESSAGE in result.stderr
+
+
+def test_server_start_logs_no_torch_or_tpu_probe_noise(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "model", "qwen3")
+    flags = ["--model-path", str(model_dir), "--dtype", "float32", "--skip-server-warmup",
+             "--precompile-token-paddings", "64", "--precompile-bs-paddings", "1",
+             "--context-length", "128"]
+    with start_server(flags, env=hide_packages(tmp_path, "torch")) as server:
+        log = server.log()
+    assert "Engine ready" in log
+    assert TORCH_MESSAGE not in log and TPU_MESSAGE not in log
+
+
+def test_the_noise_filters_keep_every_other_record(caplog):
+    import sgl_jax  # noqa: F401  (installs the filters)
+
+    caplog.set_level(logging.INFO)
+    logging.getLogger("transformers").warning("%s. Models won't be available", TORCH_MESSAGE)
+    logging.getLogger("jax._src.xla_bridge").info("%s: no libtpu", TPU_MESSAGE)
+    logging.getLogger("transformers").warning("a real transformers warning")
+    logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'cuda': x")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a real transformers warning", "Unable to initialize backend 'cuda': x"]
