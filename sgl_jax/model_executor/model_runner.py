@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.layers.attention import LayerKV, get_attention_backend
+from sgl_jax.layers.attention import LayerKV, get_attention_backend, resolve_attention_backend
 from sgl_jax.layers.sampler import (
     PenaltyState,
     SamplingBatch,
@@ -40,6 +40,20 @@ logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_SUPPRESSED_IDS = 16  # EOS + stop ids a row can ban while min_new_tokens is unmet
+
+
+def _warn_if_slow_on_cpu(attention_backend: str | None, dtype: jnp.dtype) -> None:
+    """Say at start-up why a CPU run will crawl: correct, but many times slower."""
+    if jax.default_backend() != "cpu":
+        return
+    if resolve_attention_backend(attention_backend) == "fa":
+        logger.warning("attention backend %s on CPU runs the Pallas kernel in interpret "
+                       "mode, which is very slow; --attention-backend native (the CPU "
+                       "default) is much faster", attention_backend)
+    name = jnp.dtype(dtype).name
+    if name in ("bfloat16", "float16"):
+        logger.warning("--dtype %s on CPU is slow (most CPUs lack fast %s matmuls); "
+                       "--dtype float32 (what auto picks on CPU) is much faster", name, name)
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class ModelRunner:
         )
         self.penalties: PenaltyState = self.tp.put_replicated(
             init_penalty_state(num_penalty_slots, self.config.vocab_size))
+        _warn_if_slow_on_cpu(attention_backend, model.dtype)
         attention = self.tp.attention(get_attention_backend(attention_backend))
         forward = functools.partial(self._forward, attention=attention, capture=capture_layers)
         self._logits_step = jax.jit(
