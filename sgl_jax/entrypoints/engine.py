@@ -246,6 +246,7 @@ class Engine:
             cache = scheduler.cache
             return {
                 **self.server_args.to_dict(),
+                "dtype": np.dtype(self.model.dtype).name,  # what `auto` resolved to
                 "context_length": self.context_length,
                 "max_total_num_tokens": cache.allocator.capacity * self.server_args.page_size,
                 "num_running_reqs": len(scheduler.running),

@@ -45,9 +45,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         _install_api_key_check(app, config.api_key)
     _add_openai_routes(app, serving)
     _add_native_routes(app, engine, serving)
-    if metrics is not None:
-        app.get("/metrics")(lambda: Response(metrics.render(),
-                                             media_type="text/plain; version=0.0.4"))
+    _add_metrics_route(app, metrics)
     return app
 
 
@@ -142,6 +140,15 @@ def _add_native_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> 
             raise APIError(400, "the cache cannot be flushed while requests are running",
                            code="busy")
         return Response("the prefix cache was flushed")
+
+
+def _add_metrics_route(app: FastAPI, metrics: ServerMetrics | None) -> None:
+    @app.get("/metrics")
+    def get_metrics() -> Response:  # render() waits for the engine thread: not on the loop
+        if metrics is None:  # a bare 404 would leave the user guessing why
+            raise APIError(404, "/metrics is off; start the server with --enable-metrics",
+                           code="not_found")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 # ---------------------------------------------------------------------- errors and auth

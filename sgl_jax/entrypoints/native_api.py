@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sgl_jax.entrypoints.engine import Engine
@@ -55,5 +56,5 @@ def model_info(engine: Engine, served_model_name: str) -> dict[str, Any]:
         "is_generation": True,
         "context_length": engine.context_length,
         "vocab_size": config.vocab_size,
-        "dtype": str(engine.model.dtype),
+        "dtype": np.dtype(engine.model.dtype).name,  # "float32", not "<class 'jax...'>"
     }

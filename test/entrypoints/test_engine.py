@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
+from sgl_jax.entrypoints.native_api import model_info
 from sgl_jax.testing import write_tiny_checkpoint
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -125,3 +126,9 @@ def test_shutdown_engine_refuses_work(model_dir):
     eng.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate(input_ids=[1], sampling_params=GREEDY)
+
+
+def test_server_and_model_info_name_the_dtype_that_runs(model_dir):
+    with Engine(model_path=str(model_dir), **{**SMALL, "dtype": "auto"}) as engine:
+        assert engine.get_server_info()["dtype"] == "float32"  # what auto means on CPU
+        assert model_info(engine, "m")["dtype"] == "float32"

@@ -343,9 +343,10 @@ def test_native_endpoints(server, hf):
     assert httpx.get(f"{base}/health_generate", headers=headers, timeout=60).status_code == 200
     info = httpx.get(f"{base}/get_model_info", headers=headers).json()
     assert info["architecture"] == "Qwen3ForCausalLM" and info["context_length"] == CONTEXT
-    assert info["served_model_name"] == MODEL
+    assert info["served_model_name"] == MODEL and info["dtype"] == "float32"
     server_state = server_info(server)
     assert server_state["api_key"] == "<set>" and server_state["context_length"] == CONTEXT
+    assert server_state["dtype"] == "float32"
     assert httpx.post(f"{base}/flush_cache", headers=headers).status_code == 200
 
 
@@ -442,6 +443,11 @@ def test_named_template_reasoning_split_small_pool_and_no_api_key(model_dir, hf)
     flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--reasoning-parser", "deepseek-r1",
              "--chat-template", "qwen3-instruct-no-thinking", "--max-total-tokens", "128"]
     with launch_server(flags) as proc:
+        metrics = httpx.get(f"{proc.base_url}/metrics")
+        assert metrics.status_code == 404  # no --enable-metrics
+        assert metrics.json()["error"] == {
+            "message": "/metrics is off; start the server with --enable-metrics",
+            "type": "invalid_request_error", "param": None, "code": "not_found"}
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
         request = dict(model=MODEL, messages=USER, temperature=0, max_tokens=8)
         plain = client.chat.completions.create(**request, extra_body={
