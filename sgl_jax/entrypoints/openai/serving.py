@@ -17,6 +17,7 @@ from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from sgl_jax.server_args import HttpConfig
 from sgl_jax.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sgl_jax.tokenizer.reasoning import ReasoningParser
+from sgl_jax.tokenizer.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.context_length = engine.context_length
         self._token_texts: dict[int, str] = {}
+        self._token_bytes = TokenBytes(engine.tokenizer)
 
     # ------------------------------------------------------------------ models
 
@@ -139,7 +141,7 @@ class OpenAIServing:
 
     def _token_logprob(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(self._token_bytes(token))}
 
     # ------------------------------------------------------------------ text completions
 
