@@ -10,12 +10,14 @@ down afterwards. The timed call compiles nothing (the script checks the engine's
 
 transformers runs the same prompts in batches of c through `model.generate` on the same
 checkpoint, right after our run at that level (so the two are measured minutes apart at most
-on a machine whose memory bandwidth drifts). A full pass at c=1 takes long, so by default it
-times only --transformers-requests prompts (rounded up to whole batches) and reports their
-rate; every batch has the same shape, so the rate stands for all N.
+on a machine whose memory bandwidth drifts), in a process of its own with torch's defaults
+(benchmark/transformers_peer.py) while this one waits. A full pass at c=1 takes long, so by
+default it times only --transformers-requests prompts (rounded up to whole batches) and
+reports their rate; every batch has the same shape, so the rate stands for all N.
 
-    python benchmark/bench_offline_throughput.py                  # random ~66M Llama, float32
+    python benchmark/bench_offline_throughput.py                  # the demo model, float32
     python benchmark/bench_offline_throughput.py --concurrency 16 --json /tmp/offline.json
+    python benchmark/bench_offline_throughput.py --model-path random  # a random ~66M Llama
     python benchmark/bench_offline_throughput.py --model-path DIR --no-compare-transformers
 """
 
@@ -26,15 +28,9 @@ import contextlib
 import gc
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
-
-# transformers runs on torch's OpenMP pool; with OpenMP's default spin-waiting its steps on a
-# 2-vCPU VM were bimodal from one process to the next (see docs/benchmarks.md). Set before
-# torch loads; override freely.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 
@@ -49,11 +45,14 @@ if str(_HERE) not in sys.path:
 from bench_one_batch import (  # noqa: E402
     int_list,
     machine_info,
+    model_or_demo,
     random_llama,
     random_prompts,
     time_weight_products,
 )
+from transformers_peer import describe_peer, run_peer, vocab_size  # noqa: E402
 
+from sgl_jax.demo import DEMO_MODEL_NAME  # noqa: E402
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK  # noqa: E402
 
 TARGET_CONCURRENCY = 16
@@ -71,9 +70,10 @@ TINY_LLAMA = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=None,
-                        help="an existing checkpoint; default: generate a random ~66M Llama")
+                        help="a checkpoint directory, hub id or .gguf file; 'random': a random "
+                             f"~66M Llama (default: the demo model, {DEMO_MODEL_NAME})")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="where to write the generated checkpoint (default: a temp dir); "
+                        help="where to write the random checkpoint (default: a temp dir); "
                              "reused if it already holds a matching one")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -112,10 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare_checkpoint(args: argparse.Namespace, scratch: contextlib.ExitStack) -> str:
-    """--model-path, or the random Llama written into --checkpoint-dir (reused when its
-    config matches) or into a temporary directory removed when `scratch` closes."""
-    if args.model_path:
-        return args.model_path
+    """--model-path (the demo model by default), or for 'random' the random Llama written
+    into --checkpoint-dir (reused when its config matches) or into a temporary directory
+    removed when `scratch` closes."""
+    if (path := model_or_demo(args.model_path)) is not None:
+        return path
     overrides = dict(TINY_LLAMA, max_position_embeddings=max(
         TINY_LLAMA["max_position_embeddings"], args.input_len + args.output_len))
     return random_llama(args.checkpoint_dir, scratch, overrides, args.dtype, "bench_offline_")
@@ -237,52 +238,16 @@ def products_ceiling(model, n: int, c: int, args) -> dict:
 # --------------------------------------------------------------------------- transformers
 
 
-def load_transformers(path: str, args):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    # Our requests use ignore_eos. generate's min_new_tokens instead bans EOS until the last
-    # token, which changes the greedy token wherever EOS is the argmax (a random model's EOS
-    # is an ordinary id). Without an EOS id, generate neither bans nor stops on it. generate
-    # fills an eos_token_id=None argument from the model's config, so clear it there.
-    eos = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
-    return model
-
-
-def bench_transformers(model, prompts: list[list[int]], c: int, args) -> dict:
+def bench_transformers(path: str, prompts: list[list[int]], c: int, args) -> dict:
     """The first K prompts (K = --transformers-requests rounded up to batches of c, at most N)
-    in batches of c through greedy generate; output tok/s over the whole pass."""
-    import torch
-
+    in batches of c through greedy generate, in a child process with torch's defaults;
+    output tok/s over the whole pass."""
     k = min(len(prompts), max(c, -(-args.transformers_requests // c) * c))
-    kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                  do_sample=False)
-    batches = [torch.tensor(prompts[i:i + c], dtype=torch.long) for i in range(0, k, c)]
-    with torch.no_grad():
-        warm = batches[0]  # untimed: the first call at a batch size allocates and warms up
-        model.generate(input_ids=warm, attention_mask=torch.ones_like(warm),
-                       **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-        tokens, batch_s = [], []
-        start = time.perf_counter()
-        for batch in batches:
-            t0 = time.perf_counter()
-            out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **kwargs)
-            batch_s.append(time.perf_counter() - t0)
-            tokens.extend(out[:, batch.shape[1]:].tolist())
-        wall_s = time.perf_counter() - start
-    if any(len(t) != args.output_len for t in tokens):
-        raise RuntimeError(f"transformers did not generate {args.output_len} tokens per prompt")
-    return {
-        "concurrency": c, "requests": k, "batches": len(batches), "wall_s": wall_s,
-        "batch_s": batch_s, "output_tok_s": k * args.output_len / wall_s,
-        "total_tok_s": k * (args.output_len + args.input_len) / wall_s,
-        "extrapolated": k < len(prompts), "tokens": tokens,
-    }
+    hf = run_peer({"task": "throughput", "model_path": path, "dtype": args.dtype,
+                   "output_len": args.output_len, "concurrency": c, "prompts": prompts[:k]})
+    hf.update(concurrency=c, extrapolated=k < len(prompts),
+              total_tok_s=k * (args.output_len + args.input_len) / hf["wall_s"])
+    return hf
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -390,8 +355,9 @@ def summarize(ours: list[dict], hf: dict[int, dict], args) -> dict:
 
 
 def _versions() -> dict:
+    """Of this process; the transformers peer reports its own (torch, transformers)."""
     out = {}
-    for name in ("jax", "jaxlib", "numpy", "torch", "transformers"):
+    for name in ("jax", "jaxlib", "numpy"):
         try:
             out[name] = __import__(name).__version__
         except ImportError:
@@ -415,17 +381,14 @@ def run(args: argparse.Namespace, path: str) -> dict:
     info["versions"] = _versions()
     print(f"Machine: {info['platform']}, {info['cpu_count']} CPUs, "
           f"{info['memory_gib'] or 0:.0f} GiB, JAX {info['jax_version']} on {info['devices']}, "
-          f"OMP_WAIT_POLICY={info['omp_wait_policy']}, commit {info['git_commit']}")
+          f"commit {info['git_commit']}")
     print(f"Workload: {args.num_requests} requests x ({args.input_len} prompt + "
           f"{args.output_len} output tokens), greedy, ignore_eos, {args.dtype}, "
           f"concurrency {args.concurrency}", flush=True)
 
-    hf_model = load_transformers(path, args) if args.compare_transformers else None
-    prompts, ours, hf = None, [], {}
+    prompts = random_prompts(args.num_requests, args.input_len, vocab_size(path), args.seed)
+    ours, hf = [], {}
     for c in args.concurrency:
-        if prompts is None:
-            vocab = _vocab_size(path, hf_model)
-            prompts = random_prompts(args.num_requests, args.input_len, vocab, args.seed)
         r = bench_engine(path, prompts, c, args)
         ours.append(r)
         print(f"  c={c:>3} ours: start-up {r['startup_s']:.1f} s "
@@ -434,12 +397,12 @@ def run(args: argparse.Namespace, path: str) -> dict:
               f"{r['recompilations_while_timed']} compilations while timed"
               + (f"; prefill-only {r['prefill_only_s']:.2f} s" if args.breakdown else ""),
               flush=True)
-        if hf_model is not None:
-            h = bench_transformers(hf_model, prompts, c, args)
+        if args.compare_transformers:
+            h = bench_transformers(path, prompts, c, args)
             hf[c] = h
             print(f"  c={c:>3} transformers: {h['wall_s']:.2f} s for {h['requests']} requests "
-                  f"({h['batches']} batch(es)) -> {h['output_tok_s']:.1f} output tok/s",
-                  flush=True)
+                  f"({h['batches']} batch(es)) -> {h['output_tok_s']:.1f} output tok/s; "
+                  f"{describe_peer(h['environment'])}", flush=True)
 
     print()
     print(f"bench_offline_throughput: {args.num_requests} requests, input_len={args.input_len}, "
@@ -449,35 +412,17 @@ def run(args: argparse.Namespace, path: str) -> dict:
     summary = summarize(ours, hf, args)
     report = {"machine": info, "args": vars(args), "checkpoint": path, "results": ours,
               "transformers": {
-                  "torch_threads": _torch_threads() if hf_model is not None else None,
-                  "method": "batches of c through generate(max_new_tokens=min_new_tokens="
-                            "output_len, do_sample=False) with the generation config's "
-                            "eos_token_id cleared (= ignore_eos); one untimed 2-token warm-up "
-                            "per c",
+                  "method": "one child process per c with torch's defaults (its settings in "
+                            "each level's 'environment'); batches of c through generate("
+                            "max_new_tokens=min_new_tokens=output_len, do_sample=False) with "
+                            "the generation config's eos_token_id cleared (= ignore_eos); one "
+                            "untimed 2-token warm-up",
                   "by_concurrency": hf},
               "summary": summary}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
         print(f"Wrote {args.json}")
     return report
-
-
-def _vocab_size(path: str, hf_model) -> int:
-    if hf_model is not None:
-        return int(hf_model.config.vocab_size)
-    config = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else {}
-    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-    if vocab is None:
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(path).vocab_size
-    return int(vocab)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ ModelRunner.forward returns numpy logits, so each timing ends with the result on
 
 Decode is compared with a memory-bandwidth roofline measured in the same run (the time to
 stream the weights once) and with Hugging Face transformers' greedy `generate` on the same
-checkpoint and prompts.
+checkpoint and prompts. transformers runs afterwards in a process of its own with torch's
+defaults (benchmark/transformers_peer.py), while this process waits.
 
-    python benchmark/bench_one_batch.py                      # random ~66M Llama, float32
+    python benchmark/bench_one_batch.py                      # the demo model, float32
     python benchmark/bench_one_batch.py --batch-sizes 1,8 --json /tmp/bench.json
+    python benchmark/bench_one_batch.py --model-path random  # a random ~66M Llama
     python benchmark/bench_one_batch.py --model-path Qwen/Qwen3-0.6B --no-compare-transformers
     python benchmark/bench_one_batch.py --batch-sizes 1 --profile   # batch-1 step breakdown
 """
@@ -32,11 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-# transformers runs on torch's OpenMP pool. With OpenMP's default spin-waiting, its decode
-# steps on a 2-vCPU VM were bimodal (~25 ms or ~200 ms per step from one process to the
-# next); passive waiting makes them steady and fast. Set before torch loads; override freely.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 try:
     import sgl_jax  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
@@ -44,7 +41,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import jax
 import jax.numpy as jnp
+from transformers_peer import describe_peer, run_peer  # this folder, on sys.path[0]
 
+from sgl_jax.demo import DEMO_MODEL_NAME, demo_model_path
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.model_executor.forward_batch import (
     Buckets,
@@ -67,11 +66,13 @@ TARGET_ROOFLINE_RATIO = 1.4  # batch-1 decode step <= 1.4x the time to stream th
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=None,
-                        help="an existing checkpoint; default: generate a random Llama")
+                        help="a checkpoint directory, hub id or .gguf file; 'random': a random "
+                             "Llama of the shape below (default: the demo model, "
+                             f"{DEMO_MODEL_NAME})")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="where to write the generated checkpoint (default: a temp dir); "
+                        help="where to write the random checkpoint (default: a temp dir); "
                              "reused if it already holds one")
-    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=512, help="random Llama only")
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000)
@@ -114,11 +115,22 @@ def int_list(text: str) -> list[int]:
 # --------------------------------------------------------------------------- setup
 
 
+RANDOM_MODEL = "random"
+
+
+def model_or_demo(model_path: str | None) -> str | None:
+    """--model-path, the demo model's GGUF when it is not given, or None for 'random'."""
+    if model_path is None:
+        return str(demo_model_path())
+    return None if model_path == RANDOM_MODEL else model_path
+
+
 def prepare_checkpoint(args: argparse.Namespace, scratch: contextlib.ExitStack) -> str:
-    """The checkpoint to benchmark: --model-path, or a random Llama written for this run
-    (into --checkpoint-dir, or a temporary directory removed when `scratch` closes)."""
-    if args.model_path:
-        return args.model_path
+    """The checkpoint to benchmark: --model-path (the demo model by default), or for 'random'
+    a random Llama written for this run (into --checkpoint-dir, or a temporary directory
+    removed when `scratch` closes)."""
+    if (path := model_or_demo(args.model_path)) is not None:
+        return path
     overrides = dict(
         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.num_layers, vocab_size=args.vocab_size,
@@ -355,65 +367,13 @@ def add_roofline(result: dict, weight_bytes: dict, kv_per_token: int, bandwidth_
 
 
 def bench_transformers(path: str, prompts_by_batch: dict[int, list[list[int]]], args) -> dict:
-    """Per-step greedy decode time of transformers' generate, per batch size.
-
-    Method: a StoppingCriteria that never stops timestamps every generated token inside
-    generate(max_new_tokens=output_len). The first stamp follows the prefill; each interval
-    after it is one decode step with generate's per-token overhead (logits processing, cache
-    update, argmax) -- the work our step timing covers. The median interval over `repeats`
-    runs (after a warm-up run) is reported. Differencing two generate lengths would mix in
-    the prefill's run-to-run noise, which swamps the decode time at larger batches.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    by_batch = {}
-    for batch, prompts in prompts_by_batch.items():
-        input_ids = torch.tensor(prompts, dtype=torch.long)
-        _timed_generate(model, input_ids, args.output_len)  # warm-up
-        runs = [_timed_generate(model, input_ids, args.output_len) for _ in range(args.repeats)]
-        steps = np.concatenate([np.diff(stamps) for _, stamps, _ in runs])
-        decode_s = float(np.median(steps))
-        by_batch[batch] = {
-            "generate_ms": float(np.median([total for total, _, _ in runs])) * 1e3,
-            "decode_ms": decode_s * 1e3, "decode_tok_s": batch / decode_s,
-            "decode_ms_p10": float(np.percentile(steps, 10)) * 1e3,
-            "decode_ms_p90": float(np.percentile(steps, 90)) * 1e3,
-            "tokens": runs[-1][2],
-        }
-    return {"torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "method": "median interval between generated tokens inside generate()",
-            "by_batch": by_batch}
-
-
-def _timed_generate(model, input_ids, new_tokens: int):
-    """One greedy generate of exactly new_tokens tokens: (total s, per-token stamps, tokens)."""
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    stamps = []
-
-    class StepClock(StoppingCriteria):
-        def __call__(self, ids, scores, **kwargs):
-            stamps.append(time.perf_counter())
-            return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-
-    kwargs = {
-        # Explicit mask: pad = eos, and a random prompt may contain the eos id.
-        "attention_mask": torch.ones_like(input_ids),
-        "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-        "pad_token_id": _first(model.generation_config.eos_token_id),
-        "stopping_criteria": StoppingCriteriaList([StepClock()]),
-    }
-    with torch.no_grad():
-        total, out = _timed(lambda: model.generate(input_ids, **kwargs))
-    return total, np.array(stamps), out[:, input_ids.shape[1]:].tolist()
-
-
-def _first(token_id):
-    return token_id[0] if isinstance(token_id, list) else token_id
+    """transformers' per-step greedy decode time per batch size (method in the peer's
+    `decode_steps`), measured in a child process with torch's defaults."""
+    hf = run_peer({"task": "decode_steps", "model_path": path, "dtype": args.dtype,
+                   "output_len": args.output_len, "repeats": args.repeats,
+                   "prompts_by_batch": prompts_by_batch})
+    hf["by_batch"] = {int(b): figures for b, figures in hf["by_batch"].items()}  # JSON keys
+    return hf
 
 
 # --------------------------------------------------------------------------- profile
@@ -495,8 +455,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "jax_version": jax.__version__, "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()], "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "memory_gib": _memory_gib(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "git_commit": _git_commit(),
+        "memory_gib": _memory_gib(), "git_commit": _git_commit(),
     }
 
 
@@ -557,6 +516,8 @@ def summarize(results: list[dict], weights: dict, bandwidth: dict, hf: dict | No
         summary["batch1_products_over_stream"] = first["products_over_stream"]
         print(f"  floor: the weight products alone take {first['products_ms']:.2f} ms = "
               f"{first['products_over_stream']:.2f}x the stream time")
+    if hf:
+        print(f"transformers: {describe_peer(hf['environment'])}")
     for batch, figures in (hf or {}).get("by_batch", {}).items():
         ours = next((r for r in results if r["batch_size"] == batch), None)
         if ours is None:

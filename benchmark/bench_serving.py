@@ -7,17 +7,21 @@ output token after the first (TPOT), end-to-end latency, and request and token t
 over the wall time of the run. Requests arrive all at once (the default) or as a Poisson
 process of --request-rate per second, optionally capped at --max-concurrency in flight.
 
-Prompts are random words from a fixed list (no tokenizer needed, so --random-input-len counts
-words, not tokens) or lines of a JSONL file. Token counts come from the usage chunk a server
+Prompts (--dataset-name) are random words from a fixed list (no tokenizer needed, so
+--random-input-len counts words, not tokens), lines of a JSONL file, or real data
+(sgl_jax.datasets): ShareGPT's first human turns with their reply's token length as max_tokens
+(sampled as SGLang's bench_serving does; counted with --tokenizer), MT-Bench's 80 first-turn
+questions, or HumanEval's completion prompts. Token counts come from the usage chunk a server
 sends at the end of the stream; when a server sends none, each text chunk is counted as one
 output token and the report says so. Pass --ignore-eos so every request generates exactly
 its max_tokens (an SGLang/vLLM extension that plain OpenAI rejects).
 
     python benchmark/bench_serving.py --num-prompts 200 --random-input-len 256 --ignore-eos
-    python benchmark/bench_serving.py --request-rate 8 --max-concurrency 32 \\
-        --output-json /tmp/serving.json
+    python benchmark/bench_serving.py --dataset-name sharegpt --num-prompts 200 \\
+        --request-rate 8 --max-concurrency 32 --output-json /tmp/serving.json
+    python benchmark/bench_serving.py --dataset-name mt-bench --max-concurrency 1
     python benchmark/bench_serving.py --base-url http://host:8000 --endpoint completions \\
-        --dataset jsonl --dataset-path prompts.jsonl --model my-model
+        --dataset-name jsonl --dataset-path prompts.jsonl --model my-model
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,13 @@ from typing import Any
 import httpx
 import numpy as np
 from tqdm import tqdm
+
+try:
+    import sgl_jax  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sgl_jax.datasets import load_humaneval, load_mt_bench, sample_sharegpt
 
 # A fixed vocabulary for synthetic prompts: plain English words that most tokenizers keep
 # as one or two tokens each.
@@ -54,6 +65,7 @@ engine signal number letter color circle square answer method process model theo
 """.split()
 
 ERRORS_SHOWN = 5
+DATASETS = ["random", "jsonl", "sharegpt", "mt-bench", "humaneval"]
 
 
 # --------------------------------------------------------------------------- arguments
@@ -69,11 +81,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="model name to send (default: the first id of GET /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    parser.add_argument("--dataset", choices=["random", "jsonl"], default="random")
+    parser.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS,
+                        default="random",
+                        help="random: random words; jsonl: --dataset-path; sharegpt: sampled "
+                             "with --seed; mt-bench: the first turns, in order (80 at most); "
+                             "humaneval: the prompts, in order (164 at most)")
     parser.add_argument("--dataset-path", default=None,
-                        help="JSONL file: one object a line with 'prompt' (string) or "
-                             "'messages' (chat list), optionally 'max_tokens' (default: "
-                             "--random-output-len); the first --num-prompts lines are used")
+                        help="jsonl: one object a line with 'prompt' (string) or 'messages' "
+                             "(chat list), optionally 'max_tokens' (default: "
+                             "--random-output-len), the first --num-prompts lines are used; "
+                             "sharegpt, mt-bench, humaneval: a file in the installed package's "
+                             "format (default: the installed one)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="sharegpt: counts prompt and reply tokens for the length filters "
+                             "and max_tokens; a directory, hub id or .gguf file (default: the "
+                             "demo model's, SmolLM2-135M-Instruct)")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="max_tokens of every sharegpt request (default: its reply's "
+                             "token length)")
+    parser.add_argument("--mt-bench-output-len", type=int, default=256,
+                        help="max_tokens of every mt-bench request")
+    parser.add_argument("--humaneval-output-len", type=int, default=256,
+                        help="max_tokens of every humaneval request")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--random-input-len", type=int, default=128,
                         help="words per synthetic prompt (not tokens)")
@@ -107,8 +136,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--max-concurrency must be >= 1")
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
-    if args.dataset == "jsonl" and not args.dataset_path:
-        parser.error("--dataset jsonl needs --dataset-path")
+    if args.dataset_name == "jsonl" and not args.dataset_path:
+        parser.error("--dataset-name jsonl needs --dataset-path")
+    if args.dataset_name == "mt-bench" and args.endpoint == "completions":
+        parser.error("--dataset-name mt-bench sends chat messages: use --endpoint chat")
+    lengths = (args.sharegpt_output_len or 1, args.mt_bench_output_len, args.humaneval_output_len)
+    if min(lengths) < 1:
+        parser.error("output lengths must be >= 1")
     return args
 
 
@@ -463,10 +497,47 @@ def args_record(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_requests(args: argparse.Namespace) -> list[RequestSpec]:
-    if args.dataset == "jsonl":
-        return jsonl_requests(args.dataset_path, args.num_prompts, args.random_output_len)
-    return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                           args.random_range_ratio, args.seed)
+    """The requests of --dataset-name; a note when the dataset has fewer than --num-prompts."""
+    if args.dataset_name == "random":
+        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, args.seed)
+    if args.dataset_name == "jsonl":
+        specs = jsonl_requests(args.dataset_path, args.num_prompts, args.random_output_len)
+    elif args.dataset_name == "sharegpt":
+        specs = sharegpt_requests(args)
+    elif args.dataset_name == "mt-bench":
+        specs = [RequestSpec(max_tokens=args.mt_bench_output_len,
+                             messages=[{"role": "user", "content": q.turns[0]}])
+                 for q in load_mt_bench(args.dataset_path)[:args.num_prompts]]
+    else:
+        specs = [RequestSpec(max_tokens=args.humaneval_output_len, prompt=p.prompt)
+                 for p in load_humaneval(args.dataset_path)[:args.num_prompts]]
+    if len(specs) < args.num_prompts:
+        print(f"note: {args.dataset_name} gave {len(specs)} requests, fewer than "
+              f"--num-prompts {args.num_prompts}")
+    return specs
+
+
+def sharegpt_requests(args: argparse.Namespace) -> list[RequestSpec]:
+    count_tokens = token_counter(args.tokenizer)
+    sampled = sample_sharegpt(args.num_prompts, count_tokens, seed=args.seed,
+                              output_len=args.sharegpt_output_len, path=args.dataset_path)
+    return [RequestSpec(max_tokens=s.output_len, prompt=s.prompt) for s in sampled]
+
+
+def token_counter(tokenizer: str | None) -> Callable[[str], int]:
+    """Token count of a text under `tokenizer` (default: the demo model's), as SGLang's
+    bench_serving counts: `encode(text)`, special tokens included."""
+    from transformers import AutoTokenizer
+
+    from sgl_jax.demo import demo_model_path
+
+    path = Path(tokenizer) if tokenizer else demo_model_path()
+    if path.suffix == ".gguf":  # transformers reads the tokenizer out of the GGUF metadata
+        loaded = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        loaded = AutoTokenizer.from_pretrained(str(path))
+    return lambda text: len(loaded.encode(text))
 
 
 async def async_main(args: argparse.Namespace) -> dict[str, Any]:

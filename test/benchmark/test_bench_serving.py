@@ -9,6 +9,7 @@ model name "no-usage" makes the stub leave out the usage chunk.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import importlib.util
 import json
 import math
@@ -375,3 +376,82 @@ def test_chunk_parsing():
     assert bench.chunk_error({"error": {"message": "boom"}}) == "boom"
     assert bench.chunk_error({"object": "error", "message": "bad"}) == "bad"
     assert bench.chunk_error({"choices": []}) is None
+
+
+# --------------------------------------------------------------------------- real-data sets
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from sgl_jax.testing import write_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    return path, write_tiny_tokenizer(path)
+
+
+def write_sharegpt(path: Path) -> dict[str, str]:
+    """Eight usable conversations and two unusable ones; returns prompt -> reply."""
+    pairs = {f"question {i} about rivers and mountains": "answer " * (4 + i) for i in range(8)}
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": q},
+                                                {"from": "gpt", "value": a}]}
+               for i, (q, a) in enumerate(pairs.items())]
+    records.append({"id": "one", "conversations": [{"from": "human", "value": "alone here"}]})
+    records.append({"id": "tiny", "conversations": [{"from": "human", "value": "hi"},
+                                                    {"from": "gpt", "value": "a long answer"}]})
+    path.write_text(json.dumps(records))
+    return pairs
+
+
+def test_sharegpt_prompts_and_output_lengths(stub, tmp_path, tiny_tokenizer):
+    url, state = stub
+    tokenizer_dir, tokenizer = tiny_tokenizer
+    pairs = write_sharegpt(tmp_path / "sharegpt.json")
+    common = ["--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"),
+              "--tokenizer", str(tokenizer_dir), "--num-prompts", "5", "--seed", "1"]
+    record = run_bench(url, *common)
+    assert record["summary"]["completed"] == 5
+    check_requests(record, state)
+    for seen in state.requests:  # the reply's token length is the request's max_tokens
+        assert seen["body"]["max_tokens"] == len(tokenizer.encode(pairs[seen["prompt"]]))
+    first = [s["prompt"] for s in state.requests]
+
+    state.reset()
+    run_bench(url, *common, "--sharegpt-output-len", "3")
+    assert sorted(s["prompt"] for s in state.requests) == sorted(first)  # same seed, same 5
+    assert {s["body"]["max_tokens"] for s in state.requests} == {3}
+
+
+def test_mt_bench_sends_first_turns_as_chat(stub, tmp_path, capsys):
+    url, state = stub
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps({"question_id": 81 + i, "category": "writing",
+                                        "turns": [f"write poem {i}", f"shorter {i}"]}) + "\n"
+                            for i in range(3)))
+    record = run_bench(url, "--dataset-name", "mt-bench", "--dataset-path", str(path),
+                       "--mt-bench-output-len", "4", "--num-prompts", "10")
+    assert record["summary"]["completed"] == 3
+    check_requests(record, state)
+    assert sorted(s["body"]["messages"][0]["content"] for s in state.requests) == [
+        f"write poem {i}" for i in range(3)]
+    assert all(len(s["body"]["messages"]) == 1 and s["body"]["max_tokens"] == 4
+               for s in state.requests)
+    assert "mt-bench gave 3 requests, fewer than --num-prompts 10" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dataset-name", "mt-bench", "--endpoint", "completions"])
+
+
+def test_humaneval_prompts_as_completions(stub, tmp_path):
+    url, state = stub
+    path = tmp_path / "HumanEval.jsonl.gz"
+    prompts = [f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n" for i in range(4)]
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"task_id": f"HumanEval/{i}", "prompt": p, "entry_point": f"f{i}",
+                                 "canonical_solution": "    return x\n", "test": ""}) + "\n"
+                     for i, p in enumerate(prompts))
+    record = run_bench(url, "--endpoint", "completions", "--dataset", "humaneval",
+                       "--dataset-path", str(path), "--humaneval-output-len", "5",
+                       "--num-prompts", "2")
+    assert record["summary"]["completed"] == 2
+    check_requests(record, state)
+    assert sorted(s["body"]["prompt"] for s in state.requests) == prompts[:2]  # file order
+    assert {s["body"]["max_tokens"] for s in state.requests} == {5}
