@@ -7,12 +7,20 @@ Start a server first (the built-in demo model if no --model-path is given):
     python python/openai_client.py --base-url http://HOST:PORT/v1 --api-key KEY
 
 The demo model has random weights, so its answers are gibberish; the API around them is real.
+
+Needs the `openai` package, which `pip install -e .` does not install (the server does not
+use it): `pip install openai` (or `pip install -e ".[test]"`).
 """
 
 import argparse
 import os
+import sys
 
-import openai
+try:
+    import openai
+except ImportError:
+    sys.exit("python/openai_client.py needs the openai package, which `pip install -e .` does "
+             "not install: pip install openai")
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Name three colours of the rainbow."}]

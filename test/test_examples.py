@@ -63,6 +63,16 @@ def test_readme_server_command_curl_line_and_openai_example(tmp_path):
     assert "model: sgl-jax-demo" in result.stdout
 
 
+def test_openai_example_says_how_to_install_openai():
+    hide_openai = ("import sys, runpy; sys.modules['openai'] = None; "
+                   f"runpy.run_path({str(ROOT / 'python' / 'openai_client.py')!r}, "
+                   "run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", hide_openai], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "needs the openai package" in result.stderr and "pip install openai" in result.stderr
+
+
 def _run_curl(command: str) -> str:
     """The README's curl line as written; without curl, the same request through httpx."""
     if shutil.which("curl"):
