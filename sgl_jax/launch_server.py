@@ -1,6 +1,6 @@
 """`python -m sgl_jax.launch_server [flags]`: load the model, then serve the HTTP API.
 
-Without --model-path the built-in demo model (tiny, random weights) is served.
+Without --model-path the built-in demo model, SmolLM2-135M-Instruct, is served.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs(**vars(cli))  # validates every value
         resolve_chat_template(args.chat_template)  # a bad name or path fails before loading
-        args = _with_model(args)
         _select_platform(args)
         from sgl_jax.entrypoints.engine import Engine  # loads JAX after the platform choice
         from sgl_jax.entrypoints.http_server import create_app
@@ -38,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(**dataclasses.asdict(args))
         if args.node_rank > 0:  # it followed rank 0 until rank 0 stopped
             return 0
+        args = engine.server_args  # the model path and name filled in when not given
         app = create_app(engine, args)
     except _USER_ERRORS as exc:
         logger.error("cannot start: %s", exc)
@@ -49,18 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     return 0
-
-
-def _with_model(args: ServerArgs) -> ServerArgs:
-    if args.model_path is not None:
-        return args
-    from sgl_jax.testing import demo_model_dir
-
-    path = str(demo_model_dir())
-    logger.info("No --model-path given: serving the built-in demo model from %s (a tiny model "
-                "with random weights, so its text is gibberish)", path)
-    return dataclasses.replace(args, model_path=path,
-                               served_model_name=args.served_model_name or "sgl-jax-demo")
 
 
 def _select_platform(args: ServerArgs) -> None:

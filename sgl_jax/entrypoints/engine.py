@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sgl_jax.demo import DEMO_MODEL_NAME, demo_model_path
 from sgl_jax.entrypoints.output_stream import OutputStream
 from sgl_jax.layers.attention import resolve_attention_backend
 from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_pool_pages
@@ -65,8 +66,14 @@ class Engine:
     """Loads a model once and serves generation requests from any thread or event loop."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
+        """`model_path`: a local directory, a Hugging Face id or a .gguf file; None serves
+        the built-in demo model."""
         if model_path is None:
-            raise ValueError("Engine needs model_path (a local directory or a Hugging Face id)")
+            model_path = str(demo_model_path())
+            server_args["served_model_name"] = (server_args.get("served_model_name")
+                                                or DEMO_MODEL_NAME)
+            logger.info("No model path given: serving the built-in demo model %s from %s",
+                        DEMO_MODEL_NAME, model_path)
         args = ServerArgs(model_path=model_path, **server_args)
         init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)  # before any device use
         _check_available(args)
