@@ -10,3 +10,17 @@ def user_cache_dir() -> Path:
     """$XDG_CACHE_HOME/sgl-jax, or ~/.cache/sgl-jax."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "sgl-jax"
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
+    """Keep every compiled XLA program in `path` (default: <user cache>/xla), so the next
+    process that compiles the same program loads it instead. Takes effect only if nothing
+    was compiled in this process yet (JAX opens its cache once)."""
+    import jax
+
+    directory = Path(path) if path else user_cache_dir() / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    # Every step program is worth keeping: the smallest still costs a second to compile.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory

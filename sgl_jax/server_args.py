@@ -68,6 +68,8 @@ class ServerArgs:
     precompile_token_paddings: tuple[int, ...] | None = None  # default: powers of two
     precompile_bs_paddings: tuple[int, ...] | None = None  # default: powers of two
     skip_server_warmup: bool = False
+    compilation_cache_dir: str | None = None  # default: <user cache>/sgl-jax/xla
+    disable_compilation_cache: bool = False
     disable_overlap_schedule: bool = False  # steps never overlap here; accepted for SGLang users
     attention_backend: str | None = None  # default: fa on TPU and GPU, native on CPU
     # Parallelism
@@ -325,6 +327,12 @@ def _add_scheduling_args(group: argparse._ArgumentGroup) -> None:
                             "default: powers of two up to --max-running-requests")
     group.add_argument("--skip-server-warmup", action="store_true",
                        help="compile shape buckets on first use instead of at start-up")
+    group.add_argument("--compilation-cache-dir", default=None,
+                       help="where compiled programs are kept between starts, so a second "
+                            "start skips the compiler; default: ~/.cache/sgl-jax/xla (under "
+                            "$XDG_CACHE_HOME when set)")
+    group.add_argument("--disable-compilation-cache", action="store_true",
+                       help="compile every bucket afresh at each start")
     group.add_argument("--disable-overlap-schedule", action="store_true",
                        help="accepted for compatibility: steps are never overlapped here, so "
                             "this is always the behaviour")

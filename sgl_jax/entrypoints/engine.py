@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sgl_jax.cache import enable_compilation_cache
 from sgl_jax.demo import DEMO_MODEL_NAME, demo_model_path
 from sgl_jax.entrypoints.output_stream import OutputStream
 from sgl_jax.layers.attention import resolve_attention_backend
@@ -75,6 +76,8 @@ class Engine:
             logger.info("No model path given: serving the built-in demo model %s from %s",
                         DEMO_MODEL_NAME, model_path)
         args = ServerArgs(model_path=model_path, **server_args)
+        if not args.disable_compilation_cache:
+            enable_compilation_cache(args.compilation_cache_dir)
         init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)  # before any device use
         _check_available(args)
         # Settle the platform default once, so server info reports what actually runs.
@@ -118,6 +121,8 @@ class Engine:
             max_useful_tokens=buckets.max_seqs * self.context_length,
         )
         self._allocator = PageAllocator(num_pages)
+        logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
+                    num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
         self._runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=args.page_size, buckets=buckets,
             attention_backend=args.attention_backend, num_penalty_slots=buckets.max_seqs,
@@ -143,8 +148,6 @@ class Engine:
         scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
                               decode_log_interval=args.decode_log_interval, spec=spec)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
-        logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
-                    num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
 
     def _mirror_to_followers(self) -> tuple[ModelRunner, SpecRunner | None]:
         """With several nodes, rank 0's scheduler calls go to every rank (see multihost)."""

@@ -140,7 +140,9 @@ class Buckets:
         return _pad_to(self.prompt_widths(), length, "prompt tokens")
 
     def prompt_widths(self) -> tuple[int, ...]:
-        return powers_of_two(16, self.context_len)
+        # One width: a prompt's ids are a few KiB even at full context, while every extra
+        # width is one more program to compile at start-up.
+        return powers_of_two(16, self.context_len)[-1:]
 
 
 def default_token_paddings(max_tokens: int) -> tuple[int, ...]:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from sgl_jax.layers.attention import LayerKV, get_attention_backend, resolve_attention_backend
 from sgl_jax.layers.sampler import (
@@ -102,6 +105,8 @@ class ModelRunner:
             functools.partial(self._sampling_step_impl, forward=forward), donate_argnums=(1, 2)
         )
         self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
+        # Compiled sampling steps by bucket: serving calls them directly, never tracing.
+        self._sampling_programs: dict[BatchShape, jax.stages.Compiled] = {}
 
     # ------------------------------------------------------------------ public steps
 
@@ -135,11 +140,10 @@ class ModelRunner:
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
-        self.kv_cache, self.penalties, out, top = self._sampling_step(
-            self.model.params, self.kv_cache, self.penalties, batch, sampling,
-            _pad_rows(penalty_slots.astype(np.int32), rows, fill=-1),
-            _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
-        )
+        args = (self.model.params, self.kv_cache, self.penalties, batch, sampling,
+                _pad_rows(penalty_slots.astype(np.int32), rows, fill=-1),
+                _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs))
+        self.kv_cache, self.penalties, out, top = self._sampling_program(shape, args)(*args)
         n = len(chunks)
         top_ids, top_values = (np.asarray(a)[:n] for a in top)
         return StepOutput(np.asarray(out.tokens)[:n], np.asarray(out.logprob)[:n], top_ids,
@@ -153,13 +157,30 @@ class ModelRunner:
         self.penalties = self._reset_slots(self.penalties, np.array([slot], np.int32), ids)
 
     def warmup(self) -> None:
-        """Compile every bucket now, so serving never waits on the compiler."""
-        for shape in self.buckets.all_shapes():
-            self._run_dummy(shape)
-        for width in self.buckets.prompt_widths():
-            self.reset_penalty_slot(0, [0] * width)
+        """Compile every bucket now, so serving never waits on the compiler. Programs are
+        compiled without being run (a dummy 2048-token prefill alone takes seconds on a
+        CPU); tracing holds the GIL, so it runs here while a pool compiles, or loads from
+        the compilation cache, the programs already traced."""
+        shapes = [s for s in self.buckets.all_shapes() if s not in self._sampling_programs]
+        workers = max(1, min(4, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool, tqdm(
+                total=len(shapes), desc="Compiling step buckets", unit="bucket") as bar:
+            pending = {}
+            for shape in shapes:
+                lowered = self._sampling_step.lower(*self._dummy_step_args(shape))
+                pending[shape] = pool.submit(lowered.compile)
+            for shape, future in pending.items():
+                self._sampling_programs[shape] = future.result()
+                bar.update()
         self.reset_penalty_slot(0, [])
         logger.info("Warm-up done: %d compilations", self.num_compilations)
+
+    def _sampling_program(self, shape: BatchShape, args: tuple):
+        """The compiled sampling step of one bucket, compiled now if warm-up did not."""
+        program = self._sampling_programs.get(shape)
+        if program is None:
+            program = self._sampling_programs[shape] = self._sampling_step.lower(*args).compile()
+        return program
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -192,8 +213,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ helpers
 
-    def _run_dummy(self, shape: BatchShape) -> None:
-        """A batch of the given shape whose tokens all write into the null page."""
+    def _dummy_step_args(self, shape: BatchShape) -> tuple:
+        """Sampling-step arguments of the given shape (for compiling it)."""
         if shape.q_block == 1:
             chunks = [SeqChunk([0], 0, [0]) for _ in range(shape.num_tokens)]
         else:  # one chunk padded up to the shape; it never needs more than a context's pages
@@ -201,13 +222,9 @@ class ModelRunner:
             chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
-        sampling = greedy_sampling_batch(rows)
-        slots = np.full(rows, -1, np.int32)
-        self.kv_cache, self.penalties, out, _ = self._sampling_step(
-            self.model.params, self.kv_cache, self.penalties, batch, sampling, slots,
-            np.zeros(rows, bool), np.bool_(False),
-        )
-        out.tokens.block_until_ready()
+        return (self.model.params, self.kv_cache, self.penalties, batch,
+                greedy_sampling_batch(rows), np.full(rows, -1, np.int32), np.zeros(rows, bool),
+                np.bool_(False))
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.

@@ -1,12 +1,14 @@
 """GGUF checkpoints (llama.cpp's single-file format) for Llama, Qwen2 and Qwen3.
 
 A GGUF file carries the config, the tokenizer and the chat template as metadata and the
-weights as (often quantized) tensors under llama.cpp's names. The config, tokenizer and
-generation config are written once, as a Hugging Face directory, into the user cache, so the
-rest of the project (tokenizer, chat templates, EOS ids) reads them as it reads any model.
-Tensors are dequantized with the `gguf` library at every load (about a second for 135M
-parameters), renamed to the Hugging Face names the architectures expect, and Llama's q/k rows
-are put back in the order the converter permuted them out of.
+weights as (often quantized) tensors under llama.cpp's names. The first load reads the
+metadata with the `gguf` library and writes, into the user cache, a Hugging Face directory
+(config.json, generation_config.json, the tokenizer) plus a table of the tensors (name, type,
+shape, offset in the file), so the rest of the project reads the model as it reads any, and
+later loads skip parsing the metadata (1.6 s for a 49k-token vocabulary). Tensors are sliced
+from a memory map of the file and dequantized with `gguf.quants` at every load, renamed to the
+Hugging Face names the architectures expect, and Llama's q/k rows are put back in the order
+the converter permuted them out of.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                    "Q4_K", "Q5_K", "Q6_K")
 # Bumped when the files written into the cache change.
-_METADATA_FORMAT = 1
+_METADATA_FORMAT = 2
 
 # llama.cpp tensor name -> Hugging Face name ("{i}" is the layer).
 _GLOBAL_NAMES = {
@@ -55,6 +57,7 @@ _LAYER_NAMES = {
         ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
     ) for kind in ("weight", "bias")},
 }
+_TENSOR_TABLE = "gguf_tensors.json"
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Buffers that carry no learned weights: llama3 rope factors become rope_scaling instead.
 _METADATA_TENSORS = ("rope_freqs.weight",)
@@ -81,8 +84,60 @@ def find_gguf_file(model_path: str | Path) -> Path | None:
 
 
 class GGUFCheckpoint:
-    """The tensors of one GGUF file under Hugging Face names (a loader TensorSource), and its
-    metadata as a Hugging Face config."""
+    """The tensors of one GGUF file under Hugging Face names (a loader TensorSource); its
+    metadata, converted once, lives in `model_dir`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.model_dir = _metadata_dir(path)
+        if not (self.model_dir / _TENSOR_TABLE).is_file():
+            _GGUFMetadata(path).write(self.model_dir)
+        self.config = json.loads((self.model_dir / "config.json").read_text())
+        self.arch = self.config["model_type"]
+        self._table = json.loads((self.model_dir / _TENSOR_TABLE).read_text())
+        self._file = np.memmap(path, np.uint8, mode="r")
+
+    def names(self) -> list[str]:
+        return list(self._table)
+
+    def check(self, names: list[str], specs: dict[str, WeightSpec]) -> None:
+        for name in names:
+            entry = self._table[name]
+            if entry["type"] not in SUPPORTED_TYPES:
+                raise GGUFError(f"tensor {entry['name']!r} of {self.path.name} is stored as "
+                                f"{entry['type']}, which is not supported; supported GGUF "
+                                f"types: {', '.join(SUPPORTED_TYPES)}")
+            if tuple(entry["shape"]) != specs[name].shape:
+                raise GGUFError(f"tensor {entry['name']!r} of {self.path.name} has shape "
+                                f"{entry['shape']}, but its metadata implies "
+                                f"{list(specs[name].shape)}")
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        from gguf import GGMLQuantizationType, quants
+
+        for name in names:
+            entry = self._table[name]
+            kind = GGMLQuantizationType[entry["type"]]
+            shape = tuple(entry["shape"])
+            raw = self._file[entry["offset"]:entry["offset"] + entry["bytes"]]
+            array = quants.dequantize(raw.reshape(quants.quant_shape_to_byte_shape(shape, kind)),
+                                      kind)
+            yield name, self._unpermute(name, array.reshape(shape))
+
+    def _unpermute(self, name: str, array: np.ndarray) -> np.ndarray:
+        """llama.cpp's converter reorders Llama's q/k rows within each head from rotate-half
+        pairs (i, i + d/2) to interleaved ones (2i, 2i + 1); undo it."""
+        if self.arch != "llama":
+            return array
+        if ".self_attn.q_proj." in name:
+            return unpermute_rows(array, self.config["num_attention_heads"])
+        if ".self_attn.k_proj." in name:
+            return unpermute_rows(array, self.config["num_key_value_heads"])
+        return array
+
+
+class _GGUFMetadata:
+    """What a GGUF file's header says, read with the `gguf` library (once per file)."""
 
     def __init__(self, path: Path):
         from gguf import GGUFReader
@@ -99,7 +154,28 @@ class GGUFCheckpoint:
         self._tensors = {_hf_name(t.name): t for t in self._reader.tensors
                          if t.name not in _METADATA_TENSORS}
 
-    # ------------------------------------------------------------------ metadata
+    def write(self, target: Path) -> None:
+        """config.json, generation_config.json, the tokenizer and the tensor table."""
+        logger.info("Converting the tokenizer and config of %s (once; cached in %s)",
+                    self.path.name, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Written beside the target and renamed, so a crash never leaves half a directory.
+        staging = Path(tempfile.mkdtemp(dir=target.parent))
+        config = self.hf_config()
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", {
+            k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None})
+        self._tokenizer().save_pretrained(str(staging))
+        _write_json(staging / _TENSOR_TABLE, self.tensor_table())
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+
+    def tensor_table(self) -> dict[str, dict[str, Any]]:
+        """Per Hugging Face name: the GGUF name, type, [out, in] shape and byte span."""
+        return {name: {"name": t.name, "type": t.tensor_type.name,
+                       "shape": [int(d) for d in reversed(t.shape)],
+                       "offset": int(t.data_offset), "bytes": int(t.n_bytes)}
+                for name, t in self._tensors.items()}
 
     def _field(self, key: str, default: Any = None) -> Any:
         field = self._reader.fields.get(key)
@@ -113,6 +189,8 @@ class GGUFCheckpoint:
         heads = self._arch_field("attention.head_count")
         hidden = self._arch_field("embedding_length")
         vocab = self._arch_field("vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
+        head_dim = self._arch_field("attention.key_length",
+                                    self._arch_field("rope.dimension_count", hidden // heads))
         config = {
             "architectures": [ARCHITECTURES[self.arch]],
             "model_type": self.arch,
@@ -122,7 +200,7 @@ class GGUFCheckpoint:
             "num_hidden_layers": self._arch_field("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": self._arch_field("attention.head_count_kv", heads),
-            "head_dim": self._arch_field("attention.key_length", hidden // heads),
+            "head_dim": head_dim,
             "rms_norm_eps": self._arch_field("attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": self._arch_field("rope.freq_base", 10000.0),
             "max_position_embeddings": self._arch_field("context_length", 4096),
@@ -170,72 +248,6 @@ class GGUFCheckpoint:
                             "scaling with low/high frequency factors 1 and 4; not supported")
         return scaling
 
-    # ------------------------------------------------------------------ tensors
-
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    def check(self, names: list[str], specs: dict[str, WeightSpec]) -> None:
-        for name in names:
-            tensor = self._tensors[name]
-            kind = tensor.tensor_type.name
-            if kind not in SUPPORTED_TYPES:
-                raise GGUFError(f"tensor {tensor.name!r} of {self.path.name} is stored as {kind}, "
-                                f"which is not supported; supported GGUF types: "
-                                f"{', '.join(SUPPORTED_TYPES)}")
-            shape = tuple(int(d) for d in reversed(tensor.shape))
-            if shape != specs[name].shape:
-                raise GGUFError(f"tensor {tensor.name!r} of {self.path.name} has shape "
-                                f"{list(shape)}, but its metadata implies "
-                                f"{list(specs[name].shape)}")
-
-    def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-        from gguf import quants
-
-        config = self.hf_config()
-        for name in names:
-            tensor = self._tensors[name]
-            shape = tuple(int(d) for d in reversed(tensor.shape))
-            array = quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-            yield name, self._unpermute(name, array, config)
-
-    def _unpermute(self, name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-        """llama.cpp's converter reorders Llama's q/k rows within each head from rotate-half
-        pairs (i, i + d/2) to interleaved ones (2i, 2i + 1); undo it."""
-        if self.arch != "llama":
-            return array
-        if ".self_attn.q_proj." in name:
-            return unpermute_rows(array, config["num_attention_heads"])
-        if ".self_attn.k_proj." in name:
-            return unpermute_rows(array, config["num_key_value_heads"])
-        return array
-
-    # ------------------------------------------------------------------ Hugging Face files
-
-    def metadata_dir(self) -> Path:
-        """A cached directory with config.json, generation_config.json and the tokenizer."""
-        stat = self.path.stat()
-        identity = f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_METADATA_FORMAT}"
-        digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-        target = user_cache_dir() / "gguf" / f"{self.path.stem}-{digest}-{__version__}"
-        if not (target / "config.json").is_file():
-            self._write_metadata(target)
-        return target
-
-    def _write_metadata(self, target: Path) -> None:
-        logger.info("Converting the tokenizer and config of %s (once; cached in %s)",
-                    self.path.name, target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Written beside the target and renamed, so a crash never leaves half a directory.
-        staging = Path(tempfile.mkdtemp(dir=target.parent))
-        config = self.hf_config()
-        _write_json(staging / "config.json", config)
-        _write_json(staging / "generation_config.json", {
-            k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None})
-        self._tokenizer().save_pretrained(str(staging))
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-
     def _tokenizer(self):
         from transformers import AutoTokenizer
 
@@ -269,6 +281,14 @@ def llama3_rope_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -
     original = scaling["original_max_position_embeddings"]
     smooth = np.clip((original / wavelengths - low) / (high - low), 0.0, 1.0)
     return 1.0 / ((1 - smooth) / scaling["factor"] + smooth)
+
+
+def _metadata_dir(path: Path) -> Path:
+    """Where the converted metadata of this exact file (path, size, mtime) is cached."""
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_METADATA_FORMAT}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return user_cache_dir() / "gguf" / f"{path.stem}-{digest}-{__version__}"
 
 
 def _hf_name(name: str) -> str:

@@ -68,7 +68,7 @@ def open_checkpoint(model_path: str, revision: str | None = None) -> Checkpoint:
     gguf_file = find_gguf_file(model_path)
     if gguf_file is not None:
         gguf = GGUFCheckpoint(gguf_file)
-        return Checkpoint(gguf.metadata_dir(), gguf)
+        return Checkpoint(gguf.model_dir, gguf)
     model_dir = resolve_model_dir(model_path, revision)
     return Checkpoint(model_dir, SafetensorsSource(model_dir))
 
