@@ -249,13 +249,32 @@ class _GGUFMetadata:
         return scaling
 
     def _tokenizer(self):
-        from transformers import AutoTokenizer
+        """Built with transformers' GGUF vocabulary converter, from the fields read here:
+        its own GGUF entry point reads files through torch, which serving does not need."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
 
+        fields = {key.removeprefix("tokenizer."): self._field(key)
+                  for key in self._reader.fields if key.startswith("tokenizer.")}
+        vocabulary, settings = ({name: fields[key] for key, name in renames.items()
+                                 if key in fields}
+                                for renames in (GGUF_TOKENIZER_MAPPING["tokenizer"],
+                                                GGUF_TOKENIZER_MAPPING["tokenizer_config"]))
+        if vocabulary.get("tokenizer_type") == "llama":  # llama.cpp's default for sentencepiece
+            settings.setdefault("add_bos_token", True)
+        for role in ("bos", "eos", "unknown", "padding"):
+            token_id = fields.get(f"ggml.{role}_token_id")
+            name = {"unknown": "unk", "padding": "pad"}.get(role, role) + "_token"
+            settings[name] = None if token_id is None else vocabulary["tokens"][token_id]
         try:
-            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        except (ValueError, KeyError, OSError) as exc:
+            backend, extra = convert_gguf_tokenizer(self.arch, vocabulary)
+        except (ValueError, KeyError) as exc:
             raise GGUFError(f"cannot build a tokenizer from the metadata of {self.path.name}: "
                             f"{exc}") from exc
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra)
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
