@@ -7,12 +7,10 @@ from sgl_jax.testing.checkpoints import (
     write_noisy_copy,
     write_tiny_checkpoint,
 )
-from sgl_jax.testing.demo import demo_model_dir
 from sgl_jax.testing.tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
 
 __all__ = [
     "PRESETS",
-    "demo_model_dir",
     "TINY_VOCAB_SIZE",
     "tiny_config",
     "weight_shapes",
