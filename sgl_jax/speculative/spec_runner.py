@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from sgl_jax.layers.attention import LayerKV, get_attention_backend
 from sgl_jax.layers.attention.metadata import read_slots, write_slots
@@ -161,14 +162,19 @@ class SpecRunner:
         """Compile every round and prefill bucket now."""
         n = self.shape.num_draft_tokens
         chain = np.arange(-1, n - 1, dtype=np.int32)
-        for size in self.target.buckets.bs_paddings:
-            rows = [RoundRow([0], 0, np.zeros(n, np.int32), chain, 0)] * size
-            self.round(rows, greedy_sampling_batch(size), False)
-        for shape in self.target.buckets.all_shapes():
-            chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
-            count = len(chunks)
-            self.prefill(chunks, greedy_sampling_batch(count), np.zeros(count, bool), False,
-                         [0] * count)
+        sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
+        with tqdm(total=len(sizes) + len(shapes), desc="Compiling speculative buckets",
+                  unit="bucket") as bar:
+            for size in sizes:
+                rows = [RoundRow([0], 0, np.zeros(n, np.int32), chain, 0)] * size
+                self.round(rows, greedy_sampling_batch(size), False)
+                bar.update()
+            for shape in shapes:
+                chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
+                count = len(chunks)
+                self.prefill(chunks, greedy_sampling_batch(count), np.zeros(count, bool),
+                             False, [0] * count)
+                bar.update()
 
     # ------------------------------------------------------------------ host helpers
 

@@ -147,3 +147,27 @@ def test_unsupported_architecture_and_garbage_are_refused(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(GGUFError, match="is not a readable GGUF file"):
         load_model(str(tmp_path / "bad.gguf"))
+
+
+def test_gguf_target_with_an_eagle3_draft_equals_plain_decoding(tmp_path):
+    import json
+
+    from sgl_jax import Engine
+    from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+    source = write_tiny_checkpoint(tmp_path / "hf", "llama")
+    path = write_gguf_from_checkpoint(source, tmp_path / "model.gguf", "Q8_0")
+    draft = write_tiny_eagle3_draft(tmp_path / "draft",
+                                    json.loads((source / "config.json").read_text()))
+    settings = dict(model_path=str(path), dtype="float32", skip_server_warmup=True,
+                    precompile_token_paddings=[64], precompile_bs_paddings=[1, 2],
+                    max_prefill_tokens=64)
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    outputs = []
+    for spec in ({}, dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                          speculative_num_steps=3, speculative_eagle_topk=2,
+                          speculative_num_draft_tokens=6)):
+        with Engine(**settings, **spec) as engine:
+            outputs.append([o["output_ids"] for o in
+                            engine.generate(input_ids=PROMPTS, sampling_params=params)])
+    assert outputs[0] == outputs[1] and all(len(o) == 12 for o in outputs[0])
