@@ -20,6 +20,10 @@ class FusedPart:
     def write(self, param: np.ndarray, tensor: np.ndarray) -> None:
         param[self.index] = tensor.reshape(self.view)
 
+    def read(self, param: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """The checkpoint tensor of this part, shaped `shape`, back out of the parameter."""
+        return param[self.index].reshape(shape)
+
 
 @dataclass(frozen=True)
 class WeightSpec:
@@ -27,6 +31,22 @@ class WeightSpec:
     shape: tuple[int, ...]  # its shape in the checkpoint (PyTorch layout, [out, in])
     part: FusedPart | None = None  # None when the tensor is the whole parameter
     integer: bool = False  # an index table (e.g. an EAGLE3 draft's d2t), loaded as int32
+
+
+def checkpoint_tensors(params: dict, specs: dict[str, WeightSpec]) -> dict[str, np.ndarray]:
+    """The inverse of loading: each spec's tensor, by checkpoint name, out of a parameter
+    pytree (host or device arrays; rows padded in for sharding are cut off)."""
+    tensors = {}
+    for name, spec in specs.items():
+        param = params
+        for key in spec.path:
+            param = param[key]
+        param = np.asarray(param)
+        if spec.part is not None:
+            tensors[name] = spec.part.read(param, spec.shape)
+        else:
+            tensors[name] = param[tuple(slice(0, n) for n in spec.shape)]
+    return tensors
 
 
 # Logical axes of each parameter, by its name in the pytree; names not listed are replicated.

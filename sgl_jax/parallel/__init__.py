@@ -1,7 +1,13 @@
 """Tensor parallelism over a JAX device mesh, on one host or several (see docs/parallel.md)."""
 
-from sgl_jax.parallel.mesh import TP_AXIS, init_distributed, make_mesh, shutdown_distributed
+from sgl_jax.parallel.mesh import (
+           DP_AXIS,
+           TP_AXIS,
+           init_distributed,
+           make_mesh,
+           shutdown_distributed,
+)
 from sgl_jax.parallel.sharding import TensorParallel, bytes_per_device
 
-__all__ = ["TP_AXIS", "TensorParallel", "bytes_per_device", "init_distributed", "make_mesh",
-           "shutdown_distributed"]
+__all__ = ["DP_AXIS", "TP_AXIS", "TensorParallel", "bytes_per_device", "init_distributed",
+           "make_mesh", "shutdown_distributed"]

@@ -11,22 +11,30 @@ from jax.sharding import Mesh
 logger = logging.getLogger(__name__)
 
 TP_AXIS = "tp"
+DP_AXIS = "dp"  # data parallel (training): batch rows split, parameters replicated
 
 
-def make_mesh(tp_size: int, devices: list[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh over the first `tp_size` devices (all devices of all hosts by default).
+def make_mesh(tp_size: int, devices: list[jax.Device] | None = None, dp_size: int = 1
+              ) -> Mesh:
+    """A 1-D "tp" mesh over the first `tp_size` devices (all devices of all hosts by
+    default), or with dp_size > 1 a 2-D ("dp", "tp") mesh over dp_size * tp_size devices,
+    each dp row a tensor-parallel group of neighbouring devices.
 
     Across several processes the mesh must span every device: each process runs the same
     steps, and a device outside the mesh would have nothing to do."""
     devices = jax.devices() if devices is None else devices
     kind = f"{len(devices)} {devices[0].platform} device(s)" if devices else "no devices"
-    if tp_size > len(devices):
-        raise ValueError(f"--tp-size {tp_size} needs {tp_size} devices, but JAX sees {kind}"
+    needed = tp_size * dp_size
+    what = f"--tp-size {tp_size}" + (f" x --dp-size {dp_size}" if dp_size > 1 else "")
+    if needed > len(devices):
+        raise ValueError(f"{what} needs {needed} devices, but JAX sees {kind}"
                          f"{_more_devices_hint(devices)}")
-    if jax.process_count() > 1 and tp_size != len(devices):
-        raise ValueError(f"--tp-size {tp_size} across {jax.process_count()} processes must use "
+    if jax.process_count() > 1 and needed != len(devices):
+        raise ValueError(f"{what} across {jax.process_count()} processes must use "
                          f"all {len(devices)} devices of the processes together")
-    return Mesh(np.array(devices[:tp_size]), (TP_AXIS,))
+    if dp_size == 1:
+        return Mesh(np.array(devices[:tp_size]), (TP_AXIS,))
+    return Mesh(np.array(devices[:needed]).reshape(dp_size, tp_size), (DP_AXIS, TP_AXIS))
 
 
 def _more_devices_hint(devices: list[jax.Device]) -> str:

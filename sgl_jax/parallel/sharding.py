@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from sgl_jax.layers.attention import AttentionBackend
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.weights import LOGICAL_AXES
-from sgl_jax.parallel.mesh import TP_AXIS, make_mesh
+from sgl_jax.parallel.mesh import DP_AXIS, TP_AXIS, make_mesh
 
 # Logical axis -> mesh axis; axes not named here are replicated.
 MESH_AXES = {"vocab": TP_AXIS, "kv_heads": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS}
@@ -39,13 +39,22 @@ class TensorParallel:
     mesh: Mesh
 
     @classmethod
-    def of_size(cls, tp_size: int = 1, devices: list[jax.Device] | None = None
-                ) -> TensorParallel:
-        return cls(make_mesh(tp_size, devices))
+    def of_size(cls, tp_size: int = 1, devices: list[jax.Device] | None = None,
+                dp_size: int = 1) -> TensorParallel:
+        return cls(make_mesh(tp_size, devices, dp_size))
 
     @property
     def size(self) -> int:
         return self.mesh.shape[TP_AXIS]
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups (training only; serving meshes have one)."""
+        return self.mesh.shape.get(DP_AXIS, 1)
+
+    def batch_sharding(self) -> NamedSharding:
+        """Arrays [B, ...] whose rows split over the data-parallel axis."""
+        return NamedSharding(self.mesh, P(DP_AXIS if self.dp_size > 1 else None))
 
     # ------------------------------------------------------------------ what a model allows
 

@@ -49,19 +49,14 @@ def ttt_loss(
 
 
 def _step(logits, target_probs, target_argmax, valid, draft_to_target, k: int):
-    """Loss, accuracy and count of one step: position t is scored against t + k."""
-    logits = logits.astype(jnp.float32)  # f32[B, T, Vd]
-    probs, argmax, mask = (_shift_left(x, k) for x in (target_probs, target_argmax, valid))
-    cross_entropy = -jnp.sum(probs * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # f32[B, T]
-    hits = draft_to_target[jnp.argmax(logits, axis=-1)] == argmax  # bool[B, T]
+    """Loss, accuracy and count of one step: position t is scored against t + k (positions
+    whose t + k is past the end drop out; slices, not shifted copies, of the big arrays)."""
+    t = max(logits.shape[1] - k, 0)
+    logits = logits[:, :t].astype(jnp.float32)  # f32[B, T-k, Vd]
+    probs, argmax, mask = target_probs[:, k:], target_argmax[:, k:], valid[:, k:]
+    cross_entropy = -jnp.sum(probs * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    hits = draft_to_target[jnp.argmax(logits, axis=-1)] == argmax  # bool[B, T-k]
     count = jnp.sum(mask)
     denominator = jnp.maximum(count, 1).astype(jnp.float32)
     return (jnp.sum(jnp.where(mask, cross_entropy, 0.0)) / denominator,
             jnp.sum(mask & hits) / denominator, count.astype(jnp.int32))
-
-
-def _shift_left(x: jax.Array, k: int) -> jax.Array:
-    """x[:, t + k] at position t (axis 1); positions past the end are zero (False)."""
-    kept = x[:, min(k, x.shape[1]):]
-    pad = [(0, 0), (0, x.shape[1] - kept.shape[1])] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(kept, pad)

