@@ -188,7 +188,9 @@ def _regenerated(args, target_path: str, conversations, out: Path) -> list[list[
                                  conversations[start: start + args.regenerate_batch],
                                  temperature=args.regenerate_temperature,
                                  max_new_tokens=args.regenerate_max_tokens,
-                                 context_length=engine.context_length)
+                                 # a turn that would start past --max-length is never kept
+                                 context_length=min(engine.context_length,
+                                                    args.max_length + args.regenerate_max_tokens))
     finally:
         engine.shutdown()
     if jax.process_index() == 0:
