@@ -144,6 +144,8 @@ def train(args: argparse.Namespace) -> Path:
     if args.resume and (out / "train_state").exists():
         state, meta = load_state(out / "train_state", state)
         logger.info("Resumed at step %d of %d", meta["step"], steps)
+    else:
+        _log_eval(trainer, state, held_out, tp, 0, out)  # the untrained head, for comparison
     logger.info("Training %d steps over %d conversations (%d tokens), %d held out",
                 steps, len(examples), sum(lengths), len(held_out))
 
