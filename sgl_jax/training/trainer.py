@@ -149,8 +149,11 @@ class Trainer:
 
     def draft_params(self, state: TrainState) -> dict[str, Any]:
         """The whole draft pytree (trained tensors and d2t) on the host."""
-        params = {**_to_host(state.params), **_to_host(self.frozen)}
-        return params
+        return {**_to_host(state.params), **_to_host(self.frozen)}
+
+    def target_outputs(self, batch: Batch):
+        """The target's features and logits of a host batch, on the device."""
+        return self._target_step(self.target.params, self._device_batch(batch))
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -274,23 +277,11 @@ def total_steps(num_batches: int, loop: LoopConfig) -> int:
     return min(steps, loop.max_steps) if loop.max_steps else steps
 
 
-def batch_for_step(step: int, examples: Sequence[Example], lengths: Sequence[int],
-                   loop: LoopConfig, row_multiple: int) -> tuple[Batch, int]:
-    """The batch of global step `step` and its number of real tokens: epoch e's order comes
-    from seed + e, so a resumed run sees exactly the batches it would have seen."""
-    plan = plan_batches(lengths, loop.tokens_per_batch, row_multiple,
-                        loop.seed + step // _batches_per_epoch(lengths, loop, row_multiple))
-    chosen = [examples[i] for i in plan[step % len(plan)]]
-    return collate(chosen, row_multiple), sum(len(e.input_ids) for e in chosen)
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_count(lengths: tuple[int, ...], tokens: int, multiple: int) -> int:
-    return len(plan_batches(lengths, tokens, multiple, 0))
-
-
-def _batches_per_epoch(lengths: Sequence[int], loop: LoopConfig, multiple: int) -> int:
-    return _cached_count(tuple(lengths), loop.tokens_per_batch, multiple)
+def epoch_plan(epoch: int, lengths: Sequence[int], loop: LoopConfig, row_multiple: int
+               ) -> list[list[int]]:
+    """Epoch e's batches, in the order seed + e sets, so a resumed run sees exactly the
+    batches it would have seen."""
+    return plan_batches(lengths, loop.tokens_per_batch, row_multiple, loop.seed + epoch)
 
 
 def run_training(trainer: Trainer, state: TrainState, examples: Sequence[Example],
@@ -304,11 +295,17 @@ def run_training(trainer: Trainer, state: TrainState, examples: Sequence[Example
     row_multiple = trainer.tp.dp_size
     history = []
     start = int(state.step)
+    per_epoch = len(epoch_plan(0, lengths, loop, row_multiple))
+    plan_epoch, plan = None, []
     bar = tqdm(total=steps, initial=start, desc="Training", unit="step",
                disable=not progress or jax.process_index() != 0)
     tokens, began = 0, time.perf_counter()
     for step in range(start, steps):
-        batch, num_tokens = batch_for_step(step, examples, lengths, loop, row_multiple)
+        if step // per_epoch != plan_epoch:
+            plan_epoch = step // per_epoch
+            plan = epoch_plan(plan_epoch, lengths, loop, row_multiple)
+        chosen = [examples[i] for i in plan[step % per_epoch]]
+        batch, num_tokens = collate(chosen, row_multiple), sum(len(e.input_ids) for e in chosen)
         state, metrics = trainer.train_step(state, batch)
         metrics = jax.tree.map(np.asarray, metrics)
         history.append(metrics)
