@@ -16,6 +16,17 @@ tree (steps 3, topk 4, 8 draft tokens).
     python benchmark/bench_speculative.py --batch-sizes 1,4 --output-len 32
     # a near copy of the target as a STANDALONE draft: high acceptance, no cheaper draft
     python benchmark/bench_speculative.py --draft noisy-copy
+    # the demo pair on real questions (the seed cards' tables): MT-Bench, HumanEval, ShareGPT
+    python benchmark/bench_speculative.py --model-path demo --draft-model-path demo \
+        --dataset mtbench --batch-sizes 1,8,32 --output-len 256
+
+With --dataset, every prompt is a user message rendered with the target's chat template (a
+HumanEval prompt is asked to be completed), generation is greedy and stops at EOS or
+--output-len, and each batch size runs all the prompts, --batch-size at a time. Greedy
+speculation must give the very tokens of plain decoding: the rows count the prompts whose
+outputs differ (float rounding in a batched verify can flip a near tie; anything more is a
+bug). The ShareGPT prompts come after the file's first --sharegpt-skip conversations, which
+drafts trained on the file's start (the demo head included) never saw.
 """
 
 from __future__ import annotations
@@ -39,6 +50,10 @@ SHAPES = {
 }
 
 
+DATASETS = ("random", "mtbench", "humaneval", "sharegpt")
+SHAREGPT_PROMPTS = 200
+
+
 @dataclass
 class Row:
     shape: str
@@ -49,6 +64,9 @@ class Row:
     accept_rate: float  # accept length / draft tokens
     accept_length: float  # tokens per verify round
     position_rates: list[float] = field(default_factory=list)  # acc_0, acc_1, ...
+    dataset: str = "random"
+    num_prompts: int = 0
+    outputs_differing: int = 0  # prompts whose speculative output differs from plain decoding
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="llama", help="architecture of the built target")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--dataset", default="random", choices=DATASETS,
+                   help="random token ids of --input-len, or real questions")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="real datasets: the first N prompts (default: all; ShareGPT 200)")
+    p.add_argument("--sharegpt-skip", type=int, default=20000,
+                   help="ShareGPT conversations at the file's start never drawn")
     p.add_argument("--shapes", default="chain,tree")
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=64)
@@ -75,10 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str]:
     """(target path, draft path, algorithm), building random checkpoints when none is given."""
+    from sgl_jax.demo import demo_draft_path, demo_model_path
     from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
     from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 
-    target = args.model_path
+    target = str(demo_model_path()) if args.model_path == "demo" else args.model_path
+    if args.draft_model_path == "demo":
+        return target, str(demo_draft_path()), "EAGLE3"
     if target is None:
         heads = max(args.hidden_size // 64, 1)
         target = str(write_tiny_checkpoint(
@@ -96,14 +123,21 @@ def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
         "EAGLE3"
 
 
-def timed_generate(engine: Any, prompts: list[list[int]], output_len: int) -> float:
-    """Output tokens per second of one batch; a short untimed run compiles its shapes."""
-    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
-    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 8})
+def timed_generate(engine: Any, prompts: list[list[int]], output_len: int, batch_size: int,
+                   *, ignore_eos: bool) -> tuple[float, list[list[int]]]:
+    """Output tokens per second over all prompts, run batch_size at a time, and the outputs.
+    The first batch runs once untimed (short), so its shapes are compiled."""
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
+    engine.generate(input_ids=prompts[:batch_size],
+                    sampling_params={**params, "max_new_tokens": 8})
+    outputs = []
     start = time.perf_counter()
-    outputs = engine.generate(input_ids=prompts, sampling_params=params)
+    for first in range(0, len(prompts), batch_size):
+        outputs += engine.generate(input_ids=prompts[first: first + batch_size],
+                                   sampling_params=params)
     elapsed = time.perf_counter() - start
-    return sum(len(o["output_ids"]) for o in outputs) / elapsed
+    tokens = [o["output_ids"] for o in outputs]
+    return sum(map(len, tokens)) / elapsed, tokens
 
 
 def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[float]]:
@@ -116,47 +150,88 @@ def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[f
     return 1 + accepted / rounds, (counts / rounds).tolist()
 
 
+def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
+                 batch_sizes: list[int]) -> list[list[int]]:
+    """Token ids of the prompts: random ids, or the dataset's questions through the chat
+    template."""
+    if args.dataset == "random":
+        config = Path(target) / "config.json"
+        vocab = (json.loads(config.read_text())["vocab_size"] if config.is_file()
+                 else len(tokenizer))
+        rng = np.random.default_rng(args.seed)
+        return rng.integers(3, vocab, (max(batch_sizes), args.input_len)).tolist()
+    from sgl_jax.tokenizer.chat_template import ChatTemplate
+
+    template = ChatTemplate(tokenizer)
+    return [template.encode([{"role": "user", "content": q}])
+            for q in questions(args, tokenizer)]
+
+
+def questions(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    from sgl_jax import datasets
+
+    if args.dataset == "mtbench":
+        found = [q.turns[0] for q in datasets.load_mt_bench()]
+    elif args.dataset == "humaneval":
+        found = ["Complete this Python function.\n\n" + p.prompt
+                 for p in datasets.load_humaneval()]
+    else:
+        def count(text):
+            return len(tokenizer.encode(text, add_special_tokens=False))
+        found = [p.prompt for p in datasets.sample_sharegpt(
+            args.num_prompts or SHAREGPT_PROMPTS, count, seed=args.seed,
+            output_len=args.output_len, skip=args.sharegpt_skip)]
+    return found[: args.num_prompts]
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     from sgl_jax import Engine
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     shapes = args.shapes.split(",")
-    rng = np.random.default_rng(args.seed)
+    real = args.dataset != "random"
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, algorithm = build_models(args, Path(tmp))
         common = dict(dtype=args.dtype, page_size=args.page_size, skip_server_warmup=True,
-                      precompile_bs_paddings=batch_sizes, max_running_requests=max(batch_sizes),
-                      context_length=args.input_len + args.output_len + 64)
-        vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
-        prompts = rng.integers(3, vocab, (max(batch_sizes), args.input_len)).tolist()
+                      precompile_bs_paddings=batch_sizes, max_running_requests=max(batch_sizes))
+        if not real:
+            common["context_length"] = args.input_len + args.output_len + 64
         with Engine(model_path=target, **common) as engine:
-            baseline = {b: timed_generate(engine, prompts[:b], args.output_len)
+            prompts = load_prompts(args, target, engine.tokenizer, batch_sizes)
+            baseline = {b: timed_generate(engine, prompts if real else prompts[:b],
+                                          args.output_len, b, ignore_eos=not real)
                         for b in batch_sizes}
         rows = []
         for shape in shapes:
             with Engine(model_path=target, speculative_algorithm=algorithm,
                         speculative_draft_model_path=draft, **SHAPES[shape], **common) as engine:
                 for b in batch_sizes:
-                    timed_generate(engine, prompts[:b], 8)  # compile before reading counters
+                    chosen = prompts if real else prompts[:b]
+                    timed_generate(engine, chosen[:b], 8, b, ignore_eos=True)  # compile first
                     before = engine.get_server_info()
-                    tok_s = timed_generate(engine, prompts[:b], args.output_len)
+                    tok_s, outputs = timed_generate(engine, chosen, args.output_len, b,
+                                                    ignore_eos=not real)
                     length, rates = acceptance_since(engine, before)
                     draft_tokens = SHAPES[shape]["speculative_num_draft_tokens"]
-                    rows.append(Row(shape, b, baseline[b], tok_s, tok_s / baseline[b],
-                                    length / draft_tokens, length, rates))
+                    base_tok_s, base_outputs = baseline[b]
+                    differing = sum(a != c for a, c in zip(outputs, base_outputs, strict=True))
+                    rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
+                                    length / draft_tokens, length, rates, args.dataset,
+                                    len(chosen), differing))
                     print_row(rows[-1])
     return rows
 
 
-HEADER = (f"{'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec tok/s':>11} {'speedup':>8} "
-          f"{'accept rate':>12} {'accept len':>11}  per-position acceptance")
+HEADER = (f"{'dataset':9} {'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec tok/s':>11} "
+          f"{'speedup':>8} {'accept rate':>12} {'accept len':>11} {'differ':>6}  "
+          "per-position acceptance")
 
 
 def print_row(row: Row) -> None:
     rates = " ".join(f"{r:.2f}" for r in row.position_rates)
-    print(f"{row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
+    print(f"{row.dataset:9} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
           f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
-          f"{row.accept_length:>11.2f}  [{rates}]", flush=True)
+          f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]", flush=True)
 
 
 def plot(rows: list[Row], path: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -146,12 +147,14 @@ def first_exchange(conversation: list[dict]) -> tuple[str, str] | None:
     return None
 
 
-def sharegpt_exchanges(path: str | os.PathLike | None = None) -> list[tuple[str, str]]:
-    """(first human turn, its gpt reply) of every conversation that has one, in file order.
+def sharegpt_exchanges(path: str | os.PathLike | None = None, *, skip: int = 0
+                       ) -> list[tuple[str, str]]:
+    """(first human turn, its gpt reply) of every conversation that has one, in file order,
+    after the first `skip` records (held out from drafts trained on the file's start).
 
     Not cached: streaming the file costs about as much as reading back a cache of the pairs.
     """
-    return [pair for record in iter_sharegpt(path)
+    return [pair for record in itertools.islice(iter_sharegpt(path), skip, None)
             if (pair := first_exchange(record.get("conversations") or [])) is not None]
 
 
@@ -165,16 +168,17 @@ class SampledPrompt:
 def sample_sharegpt(num: int, count_tokens: Callable[[str], int], *, seed: int = 0,
                     output_len: int | None = None, path: str | os.PathLike | None = None,
                     min_len: int = 4, max_prompt_len: int = 1024, max_total_len: int = 2048,
-                    ) -> list[SampledPrompt]:
+                    skip: int = 0) -> list[SampledPrompt]:
     """Up to num ShareGPT prompts, as SGLang's bench_serving samples them.
 
     Conversations are shuffled with `seed` and taken in that order. The output length is the
     token length of the gpt reply, or `output_len` when given. A prompt is skipped when it has
     fewer than min_len tokens, or its reply does (only when output_len is not given), or the
     prompt has more than max_prompt_len tokens, or prompt + output more than max_total_len.
-    Fewer than num come back only when the file runs out.
+    Fewer than num come back only when the file runs out. The first `skip` records are never
+    drawn.
     """
-    exchanges = sharegpt_exchanges(path)
+    exchanges = sharegpt_exchanges(path, skip=skip)
     sampled: list[SampledPrompt] = []
     for i in np.random.default_rng(seed).permutation(len(exchanges)):
         if len(sampled) == num:

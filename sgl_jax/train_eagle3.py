@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--regenerate-temperature", type=float, default=0.8)
     g.add_argument("--regenerate-max-tokens", type=int, default=512)
     g.add_argument("--regenerate-batch", type=int, default=256,
-                   help="conversations regenerated together")
+                   help="conversations regenerated together (also the engine's running "
+                        "requests)")
+    g.add_argument("--regenerate-attention-backend", default=None,
+                   help="the regenerating engine's --attention-backend (default: the server's)")
     g = p.add_argument_group("draft")
     g.add_argument("--draft-vocab-size", type=int, default=32000,
                    help="most frequent loss-masked target ids kept (capped at the target's)")
@@ -174,34 +177,37 @@ def _conversations(args) -> list[list[dict]]:
 
 
 def _regenerated(args, target_path: str, conversations, out: Path) -> list[list[dict]]:
-    """The regenerated conversations, made once and kept in the output directory."""
+    """The regenerated conversations, kept in the output directory: line i of
+    regenerated.jsonl is conversation i, appended a batch at a time, so an interrupted run
+    (or a later run over more conversations) regenerates only what is missing."""
     path = out / "regenerated.jsonl"
-    if path.exists():
+    done = ([json.loads(line)["messages"] for line in path.open(encoding="utf-8")]
+            if path.exists() else [])
+    if len(done) >= len(conversations):
         logger.info("Using the regenerated conversations in %s", path)
-        return [json.loads(line)["messages"] for line in path.open(encoding="utf-8")]
+        return done[: len(conversations)]
     from sgl_jax.entrypoints.engine import Engine
     from sgl_jax.training.regenerate import regenerate
 
-    engine = Engine(model_path=target_path, log_level="warning")
+    engine = Engine(model_path=target_path, log_level="warning",
+                    max_running_requests=args.regenerate_batch,
+                    attention_backend=args.regenerate_attention_backend)
     try:
-        result = []
-        for start in range(0, len(conversations), args.regenerate_batch):
-            result += regenerate(engine, engine.tokenizer,
-                                 conversations[start: start + args.regenerate_batch],
-                                 temperature=args.regenerate_temperature,
-                                 max_new_tokens=args.regenerate_max_tokens,
-                                 # a turn that would start past --max-length is never kept
-                                 context_length=min(engine.context_length,
-                                                    args.max_length + args.regenerate_max_tokens))
+        for start in range(len(done), len(conversations), args.regenerate_batch):
+            batch = regenerate(engine, engine.tokenizer,
+                               conversations[start: start + args.regenerate_batch],
+                               temperature=args.regenerate_temperature,
+                               max_new_tokens=args.regenerate_max_tokens,
+                               # a turn that would start past --max-length is never kept
+                               context_length=min(engine.context_length,
+                                                  args.max_length + args.regenerate_max_tokens))
+            done += batch
+            if jax.process_index() == 0:
+                with path.open("a", encoding="utf-8") as f:
+                    f.writelines(json.dumps({"messages": m}) + "\n" for m in batch)
     finally:
         engine.shutdown()
-    if jax.process_index() == 0:
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for messages in result:
-                f.write(json.dumps({"messages": messages}) + "\n")
-        tmp.rename(path)
-    return result
+    return done
 
 
 def _draft_setup(args, target_hf: dict, examples: list[Example], out: Path):

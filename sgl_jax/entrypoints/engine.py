@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from sgl_jax.cache import enable_compilation_cache
-from sgl_jax.demo import DEMO_MODEL_NAME, demo_model_path
+from sgl_jax.demo import DEMO_MODEL_NAME, demo_draft_path, demo_model_path
 from sgl_jax.entrypoints.output_stream import OutputStream
 from sgl_jax.layers.attention import resolve_attention_backend
 from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_pool_pages
@@ -75,6 +75,10 @@ class Engine:
                                                 or DEMO_MODEL_NAME)
             logger.info("No model path given: serving the built-in demo model %s from %s",
                         DEMO_MODEL_NAME, model_path)
+            if (str(server_args.get("speculative_algorithm") or "").upper() == "EAGLE3"
+                    and not server_args.get("speculative_draft_model_path")):
+                server_args["speculative_draft_model_path"] = str(demo_draft_path())
+                logger.info("No draft given: using the demo model's trained EAGLE3 head")
         args = ServerArgs(model_path=model_path, **server_args)
         if not args.disable_compilation_cache:
             enable_compilation_cache(args.compilation_cache_dir)

@@ -86,8 +86,10 @@ def plan_batches(lengths: Sequence[int], tokens_per_batch: int, row_multiple: in
 
 
 def collate(examples: Sequence[Example], row_multiple: int) -> Batch:
-    rows = _round_up(len(examples), row_multiple)
-    width = _aligned(max(len(e.input_ids) for e in examples))
+    """Rows and width padded to powers of two, so a run compiles a handful of step shapes
+    (compilation costs more than the padding on an accelerator)."""
+    rows = _round_up(_power_of_two(len(examples)), row_multiple)
+    width = _power_of_two(_aligned(max(len(e.input_ids) for e in examples)))
     ids = np.zeros((rows, width), np.int32)
     mask = np.zeros((rows, width), bool)
     for r, e in enumerate(examples):
@@ -98,6 +100,10 @@ def collate(examples: Sequence[Example], row_multiple: int) -> Batch:
 
 def _aligned(length: int) -> int:
     return _round_up(max(length, 1), ROW_ALIGN)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _round_up(n: int, multiple: int) -> int:

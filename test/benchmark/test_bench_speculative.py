@@ -39,7 +39,8 @@ def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
         # rates of later positions can only be lower: a position needs all before it
         assert row["position_rates"] == sorted(row["position_rates"], reverse=True)
         assert abs(sum(row["position_rates"]) + 1 - row["accept_length"]) < 1e-9
+        assert row["num_prompts"] == row["batch_size"] and row["outputs_differing"] == 0
     assert any(row["accept_length"] > 1.5 for row in rows)  # the near copy is accepted
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "baseline tok/s" in printed and printed.count("\nchain") == 2
+    assert "baseline tok/s" in printed and printed.count("\nrandom    chain") == 2

@@ -1,10 +1,13 @@
 """The Pallas GPU (Triton) attention kernel against the jnp reference with `interpret=True`:
 the kernel code a GPU compiles, executed on the CPU, with NaN in every unused cache slot.
 Lowering it for the 'cuda' platform runs the real Pallas -> Triton IR translation without a
-GPU, so unsupported ops, non-power-of-two tensors and bad index shapes fail here too."""
+GPU, so unsupported ops, non-power-of-two tensors and bad index shapes fail here too. On a GPU
+the `compiled` tests run the same checks on the kernel Triton compiled
+(`benchmark/gpu_suite.sh OUT kernels`)."""
 
 import functools
 
+import jax
 import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
@@ -21,9 +24,13 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def interpreted(**tunables):
+    return compiled(interpret=True, **tunables)
+
+
+def compiled(**tunables):
     def run(q, k_pages, v_pages, metadata, scale):
         return ragged_paged_attention_gpu(q, k_pages, v_pages, metadata, scale=scale,
-                                          interpret=True, **tunables)
+                                          **tunables)
     return run
 
 
@@ -41,6 +48,23 @@ def test_wide_heads_and_odd_groups(mode, heads):
 def test_several_kv_blocks_per_sequence():
     problem = kernel_problem("mixed", page_size=4, gqa=2, dtype="float32")
     assert_kernel_matches_reference(interpreted(kv_block_tokens=16), problem, dtype="float32")
+
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                            reason="compiles the Triton kernel: needs a GPU")
+
+
+@on_gpu
+@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_PRODUCT)
+def test_compiled_matches_reference(mode, gqa, page_size, dtype):
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
+    assert_kernel_matches_reference(compiled(), problem, dtype=dtype)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode,heads", KERNEL_WIDE_HEADS)
+def test_compiled_wide_heads_and_odd_groups(mode, heads):
+    check_wide_heads(compiled(), mode, heads)
 
 
 def lower_for_cuda(problem, **tunables) -> str:

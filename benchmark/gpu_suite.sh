@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md, reproducible on any CUDA machine with JAX installed.
+#
+#   benchmark/gpu_suite.sh OUT_DIR [STAGE ...]
+#
+# Stages (all, in this order, when none is named):
+#   kernels    the Triton attention kernel compiled for real against the reference
+#   attention  decode attention at batch 32, 2k context, bf16, pages 16 and 64, against the
+#              read bandwidth measured in the same run
+#   matmul     the device's bf16 matrix-product rate (the prefill ceiling)
+#   llama8b    end to end on a random checkpoint of Llama-3.1-8B's shape, bf16, batch 1 and 32
+#   qwen3_8b   the same for Qwen3-8B's shape (written by the same factory, Llama layout)
+#   spec8b     EAGLE3 round cost on the Llama-3.1-8B shape with a random head
+#   specdemo   EAGLE3 with the trained demo pair on MT-Bench, HumanEval and ShareGPT
+# Random checkpoints are written once under $CKPT_DIR (default /tmp/sgl_jax_ckpt).
+set -uo pipefail
+out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
+shift
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo}
+ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out" "$ckpt"
+export PYTHONUNBUFFERED=1
+
+llama8b=(--hidden-size 4096 --intermediate-size 14336 --num-layers 32 --vocab-size 128256
+         --num-heads 32 --num-kv-heads 8)
+qwen3_8b=(--hidden-size 4096 --intermediate-size 12288 --num-layers 36 --vocab-size 151936
+          --num-heads 32 --num-kv-heads 8)
+
+one_batch() {  # name, shape flags...
+  local name=$1; shift
+  python3 "$here/bench_one_batch.py" --model-path random --checkpoint-dir "$ckpt/$name" "$@" \
+    --batch-sizes 1,32 --input-len 1024 --output-len 64 --dtype bfloat16 \
+    --attention-backend fa --no-compare-transformers --json "$out/$name.json"
+}
+
+for stage in $stages; do
+  echo "=== $stage"
+  case $stage in
+    kernels)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
+        -o addopts="" -n 4 "$here/../test/layers/test_pallas_gpu.py" -k compiled ;;
+    attention)
+      python3 "$here/bench_attention.py" --modes decode,prefill --batch-sizes 32 \
+        --context-lens 2048 --page-sizes 16,64 --dtype bfloat16 --json "$out/attention.json" ;;
+    matmul)
+      python3 - <<'EOF'
+import time, jax, jax.numpy as jnp
+n = 8192
+a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
+f = jax.jit(jnp.matmul)
+f(a, b).block_until_ready()
+times = []
+for _ in range(10):
+    t = time.perf_counter(); f(a, b).block_until_ready(); times.append(time.perf_counter() - t)
+print(f"bf16 {n}^3 matmul: {2 * n**3 / sorted(times)[5] / 1e12:.0f} TFLOP/s (median of 10)")
+EOF
+      ;;
+    llama8b) one_batch llama8b "${llama8b[@]}" ;;
+    qwen3_8b) one_batch qwen3_8b "${qwen3_8b[@]}" ;;
+    spec8b)
+      one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null
+      python3 "$here/bench_speculative.py" --model-path "$ckpt/llama8b" --dtype bfloat16 \
+        --batch-sizes 1,8,32 --input-len 512 --output-len 128 --output-json "$out/spec8b.json" ;;
+    specdemo)
+      for dataset in mtbench humaneval sharegpt; do
+        python3 "$here/bench_speculative.py" --model-path demo --draft-model-path demo \
+          --dataset "$dataset" --num-prompts "${SPEC_PROMPTS:-64}" --batch-sizes 1,8,32 \
+          --output-len 256 --output-json "$out/specdemo_$dataset.json"
+      done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
