@@ -162,8 +162,27 @@ KERNEL_MODES = {
                        windows=True),
 }
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
-# (mode, gqa, page_size, dtype): the product every kernel is tested over.
-KERNEL_PRODUCT = list(itertools.product(KERNEL_MODES, [1, 4, 8], [1, 16, 64], DTYPES))
+KERNEL_GQAS = [1, 4, 8]
+KERNEL_PAGE_SIZES = [1, 16, 64]
+# (mode, gqa, page_size, dtype): the product every kernel is tested over (head_dim 64).
+KERNEL_PRODUCT = list(itertools.product(KERNEL_MODES, KERNEL_GQAS, KERNEL_PAGE_SIZES, DTYPES))
+# Head dims beyond the product's 64: not powers of two (24, 80, 96), and Qwen3-Next's 256.
+KERNEL_HEAD_DIMS = [24, 80, 96, 256]
+
+
+def _head_dim_cases() -> list[tuple[str, int, int, str, int]]:
+    """(mode, gqa, page_size, dtype, head_dim): per head dim, every mode with two of the three
+    GQA ratios, and page size and dtype rotating with mode, ratio and head dim. Each head dim
+    meets every mode, GQA ratio, page size and dtype in 10 cases; the product's 90 per head dim
+    would take about 7 minutes per kernel on 2 CPU cores."""
+    dtypes = list(DTYPES)
+    return [(mode, gqa, KERNEL_PAGE_SIZES[(g + m + j) % 3], dtypes[(g + m + j) % 2], head_dim)
+            for j, head_dim in enumerate(KERNEL_HEAD_DIMS)
+            for m, mode in enumerate(KERNEL_MODES)
+            for g, gqa in enumerate(KERNEL_GQAS) if g != (m + j) % 3]
+
+
+KERNEL_HEAD_DIM_CASES = _head_dim_cases()
 # (mode, head_dim, gqa, n_kv): Qwen3-Next's head_dim 256, Qwen2.5-7B's 7 query heads per KV head.
 KERNEL_WIDE_HEADS = list(itertools.product(["mixed", "tree_topk4"], [(128, 7, 1), (256, 2, 2)]))
 

@@ -12,6 +12,7 @@ import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.testing.attention import (
+    KERNEL_HEAD_DIM_CASES,
     KERNEL_PRODUCT,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
@@ -37,6 +38,14 @@ def compiled(**tunables):
 @pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_PRODUCT)
 def test_matches_reference(mode, gqa, page_size, dtype):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
+    assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
+
+
+@pytest.mark.parametrize("mode,gqa,page_size,dtype,head_dim", KERNEL_HEAD_DIM_CASES)
+def test_head_dims_match_reference(mode, gqa, page_size, dtype, head_dim):
+    """Head dims that are not powers of two run padded to one: q and the output in the
+    wrapper, keys and values by masked loads from the unpadded cache."""
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype, head_dim=head_dim)
     assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
 
 
@@ -67,6 +76,13 @@ def test_compiled_wide_heads_and_odd_groups(mode, heads):
     check_wide_heads(compiled(), mode, heads)
 
 
+@on_gpu
+@pytest.mark.parametrize("mode,gqa,page_size,dtype,head_dim", KERNEL_HEAD_DIM_CASES)
+def test_compiled_head_dims_match_reference(mode, gqa, page_size, dtype, head_dim):
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype, head_dim=head_dim)
+    assert_kernel_matches_reference(compiled(), problem, dtype=dtype)
+
+
 def lower_for_cuda(problem, **tunables) -> str:
     kernel = functools.partial(ragged_paged_attention_gpu, scale=0.125, **tunables)
     return lowered_text(kernel, problem, "cuda")
@@ -79,6 +95,9 @@ def lower_for_cuda(problem, **tunables) -> str:
     ("tree_topk4", 128, "float32", 1, 1),  # tree windows of 7 tokens
     ("tree_topk1", 64, "bfloat16", 16, 7),  # 42 rows padded to 64
     ("tree_topk4", 256, "float32", 16, 7),
+    ("mixed", 80, "bfloat16", 16, 4),  # padded to 128: masked loads over 80 cache columns
+    ("tree_topk4", 96, "float32", 1, 7),
+    ("decode", 96, "bfloat16", 64, 1),
 ])
 def test_lowers_to_triton(mode, head_dim, dtype, page_size, gqa):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype, head_dim=head_dim)
@@ -91,8 +110,13 @@ def test_lowers_with_other_tunables():
                                          num_stages=3)
 
 
-@pytest.mark.parametrize("head_dim,kv_block_tokens", [(24, 64), (8, 64), (64, 48), (64, 8)])
-def test_rejects_shapes_triton_cannot_tile(head_dim, kv_block_tokens):
+@pytest.mark.parametrize("head_dim,kv_block_tokens,message", [
+    (20, 64, "head_dim 20 is not supported by this kernel: a multiple of 8"),
+    (36, 64, "head_dim 36 is not supported by this kernel: a multiple of 8"),
+    (64, 48, "kv_block_tokens must be a power of two >= 16, got 48"),
+    (64, 8, "kv_block_tokens must be a power of two >= 16, got 8"),
+])
+def test_rejects_shapes_triton_cannot_tile(head_dim, kv_block_tokens, message):
     problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32", head_dim=head_dim)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match=message):
         lower_for_cuda(problem, kv_block_tokens=kv_block_tokens)

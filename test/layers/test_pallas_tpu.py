@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 from sgl_jax.layers.attention.checks import check_dynamic_inputs
 from sgl_jax.layers.attention.pallas_tpu import ragged_paged_attention_tpu
 from sgl_jax.testing.attention import (
+    KERNEL_HEAD_DIM_CASES,
     KERNEL_PRODUCT,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
@@ -35,6 +36,13 @@ def test_matches_reference(mode, gqa, page_size, dtype):
     assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
 
 
+@pytest.mark.parametrize("mode,gqa,page_size,dtype,head_dim", KERNEL_HEAD_DIM_CASES)
+def test_head_dims_match_reference(mode, gqa, page_size, dtype, head_dim):
+    """Head dims below a multiple of 128 lanes run unpadded: Mosaic pads them itself."""
+    problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype, head_dim=head_dim)
+    assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
+
+
 @pytest.mark.parametrize("mode,heads", KERNEL_WIDE_HEADS)
 def test_wide_heads_and_odd_groups(mode, heads):
     check_wide_heads(interpreted(), mode, heads)
@@ -50,6 +58,9 @@ def test_several_kv_blocks_per_sequence():
     (64, "float32", "decode", 1),
     (128, "bfloat16", "mixed", 16),
     (256, "bfloat16", "tree_topk4", 64),
+    (80, "bfloat16", "mixed", 16),
+    (96, "float32", "tree_topk1", 1),
+    (96, "bfloat16", "decode", 64),
 ])
 def test_lowers_to_mosaic(head_dim, dtype, mode, page_size):
     problem = kernel_problem(mode, page_size=page_size, gqa=4, dtype=dtype, head_dim=head_dim)
@@ -64,6 +75,14 @@ def test_dynamic_check_names_the_problem():
     metadata = dataclasses.replace(problem.metadata, kv_lens=too_long)
     with pytest.raises(ValueError, match="kv_lens must lie"):
         check_dynamic_inputs(metadata, num_pages=problem.k_pages.shape[0], page_size=16)
+
+
+def test_rejects_head_dim_not_a_multiple_of_8():
+    problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32", head_dim=20)
+    with pytest.raises(ValueError, match="head_dim 20 is not supported by this kernel: a "
+                                         "multiple of 8"):
+        ragged_paged_attention_tpu(jnp.asarray(problem.q), jnp.asarray(problem.k_pages),
+                                   jnp.asarray(problem.v_pages), problem.metadata, scale=0.1)
 
 
 def test_static_check_names_the_problem():

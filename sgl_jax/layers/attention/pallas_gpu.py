@@ -7,6 +7,13 @@ program walks the sequence's KV in blocks of `kv_block_tokens` tokens, gathering
 slot by slot through the page table (so any page size works, 1 included) and folding them in
 with an online softmax in f32. Triton has no scalar prefetch, so per-block lengths and the page
 table are ordinary inputs the kernel loads itself.
+
+Head dims. Any multiple of 8 works; Triton tensors are a power of two wide, so the kernel
+computes over `padded_head_dim` columns (the next power of two >= 16). The queries are padded
+with zeros in the wrapper (a copy of q, which `_to_rows` makes anyway) and the output's extra
+columns are dropped, but the cache is never copied: keys and values are loaded straight from the
+pages with a column mask, so the padding columns are zeros in registers and never read from
+memory. Zero columns add nothing to q.k, and `scale` stays the caller's (of the real head dim).
 """
 
 from __future__ import annotations
@@ -35,8 +42,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The width the kernel computes over: the next power of two >= 16."""
+    return max(_MIN_DOT, _next_pow2(head_dim))
+
+
 def _head_dim_ok(head_dim: int) -> bool:
-    return _is_pow2(head_dim) and head_dim >= _MIN_DOT
+    # Our rule, not Triton's (a mask takes any width): at a multiple of 8 bf16, every cache row
+    # starts and its column mask ends on a 16-byte boundary, so rows load as whole vectors.
+    return head_dim > 0 and head_dim % 8 == 0
 
 
 @functools.partial(
@@ -56,7 +70,7 @@ def ragged_paged_attention_gpu(
 ) -> jax.Array:  # [T, n_heads, hd], q.dtype
     """Attention of every query block over its sequence's paged KV (see module docstring)."""
     check_static_inputs(q, k_pages, v_pages, metadata, head_dim_ok=_head_dim_ok,
-                        head_dim_rule=f"a power of two >= {_MIN_DOT}")
+                        head_dim_rule="a multiple of 8")
     if not _is_pow2(kv_block_tokens) or kv_block_tokens < _MIN_DOT:
         raise ValueError(f"kv_block_tokens must be a power of two >= {_MIN_DOT}, "
                          f"got {kv_block_tokens}")
@@ -65,8 +79,9 @@ def ragged_paged_attention_gpu(
     num_blocks, q_block = metadata.num_blocks, metadata.q_block
     group = n_heads // n_kv
     rows = max(_MIN_DOT, _next_pow2(q_block * group))
+    width = padded_head_dim(hd)
 
-    queries = _to_rows(q, num_blocks, q_block, n_kv, rows)  # [NB, n_kv, R, hd]
+    queries = _to_rows(q, num_blocks, q_block, n_kv, rows, width)  # [NB, n_kv, R, width]
     tree_bits = None
     if metadata.tree_bits is not None:
         tree_bits = _tree_bits_to_rows(metadata.tree_bits, num_blocks, group, rows)
@@ -77,9 +92,9 @@ def ragged_paged_attention_gpu(
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, n_kv),
-        in_specs=_in_specs(rows, hd, num_pages, page_size, metadata.page_table.shape[1],
+        in_specs=_in_specs(rows, width, hd, num_pages, page_size, metadata.page_table.shape[1],
                            None if tree_bits is None else tree_bits.shape[2]),
-        out_specs=pl.BlockSpec((None, None, rows, hd), lambda b, h: (b, h, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, rows, width), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(queries.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -94,25 +109,26 @@ def ragged_paged_attention_gpu(
         metadata.q_starts,
         tree_bits,
     )
-    return _from_rows(out, q_block, group).reshape(num_tokens, n_heads, hd)
+    return _from_rows(out, q_block, group, hd).reshape(num_tokens, n_heads, hd)
 
 
 def _to_rows(
     q: jax.Array,  # [T, n_heads, hd]
-    num_blocks: int, q_block: int, n_kv: int, rows: int,
-) -> jax.Array:  # [NB, n_kv, R, hd]: row i * group + g is token i of the block, head g
+    num_blocks: int, q_block: int, n_kv: int, rows: int, width: int,
+) -> jax.Array:  # [NB, n_kv, R, width]: row i * group + g is token i of the block, head g
     hd = q.shape[2]
     x = q.reshape(num_blocks, q_block, n_kv, -1, hd).transpose(0, 2, 1, 3, 4)
     x = x.reshape(num_blocks, n_kv, -1, hd)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
+    # Zero rows are dropped from the output; zero columns add nothing to q.k.
+    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, width - hd)))
 
 
 def _from_rows(
-    out: jax.Array,  # [NB, n_kv, R, hd]
-    q_block: int, group: int,
+    out: jax.Array,  # [NB, n_kv, R, width]
+    q_block: int, group: int, hd: int,
 ) -> jax.Array:  # [NB, q_block, n_kv, group, hd]
-    num_blocks, n_kv, _, hd = out.shape
-    x = out[:, :, : q_block * group].reshape(num_blocks, n_kv, q_block, group, hd)
+    num_blocks, n_kv = out.shape[:2]
+    x = out[:, :, : q_block * group, :hd].reshape(num_blocks, n_kv, q_block, group, hd)
     return x.transpose(0, 2, 1, 3, 4)
 
 
@@ -126,14 +142,15 @@ def _tree_bits_to_rows(
     return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, _next_pow2(words) - words)))
 
 
-def _in_specs(rows: int, hd: int, num_pages: int, page_size: int, table_width: int,
-              words: int | None):
+def _in_specs(rows: int, width: int, hd: int, num_pages: int, page_size: int,
+              table_width: int, words: int | None):
     """Blocks of (queries, k, v, page table, kv_lens, window_starts, q_starts, tree bits)."""
     per_block = pl.BlockSpec((None,), lambda b, h: (b,))  # one scalar per query block
+    # The cache keeps its real head_dim: the kernel's masked loads pad it to `width`.
     cache = pl.BlockSpec((num_pages, None, page_size, hd), lambda b, h: (0, h, 0, 0))  # 1 head
     bits = None if words is None else pl.BlockSpec((None, rows, words), lambda b, h: (b, 0, 0))
     return [
-        pl.BlockSpec((None, None, rows, hd), lambda b, h: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, rows, width), lambda b, h: (b, h, 0, 0)),
         cache,
         cache,
         pl.BlockSpec((None, table_width), lambda b, h: (b, 0)),
@@ -145,7 +162,7 @@ def _in_specs(rows: int, hd: int, num_pages: int, page_size: int, table_width: i
 
 
 def _attention_kernel(
-    q_ref,  # [R, hd]: this block's rows for one KV head
+    q_ref,  # [R, D]: this block's rows for one KV head, D = padded_head_dim(hd)
     k_ref,  # [num_pages, page_size, hd]: the whole cache for that KV head
     v_ref,  # [num_pages, page_size, hd]
     page_table_ref,  # i32[P]: the block's sequence's pages
@@ -153,7 +170,7 @@ def _attention_kernel(
     window_start_ref,  # i32[]
     q_start_ref,  # i32[]
     bits_ref,  # i32[R, W] or None: tree-mask words of each row
-    o_ref,  # [R, hd]
+    o_ref,  # [R, D]
     *,
     scale: float,
     group: int,
@@ -162,7 +179,7 @@ def _attention_kernel(
     kv_block_tokens: int,
     tree: bool,
 ):
-    rows, hd = q_ref.shape
+    rows, width = q_ref.shape
     kv_len, window_start = kv_len_ref[...], window_start_ref[...]
     q_offset = q_start_ref[...] + jnp.arange(rows, dtype=jnp.int32) // group  # i32[R]
     q = q_ref[...]
@@ -179,7 +196,8 @@ def _attention_kernel(
 
     def body(i, carry):
         kv_index = i * kv_block_tokens + jnp.arange(kv_block_tokens, dtype=jnp.int32)  # i32[Bk]
-        keys, values = _load_kv_block(k_ref, v_ref, page_table_ref, kv_index, kv_len, page_size)
+        keys, values = _load_kv_block(k_ref, v_ref, page_table_ref, kv_index, kv_len, page_size,
+                                      width)
         offset = (kv_index - window_start)[None, :]  # i32[1, Bk]: negative for prefix keys
         visible = ((offset < 0) | in_window(offset)) & (kv_index < kv_len)[None, :]
         return _online_softmax_step(carry, q, keys, values, visible, scale)
@@ -187,7 +205,7 @@ def _attention_kernel(
     init = (
         jnp.full((rows,), _MASKED, jnp.float32),  # running max of the scores
         jnp.zeros((rows,), jnp.float32),  # running sum of exp2(score - max)
-        jnp.zeros((rows, hd), jnp.float32),  # running weighted sum of values
+        jnp.zeros((rows, width), jnp.float32),  # running weighted sum of values
     )
     num_kv_blocks = (end + kv_block_tokens - 1) // kv_block_tokens
     _, denominator, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
@@ -200,26 +218,30 @@ def _load_kv_block(
     kv_index: jax.Array,  # i32[Bk]: KV positions of this block's keys
     kv_len: jax.Array,  # i32[]
     page_size: int,
-) -> tuple[jax.Array, jax.Array]:  # keys, values: [Bk, hd], zero past kv_len
+    width: int,  # D = padded_head_dim(hd)
+) -> tuple[jax.Array, jax.Array]:  # keys, values: [Bk, D], zero past kv_len and past hd
     valid = kv_index < kv_len  # bool[Bk]
     # Clamped so positions past the table read a real entry; they are masked below anyway.
     page_col = jnp.minimum(kv_index // page_size, page_table_ref.shape[0] - 1)
     page, offset = page_table_ref[page_col], kv_index % page_size  # i32[Bk] each
     hd = k_ref.shape[2]
+    column = jnp.arange(width, dtype=jnp.int32)  # i32[D]
     # Integer indices on every axis: the interpreter cannot mix an index array with a slice.
-    index = (page[:, None], offset[:, None], jnp.arange(hd, dtype=jnp.int32)[None, :])
+    index = (page[:, None], offset[:, None], column[None, :])
     # A masked load never reads the slot, so stale NaN past kv_len cannot reach the p @ V sum.
-    mask = jnp.broadcast_to(valid[:, None], (kv_index.shape[0], hd))
+    # Columns past hd (the next slot's memory) are not read either: they load as zeros.
+    mask = valid[:, None] if width == hd else valid[:, None] & (column < hd)[None, :]
+    mask = jnp.broadcast_to(mask, (kv_index.shape[0], width))  # bool[Bk, D]
     keys = plgpu.load(k_ref.at[index], mask=mask, other=0)
     values = plgpu.load(v_ref.at[index], mask=mask, other=0)
     return keys, values
 
 
 def _online_softmax_step(
-    carry: tuple,  # (f32[R] running max, f32[R] running sum, f32[R, hd] weighted values)
-    q: jax.Array,  # [R, hd]
-    keys: jax.Array,  # [Bk, hd]
-    values: jax.Array,  # [Bk, hd], zero where not loaded
+    carry: tuple,  # (f32[R] running max, f32[R] running sum, f32[R, D] weighted values)
+    q: jax.Array,  # [R, D]
+    keys: jax.Array,  # [Bk, D]
+    values: jax.Array,  # [Bk, D], zero where not loaded
     visible: jax.Array,  # bool[R, Bk]
     scale: float,
 ) -> tuple:  # the updated carry
@@ -235,5 +257,5 @@ def _online_softmax_step(
     # `where` keeps masked keys at exactly zero weight even when a row's whole block is masked.
     weights = jnp.where(visible, jnp.exp2(scores - new_max[:, None]), 0.0)
     denominator = denominator * correction + weights.sum(axis=1)
-    update = plgpu.dot(weights.astype(values.dtype), values)  # f32[R, hd]
+    update = plgpu.dot(weights.astype(values.dtype), values)  # f32[R, D]
     return new_max, denominator, acc * correction[:, None] + update

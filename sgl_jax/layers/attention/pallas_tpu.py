@@ -39,6 +39,9 @@ def ragged_paged_attention_tpu(
 ) -> jax.Array:  # [T, n_heads, hd]
     """Attention of every query block over its sequence's pages. On a CPU, run it under
     `pltpu.force_tpu_interpret_mode()`."""
+    # Any multiple of 8 (80, 96, 24...) runs unpadded: Mosaic already lays a head_dim below a
+    # multiple of 128 lanes out padded in VMEM and vregs, and zero-masks that padding in the
+    # matmul's contraction. Padding here would copy the whole cache every step.
     check_static_inputs(q, k_pages, v_pages, metadata,
                         head_dim_ok=lambda hd: hd % 8 == 0, head_dim_rule="a multiple of 8")
     num_tokens, n_heads, hd = q.shape
