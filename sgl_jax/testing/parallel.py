@@ -35,7 +35,7 @@ ENGINE_SETTINGS = dict(
 TREE = dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
 
 
-# Eight heads split up to 8 ways (head_dim 16, what the fa kernels need at least). Vocabularies
+# Eight heads of 16 split up to 8 ways (small, and the kernels' fast path). Vocabularies
 # of 514 and 518 do not divide by 4 or 8, so those tables are padded; the llama draft maps a
 # 100-token draft vocabulary (d2t), which pads too.
 TP_PRESETS = {
