@@ -24,7 +24,9 @@ reshaped and fused into one matrix (one product streams faster than two). conv1d
 q | k | v over all heads; it is regrouped per key head at load time (`ConvChannels`). Value
 heads are numbered key-head-major (value head h reads key head h // r) everywhere, so every
 parameter, the conv window and S split along their head axis without cutting a key head's
-q, k, v, z, b, a or value heads apart. Matrices keep the checkpoint's [out, in] layout.
+q, k, v, z, b, a or value heads apart; the layer reads head counts from the parameters'
+shapes, so it runs unchanged on one device's share of key heads (w_out then gives a partial
+sum to add across devices). Matrices keep the checkpoint's [out, in] layout.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def chunked_rule(
     sequential delta writes into matmuls. Then
         o_i = exp(c_i) q_i S + sum_{j <= i} (q_i . k_j) exp(c_i - c_j) v_new_j
         S  <- exp(c_last) S + sum_j exp(c_last - c_j) k_j v_new_j^T
+    Everything but the pass of S from chunk to chunk is computed for all chunks at once.
     """
     num_tokens, _, dv = v.shape
     size = min(chunk_size, num_tokens)
@@ -386,19 +389,21 @@ def _in_proj(
     params: Params, x: jax.Array, config: GdnConfig  # x [..., H]
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> conv inputs [..., conv_dim] (key-head-major q|k|v), z [..., Hv, dv], b and a
-    [..., Hv], all in x.dtype."""
-    lead, cg, rv = x.shape[:-1], config.group_channels, config.ratio * config.value_head_dim
-    y = _linear(x.reshape(-1, x.shape[-1]), params["w_in"]).reshape(*lead, config.num_key_heads, -1)
-    r, nv = config.ratio, config.num_value_heads
-    z = y[..., cg : cg + rv].reshape(*lead, nv, config.value_head_dim)
-    b = y[..., cg + rv : cg + rv + r].reshape(*lead, nv)
-    a = y[..., cg + rv + r :].reshape(*lead, nv)
-    return y[..., :cg].reshape(*lead, config.conv_dim), z, b, a
+    [..., Hv], all in x.dtype. Head counts come from the parameters' shapes, which hold only
+    this device's key heads when they are split for tensor parallelism."""
+    lead, cg, r = x.shape[:-1], config.group_channels, config.ratio
+    y = _linear(x.reshape(-1, x.shape[-1]), params["w_in"])  # [N, nk, rows]
+    y = y.reshape(*lead, *y.shape[1:])
+    rv = r * config.value_head_dim
+    z = y[..., cg : cg + rv].reshape(*lead, -1, config.value_head_dim)
+    b = y[..., cg + rv : cg + rv + r].reshape(*lead, -1)
+    a = y[..., cg + rv + r :].reshape(*lead, -1)
+    return y[..., :cg].reshape(*lead, -1), z, b, a
 
 
 def conv_taps(params: Params, config: GdnConfig) -> jax.Array:
     """conv_w [nk, Cg, K] -> [K, conv_dim], the layout the convs above take."""
-    return params["conv_w"].reshape(config.conv_dim, config.conv_kernel).T
+    return params["conv_w"].reshape(-1, config.conv_kernel).T
 
 
 def rule_inputs(
@@ -410,9 +415,9 @@ def rule_inputs(
 ) -> tuple[jax.Array, ...]:
     """-> q, k f32[..., Hv, dk] (normalised, q scaled), v f32[..., Hv, dv], g, beta f32[..., Hv]."""
     lead, dk = mixed.shape[:-1], config.key_head_dim
-    groups = mixed.astype(jnp.float32).reshape(*lead, config.num_key_heads, -1)
+    groups = mixed.astype(jnp.float32).reshape(*lead, -1, config.group_channels)
     q, k = normalize_qk(groups[..., :dk], groups[..., dk : 2 * dk], config.ratio)
-    v = groups[..., 2 * dk :].reshape(*lead, config.num_value_heads, config.value_head_dim)
+    v = groups[..., 2 * dk :].reshape(*lead, -1, config.value_head_dim)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     dt = jax.nn.softplus(a.astype(jnp.float32) + params["dt_bias"].astype(jnp.float32))
     g = -jnp.exp(params["a_log"].astype(jnp.float32)) * dt
@@ -442,7 +447,7 @@ def _out_proj(
     """The gated RMSNorm (in float32, weight as is) and out_proj -> [..., H] in dtype."""
     normed = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + config.rms_norm_eps)
     gated = normed * params["norm"].astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    flat = gated.reshape(-1, config.num_value_heads * config.value_head_dim).astype(dtype)
+    flat = gated.reshape(-1, o.shape[-2] * o.shape[-1]).astype(dtype)
     return _linear(flat, params["w_out"]).reshape(*o.shape[:-2], -1)
 
 
@@ -481,7 +486,7 @@ def zero_state(config: GdnConfig, batch: int, dtype: Any) -> GdnState:
 # ---------------------------------------------------------------- checkpoint names
 
 
-def hf_weight_specs(
+def linear_attn_specs(
     config: GdnConfig, prefix: str, path: tuple[str | int, ...]
 ) -> dict[str, WeightSpec]:
     """The tensors of the linear-attention block of the decoder layer named `prefix`
@@ -502,7 +507,10 @@ def hf_weight_specs(
         ),
         name + "conv1d.weight": WeightSpec(
             (*path, "conv_w"), (config.conv_dim, 1, k),
-            ConvChannels((nk, config.group_channels, k), (config.conv_dim, k), (), dk),
+            ConvChannels(
+                param_shape=(nk, config.group_channels, k), view=(config.conv_dim, k),
+                index=(), key_head_dim=dk,
+            ),
         ),
         name + "dt_bias": WeightSpec((*path, "dt_bias"), (nv,)),
         name + "A_log": WeightSpec((*path, "a_log"), (nv,)),
@@ -517,7 +525,7 @@ class ConvChannels(FusedPart):
     conv_w [nk, Cg, K] with each key head's q | k | v channels together (`view` is the
     checkpoint's [conv_dim, K]; `index` is unused)."""
 
-    key_head_dim: int
+    key_head_dim: int = 0  # a default only because the base class's last fields have one
 
     def write(self, param: np.ndarray, tensor: np.ndarray) -> None:
         nk, dk = self.param_shape[0], self.key_head_dim

@@ -129,7 +129,7 @@ def layer():
         module.norm.weight.uniform_(0.5, 1.5)
     tensors = {f"model.layers.0.linear_attn.{n}": t.numpy() for n, t in
                module.state_dict().items()}
-    specs = gdn.hf_weight_specs(CONFIG, "model.layers.0.", ())
+    specs = gdn.linear_attn_specs(CONFIG, "model.layers.0.", ())
     return module, jax.tree.map(jnp.asarray, place(tensors, specs)), tensors, specs
 
 
@@ -270,13 +270,13 @@ def test_continuation_equals_one_shot_prefill(layer):
     x = hidden(1, 70, seed=11)
     cache = DynamicCache(config=hf_config())
     expected = hf_forward(module, x, cache)
-    y_head, head = prefill(params, x[:, :40], gdn.zero_state(CONFIG, 1, jnp.float32), ones(1, 40))
-    close(y_head, expected[:, :40])
-    y_tail, state = prefill(params, x[:, 40:], head, ones(1, 30))
-    close(y_tail, expected[:, 40:])
+    y_head, head = prefill(params, x[:, :35], gdn.zero_state(CONFIG, 1, jnp.float32), ones(1, 35))
+    close(y_head, expected[:, :35])
+    y_tail, state = prefill(params, x[:, 35:], head, ones(1, 35))
+    close(y_tail, expected[:, 35:])
     close(state.ssm[0], cache.get_recurrent_state(0)[0].numpy())
     state = head
-    for t in range(40, 70):
+    for t in range(35, 70):
         y, state = decode(params, x[:, t], state, ones(1))
         close(y[0], expected[0, t])
     close(state.ssm[0], cache.get_recurrent_state(0)[0].numpy())
@@ -361,6 +361,30 @@ def test_padding_leaves_states_unchanged(layer):
     _, nodes = verify(params, x, start, jnp.asarray([TREE] * 2), jnp.asarray(valid))
     for field in range(2):
         np.testing.assert_array_equal(nodes[field][0, 5], nodes[field][0, 2])
+
+
+def test_halves_of_the_key_heads_sum_to_the_layer(layer):
+    """Split for tensor parallelism: each half of the key heads (their parameters, window
+    channels and value heads) runs the same code, and the two out_proj outputs add up."""
+    _, params, _, _ = layer
+    start = random_state(2, seed=21)
+    x = hidden(2, 1, seed=22)[:, 0]
+    y, state = decode(params, x, start, ones(2))
+    half_c, half_v = CONFIG.conv_dim // 2, NV // 2
+    total = 0
+    for i in range(2):
+        c, v = slice(i * half_c, (i + 1) * half_c), slice(i * half_v, (i + 1) * half_v)
+        heads = slice(i * NK // 2, (i + 1) * NK // 2)
+        part = {
+            "w_in": params["w_in"][heads], "conv_w": params["conv_w"][heads],
+            "dt_bias": params["dt_bias"][v], "a_log": params["a_log"][v], "norm": params["norm"],
+            "w_out": params["w_out"][:, i * half_v * DV : (i + 1) * half_v * DV],
+        }
+        y_part, s_part = decode(part, x, GdnState(start.conv[..., c], start.ssm[:, v]), ones(2))
+        close(s_part.conv, state.conv[..., c])
+        close(s_part.ssm, state.ssm[:, v])
+        total = total + y_part
+    close(total, y)
 
 
 # ---------------------------------------------------------------- names, shapes, sizes
