@@ -61,6 +61,14 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None
+    # Mixture of experts (Qwen3-MoE); num_experts 0 means every layer has the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top k of the router
+    moe_intermediate_size: int = 0  # of each routed expert
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
 
     @property
     def q_size(self) -> int:
@@ -70,11 +78,26 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i has a mixture-of-experts MLP (else the dense one)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer has the dense MLP of `intermediate_size`."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
+
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
             )
 
 
@@ -108,6 +131,22 @@ def dense_config_from_hf(hf: dict[str, Any], **arch_flags: Any) -> ModelConfig:
     )
     config.validate()
     return config
+
+
+def moe_fields_from_hf(hf: dict[str, Any], shared_expert: bool = False) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen-style MoE config.json, as ModelConfig keyword
+    arguments. The hub writes `num_experts`; transformers 5 saves it as `num_local_experts`."""
+    fields = {
+        "num_experts": hf.get("num_experts") or hf.get("num_local_experts") or 0,
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": hf.get("decoder_sparse_step") or 1,
+        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+    }
+    if shared_expert:
+        fields["shared_expert_intermediate_size"] = hf["shared_expert_intermediate_size"]
+    return fields
 
 
 def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""The dense Llama-style decoder shared by Llama, Qwen2 and Qwen3.
+"""The Llama-style decoder shared by Llama, Qwen2, Qwen3 and Qwen3-MoE.
 
 Parameters are a plain pytree:
     {"embed": [V, H], "norm": [H], "lm_head": [V, H] (absent when tied),
@@ -6,6 +6,8 @@ Parameters are a plain pytree:
                  "post_norm": [H], "w_gate_up": [I, 2, H], "w_down": [H, I],
                  optional "b_qkv"/"b_o"/"b_gate_up"/"b_down" biases,
                  optional "q_norm"/"k_norm": [hd]}, ...]}
+A layer holding a router ("w_router") and expert stacks instead of w_gate_up / w_down runs
+the mixture-of-experts MLP of `sgl_jax.layers.moe` (Qwen3-MoE, see qwen3_moe.py).
 Matrices keep the checkpoint's [out, in] layout: XLA streams a matrix-vector product over
 contiguous rows faster than over columns, which is what decode is made of. q|k|v and gate|up
 are fused at load time: one larger product streams faster than several small ones. The fused
@@ -16,13 +18,15 @@ tables may carry padding rows past V when sharded, so logits are cut back to V.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.linear import matmul_rows
+from sgl_jax.layers.moe import has_experts, moe_mlp
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
@@ -36,8 +40,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return dense_config_from_hf(hf)
 
 
-def hf_weight_specs(config: ModelConfig) -> dict[str, WeightSpec]:
-    """Every tensor a Hugging Face checkpoint of this config holds, keyed by its name."""
+def hf_weight_specs(config: ModelConfig, names: Collection[str] | None = None
+                    ) -> dict[str, WeightSpec]:
+    """Every tensor a Hugging Face checkpoint of this config holds, keyed by its name (dense
+    checkpoints have one spelling, so the checkpoint's `names` are not needed)."""
     h, v = config.hidden_size, config.vocab_size
     specs = {
         "model.embed_tokens.weight": WeightSpec(("embed",), (v, h)),
@@ -172,7 +178,15 @@ def _decoder_layer(
     attn_out, layer_kv = self_attention(p, x, cos, sin, layer_kv, metadata, config, attention)
     hidden = hidden + attn_out
     x = rms_norm(hidden, p["post_norm"], config.rms_norm_eps)
-    return hidden + mlp(p, x), layer_kv
+    return hidden + feed_forward(p, x, config), layer_kv
+
+
+def feed_forward(p: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """x [T, H] -> [T, H] through the layer's MLP: mixture of experts when it has a router."""
+    if has_experts(p):
+        return moe_mlp(p, x, top_k=config.num_experts_per_tok,
+                       norm_topk_prob=config.norm_topk_prob)
+    return mlp(p, x)
 
 
 def self_attention(
@@ -208,13 +222,3 @@ def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
     y = matmul_rows(x, p["w" + name])
     bias = p.get("b" + name)
     return y if bias is None else y + bias
-
-
-def matmul_rows(x: jax.Array, weight: jax.Array, **kwargs) -> jax.Array:
-    """x [T, in] times weight [*out, in] -> [T, *out] (x @ weight.T without a transpose).
-
-    The weight is flattened to 2-D first: XLA:CPU runs a product with several output axes
-    several times slower than the same rows as one matrix."""
-    rows = weight.reshape(-1, weight.shape[-1])
-    y = jax.lax.dot_general(x, rows, (((1,), (1,)), ((), ())), **kwargs)
-    return y.reshape(x.shape[0], *weight.shape[:-1])

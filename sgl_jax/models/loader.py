@@ -94,7 +94,8 @@ def load_model(
     config = impl.config_from_hf(hf_config)
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
     tp = tp or TensorParallel.of_size(1)
-    params = load_params(checkpoint.tensors, impl.hf_weight_specs(config), jax_dtype,
+    specs = impl.hf_weight_specs(config, checkpoint.tensors.names())
+    params = load_params(checkpoint.tensors, specs, jax_dtype,
                          progress=progress, tp=tp, config=config,
                          what=f"the model in {model_path!r}")
     return LoadedModel(impl, config, params, checkpoint.model_dir, jax_dtype, tp)

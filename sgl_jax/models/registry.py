@@ -6,13 +6,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_jax.models import llama, qwen2, qwen3
+from sgl_jax.models import llama, qwen2, qwen3, qwen3_moe
 from sgl_jax.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class ModelImpl:
-    """One architecture: how to read its config; weights and forward come from the decoder."""
+    """One architecture: how to read its config and name its tensors; the forward pass comes
+    from the decoder. `hf_weight_specs(config, names=None)`: `names`, the checkpoint's
+    tensors, pick between spellings where an architecture has several."""
 
     config_from_hf: Callable[[dict[str, Any]], ModelConfig]
     hf_weight_specs: Callable = llama.hf_weight_specs
@@ -24,6 +26,10 @@ _REGISTRY: dict[str, ModelImpl] = {
     arch: ModelImpl(config_from_hf=module.config_from_hf)
     for module in (llama, qwen2, qwen3)
     for arch in module.ARCHITECTURES
+} | {
+    arch: ModelImpl(config_from_hf=qwen3_moe.config_from_hf,
+                    hf_weight_specs=qwen3_moe.hf_weight_specs)
+    for arch in qwen3_moe.ARCHITECTURES
 }
 
 

@@ -11,18 +11,24 @@ import numpy as np
 @dataclass(frozen=True)
 class FusedPart:
     """Where a checkpoint tensor lands inside a fused parameter (e.g. k_proj inside q|k|v):
-    reshaped to `view`, then written at `index` of the parameter of shape `param_shape`."""
+    reshaped to `view`, its axes reordered by `axes` when given (a transpose), then written
+    at `index` of the parameter of shape `param_shape`."""
 
     param_shape: tuple[int, ...]
     view: tuple[int, ...]
-    index: tuple[slice, ...]
+    index: tuple[slice | int, ...]
+    axes: tuple[int, ...] | None = None
 
     def write(self, param: np.ndarray, tensor: np.ndarray) -> None:
-        param[self.index] = tensor.reshape(self.view)
+        view = tensor.reshape(self.view)
+        param[self.index] = view if self.axes is None else view.transpose(self.axes)
 
     def read(self, param: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The checkpoint tensor of this part, shaped `shape`, back out of the parameter."""
-        return param[self.index].reshape(shape)
+        view = param[self.index]
+        if self.axes is not None:
+            view = view.transpose(np.argsort(self.axes))
+        return view.reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,8 @@ def checkpoint_tensors(params: dict, specs: dict[str, WeightSpec]) -> dict[str, 
 # Logical axes of each parameter, by its name in the pytree; names not listed are replicated.
 # "vocab": rows of a token table; "kv_heads": groups of a fused q|k|v projection, one per KV
 # head (its q heads, then its k and v); "heads": the q-head features an output projection
-# reads; "mlp": the intermediate features.
+# reads; "mlp": the intermediate features (of the dense MLP, of every routed expert, of a
+# shared expert); "experts": the expert index of a mixture-of-experts layer's expert stacks.
 LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", None),
     "lm_head": ("vocab", None),
@@ -62,4 +69,8 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "w_gate_up": ("mlp", None, None),
     "b_gate_up": ("mlp", None),
     "w_down": (None, "mlp"),
+    "w_expert_gate_up": ("experts", "mlp", None, None),
+    "w_expert_down": ("experts", None, "mlp"),
+    "w_shared_gate_up": ("mlp", None, None),
+    "w_shared_down": (None, "mlp"),
 }

@@ -3,7 +3,8 @@ the mesh, and the few places where the model's arrays meet it.
 
 Megatron-style: q/k/v and gate/up are split by output (column-parallel), o and down by input
 (row-parallel, so XLA adds one all-reduce after each), embedding and lm_head by vocabulary
-rows. Attention runs per device on its own heads (`shard_map`), with the KV cache split by KV
+rows; mixture-of-experts layers split each expert the same way and replicate the router.
+Attention runs per device on its own heads (`shard_map`), with the KV cache split by KV
 head. A model with fewer KV heads than devices gets one copy of a KV head per device: each
 device's q heads read the copy it holds, so attention never communicates.
 """
@@ -26,8 +27,13 @@ from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.weights import LOGICAL_AXES
 from sgl_jax.parallel.mesh import DP_AXIS, TP_AXIS, make_mesh
 
-# Logical axis -> mesh axis; axes not named here are replicated.
-MESH_AXES = {"vocab": TP_AXIS, "kv_heads": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS}
+# Logical axis -> mesh axis; axes not named here are replicated. Mixture-of-experts layers
+# split every expert's intermediate features ("mlp") and keep the expert axis whole: each
+# device holds 1/tp of every expert, routes every token itself (the router is replicated) and
+# does the same amount of work whatever the routing; down's partial sums are all-reduced as in
+# the dense MLP. (Mapping "experts" instead would hold whole experts per device.)
+MESH_AXES = {"vocab": TP_AXIS, "kv_heads": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS,
+             "experts": None}
 _HEADS = P(None, TP_AXIS, None)  # q/k/v and attention output [T, heads, hd]
 _PAGES = P(None, TP_AXIS, None, None)  # KV pages [num_pages, kv_heads, page_size, hd]
 _VOCAB_TABLES = ("embed", "lm_head")
@@ -140,8 +146,14 @@ def _split_problems(config: ModelConfig, tp: int) -> list[str]:
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"{kv} KV heads neither divide by {tp} nor divide {tp}")
-    if config.intermediate_size % tp:
+    if config.has_dense_mlp and config.intermediate_size % tp:
         problems.append(f"intermediate size {config.intermediate_size} does not divide by {tp}")
+    if config.num_experts and config.moe_intermediate_size % tp:
+        problems.append(f"expert intermediate size {config.moe_intermediate_size} does not "
+                        f"divide by {tp}")
+    if config.shared_expert_intermediate_size % tp:
+        problems.append(f"shared expert intermediate size "
+                        f"{config.shared_expert_intermediate_size} does not divide by {tp}")
     return problems
 
 

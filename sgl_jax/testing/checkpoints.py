@@ -103,6 +103,23 @@ PRESETS: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": True,
         },
     },
+    "qwen3_moe": {
+        "architecture": "Qwen3MoeForCausalLM",
+        "config": {
+            **_COMMON,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            # 8 experts, top 2, renormalised; layer 1 keeps the dense MLP (intermediate_size).
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    },
 }
 
 
@@ -226,22 +243,43 @@ def weight_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{attn}.o_proj.weight"] = (hidden, q_dim)
         if o_bias:
             shapes[f"{attn}.o_proj.bias"] = (hidden,)
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             shapes[f"{attn}.q_norm.weight"] = (head_dim,)
             shapes[f"{attn}.k_norm.weight"] = (head_dim,)
-        for proj, shape in (
-            ("gate", (inter, hidden)),
-            ("up", (inter, hidden)),
-            ("down", (hidden, inter)),
-        ):
-            shapes[f"{mlp}.{proj}_proj.weight"] = shape
-            if mlp_bias:
-                shapes[f"{mlp}.{proj}_proj.bias"] = shape[:1]
+        if _is_moe_layer(config, i):
+            shapes.update(_expert_shapes(config, mlp))
+        else:
+            for proj, shape in (
+                ("gate", (inter, hidden)),
+                ("up", (inter, hidden)),
+                ("down", (hidden, inter)),
+            ):
+                shapes[f"{mlp}.{proj}_proj.weight"] = shape
+                if mlp_bias:
+                    shapes[f"{mlp}.{proj}_proj.bias"] = shape[:1]
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _is_moe_layer(config: PretrainedConfig, i: int) -> bool:
+    """transformers' rule for Qwen MoE decoders: experts unless listed in mlp_only_layers."""
+    num_experts = getattr(config, "num_experts", 0) or 0
+    return (num_experts > 0 and i not in (config.mlp_only_layers or ())
+            and (i + 1) % config.decoder_sparse_step == 0)
+
+
+def _expert_shapes(config: PretrainedConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    """The router and each expert's projections, in the hub's per-expert spelling."""
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    shapes = {f"{mlp}.gate.weight": (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        shapes[f"{mlp}.experts.{e}.gate_proj.weight"] = (inter, hidden)
+        shapes[f"{mlp}.experts.{e}.up_proj.weight"] = (inter, hidden)
+        shapes[f"{mlp}.experts.{e}.down_proj.weight"] = (hidden, inter)
     return shapes
 
 
