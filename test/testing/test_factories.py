@@ -18,6 +18,7 @@ from sgl_jax.testing import PRESETS, TINY_VOCAB_SIZE, write_tiny_checkpoint, wri
 from sgl_jax.testing.tokenizer import ENDOFTEXT_ID
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MOE_PRESETS = ("qwen3_moe",)
 
 # --------------------------------------------------------------------------- helpers
 
@@ -153,11 +154,15 @@ def _write_both(tmp_path: Path, preset: str, **kwargs) -> tuple[Path, Path]:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_torch_and_numpy_writers_agree(tmp_path: Path, preset: str, max_shard_size) -> None:
     t, n = _write_both(tmp_path, preset, max_shard_size=max_shard_size)
-    assert sorted(p.name for p in t.iterdir()) == sorted(p.name for p in n.iterdir())
     assert _tensors(t) == _tensors(n)
     assert _json(t / "config.json") == _json(n / "config.json")
     assert _json(n / "config.json")["architectures"] == [PRESETS[preset]["architecture"]]
     assert _json(t / "generation_config.json") == _json(n / "generation_config.json")
+    if max_shard_size and preset in MOE_PRESETS:
+        # transformers shards its fused in-memory expert stacks, then saves them per expert;
+        # the numpy writer shards the per-expert tensors: same tensors, other shard files
+        return
+    assert sorted(p.name for p in t.iterdir()) == sorted(p.name for p in n.iterdir())
     if max_shard_size:
         index = "model.safetensors.index.json"
         assert _json(t / index) == _json(n / index)
@@ -200,10 +205,12 @@ def test_transformers_loads_numpy_checkpoint(tmp_path: Path, preset: str) -> Non
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert not info["mismatched_keys"]
-    # Loaded values are the file's, not a fresh re-initialisation.
-    state = model.state_dict()
+    # Loaded values are the file's, not a fresh re-initialisation (compared through a save:
+    # transformers holds MoE experts fused in memory and saves them per expert again).
+    model.save_pretrained(tmp_path / "resaved")
+    resaved = _load_all(tmp_path / "resaved")
     for name, array in _load_all(path).items():
-        np.testing.assert_array_equal(state[name].numpy(), array, err_msg=name)
+        np.testing.assert_array_equal(resaved[name], array, err_msg=name)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 5, 9, 300]])).logits
     assert logits.shape == (1, 4, TINY_VOCAB_SIZE) and torch.isfinite(logits).all()
