@@ -27,9 +27,12 @@ from sgl_jax.layers.attention import resolve_attention_backend
 from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_pool_pages
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.mem_cache.radix_cache import RadixCache
+from sgl_jax.mem_cache.state_pool import state_bytes_per_slot
+from sgl_jax.mem_cache.state_slots import StateSlotAllocator
 from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings, powers_of_two
 from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, ModelRunner
-from sgl_jax.models.loader import load_model
+from sgl_jax.models.loader import load_model, open_checkpoint, read_hf_config
+from sgl_jax.models.registry import get_model_impl
 from sgl_jax.parallel import (
     TensorParallel,
     bytes_per_device,
@@ -84,6 +87,7 @@ class Engine:
             enable_compilation_cache(args.compilation_cache_dir)
         init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)  # before any device use
         _check_available(args)
+        _check_speculation_target(args)
         # Settle the platform default once, so server info reports what actually runs.
         self.server_args = args = dataclasses.replace(
             args, attention_backend=resolve_attention_backend(args.attention_backend))
@@ -115,6 +119,10 @@ class Engine:
         draft = load_draft(args, self.model) if args.speculative else None
         tp, dtype = self.model.tp, self.model.dtype
         params = {id(x): x for x in jax.tree.leaves((self.model.params, draft and draft.params))}
+        # Hybrid models: one recurrent-state slot per running request plus the null slot, its
+        # bytes taken from the memory budget before any KV page is counted.
+        num_state_slots = buckets.max_seqs + 1 if config.is_hybrid else 0
+        state_bytes = num_state_slots * state_bytes_per_slot(config, dtype, tp)
         num_pages = kv_pool_pages(
             page_size=args.page_size,
             bytes_per_token=sum(kv_bytes_per_token(c, dtype, tp)
@@ -123,13 +131,20 @@ class Engine:
             mem_fraction_static=args.mem_fraction_static or _default_mem_fraction(),
             param_bytes=bytes_per_device(params.values()),  # shared arrays counted once
             max_useful_tokens=buckets.max_seqs * self.context_length,
+            state_bytes=state_bytes,
         )
         self._allocator = PageAllocator(num_pages)
+        self._state_slots = StateSlotAllocator(num_state_slots) if num_state_slots else None
         logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
                     num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
+        if num_state_slots:
+            logger.info("Recurrent-state pool: %d slots of %.2f MiB per device (%.2f GiB)",
+                        num_state_slots - 1, state_bytes / num_state_slots / 2**20,
+                        state_bytes / 2**30)
         self._runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=args.page_size, buckets=buckets,
             attention_backend=args.attention_backend, num_penalty_slots=buckets.max_seqs,
+            num_state_slots=num_state_slots,
         )
         self._spec = None if draft is None else make_spec_runner(args, self._runner, draft)
         if not args.skip_server_warmup:  # every rank compiles the same buckets
@@ -139,10 +154,17 @@ class Engine:
             self._follow_rank0()
             return
         runner, spec = self._mirror_to_followers()
-        radix = None if args.disable_radix_cache else RadixCache(self._allocator, args.page_size)
+        radix = None
+        if config.is_hybrid and not args.disable_radix_cache:
+            logger.info("Radix prefix cache off: %s keeps a recurrent state per request in its "
+                        "linear-attention layers, which cannot be rebuilt from cached KV pages",
+                        config.architecture)
+        elif not args.disable_radix_cache:
+            radix = RadixCache(self._allocator, args.page_size)
         cache = CacheManager(self._allocator, radix, args.page_size,
                              last_slot_needs_next_token=bool(draft and
-                                                             draft.uses_target_features))
+                                                             draft.uses_target_features),
+                             states=self._state_slots)
         limits = PrefillLimits(
             max_prefill_tokens=min(args.max_prefill_tokens, buckets.max_tokens),
             chunk_size=min(args.chunk_size, buckets.max_tokens),
@@ -269,6 +291,7 @@ class Engine:
                 "kv_pages_in_use": cache.used_pages,
                 "kv_pages_cached": cache.radix.evictable_pages if cache.radix else 0,
                 "kv_pages_total": cache.allocator.capacity,
+                **_state_slot_info(cache.states),
                 "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                 "num_retractions": scheduler.decode.num_retractions,
                 "num_compilations": scheduler.runner.num_compilations,
@@ -525,6 +548,27 @@ def _check_available(args: ServerArgs) -> None:
         )
     if args.device is not None:
         _check_device(args.device)
+
+
+def _check_speculation_target(args: ServerArgs) -> None:
+    """Refuse, before any weight loads, speculative decoding on a target with recurrent state."""
+    if args.speculative_algorithm is None:
+        return
+    hf_config = read_hf_config(open_checkpoint(args.model_path, args.revision).model_dir)
+    config = get_model_impl(hf_config).config_from_hf(hf_config)
+    if config.is_hybrid:
+        raise NotImplementedError(
+            f"--speculative-algorithm {args.speculative_algorithm} is not supported for "
+            f"{config.architecture}: speculative decoding over recurrent state (the conv "
+            "windows and delta-rule states of its Gated DeltaNet layers) is not implemented "
+            "yet; serve it without --speculative-algorithm")
+
+
+def _state_slot_info(states: StateSlotAllocator | None) -> dict[str, Any]:
+    if states is None:
+        return {}
+    return {"state_slots_in_use": states.capacity - states.num_free,
+            "state_slots_total": states.capacity}
 
 
 def _check_device(device: str) -> None:

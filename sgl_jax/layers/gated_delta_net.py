@@ -166,32 +166,55 @@ def chunked_rule(
     chunk_size: int = CHUNK_SIZE,
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrent rule computed a chunk at a time with matmuls (prefill): o f32[T, Hv, dv]
-    and the final state.
-
-    Within a chunk, with c_t the cumulative log decay from the chunk start through token t and
-    S the state entering the chunk, token i writes v_new_i = u_i - w_i S into the state, where
-    (I + A) u = beta v, (I + A) w = beta exp(c) k and A_ij = beta_i (k_i . k_j) exp(c_i - c_j)
-    for j < i: solving that unit-lower-triangular system (the UT transform) folds the chunk's
-    sequential delta writes into matmuls. Then
-        o_i = exp(c_i) q_i S + sum_{j <= i} (q_i . k_j) exp(c_i - c_j) v_new_j
-        S  <- exp(c_last) S + sum_j exp(c_last - c_j) k_j v_new_j^T
-    Everything but the pass of S from chunk to chunk is computed for all chunks at once.
-    """
+    and the final state (see `chunk_terms` and `chunk_step`)."""
     num_tokens, _, dv = v.shape
     size = min(chunk_size, num_tokens)
     pad = -num_tokens % size
-    # Invalid and padding tokens become identities on the state: no decay (g = 0) and no
-    # write (beta = 0); their q, k, v are zeroed so that garbage in them cannot leak.
-    q, k, v, g, beta = (
-        jnp.pad(jnp.where(_expand(valid, x), x, 0.0), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        for x in (q, k, v, g, beta)
-    )
     n = (num_tokens + pad) // size
 
-    def chunks(x):  # [T', Hv, ...] -> [N, Hv, C, ...]
-        return jnp.swapaxes(x.reshape(n, size, *x.shape[1:]), 1, 2)
+    def chunks(x):  # [T, ...] -> [N, C, ...], padded with invalid tokens
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(n, size, *x.shape[1:])
 
-    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    terms = chunk_terms(*(chunks(x) for x in (q, k, v, g, beta, valid)))
+    state, o = jax.lax.scan(chunk_step, state, terms)
+    o = jnp.swapaxes(o, 1, 2).reshape(n * size, -1, dv)
+    return o[:num_tokens], state
+
+
+class ChunkTerms(NamedTuple):
+    """What the chunked rule needs of each chunk besides the state entering it, computed for
+    all chunks at once; leading axes [N, Hv] (chunks, value heads), then C tokens."""
+
+    u: jax.Array  # f32[N, Hv, C, dv]
+    w: jax.Array  # f32[N, Hv, C, dk]
+    attn: jax.Array  # f32[N, Hv, C, C]
+    q_read: jax.Array  # f32[N, Hv, C, dk]
+    k_write: jax.Array  # f32[N, Hv, C, dk]
+    chunk_decay: jax.Array  # f32[N, Hv]
+
+
+def chunk_terms(
+    q: jax.Array,  # f32[N, C, Hv, dk]: N chunks of C tokens, normalised and scaled
+    k: jax.Array,  # f32[N, C, Hv, dk]
+    v: jax.Array,  # f32[N, C, Hv, dv]
+    g: jax.Array,  # f32[N, C, Hv]
+    beta: jax.Array,  # f32[N, C, Hv]
+    valid: jax.Array,  # bool[N, C]
+) -> ChunkTerms:
+    """Within a chunk, with c_t the cumulative log decay from the chunk start through token t
+    and S the state entering the chunk, token i writes v_new_i = u_i - w_i S into the state,
+    where (I + A) u = beta v, (I + A) w = beta exp(c) k and A_ij = beta_i (k_i . k_j)
+    exp(c_i - c_j) for j < i: solving that unit-lower-triangular system (the UT transform)
+    folds the chunk's sequential delta writes into matmuls. Then
+        o_i = exp(c_i) q_i S + sum_{j <= i} (q_i . k_j) exp(c_i - c_j) v_new_j
+        S  <- exp(c_last) S + sum_j exp(c_last - c_j) k_j v_new_j^T
+    Everything but the pass of S from chunk to chunk (`chunk_step`) is computed here."""
+    size = valid.shape[-1]
+    # Invalid tokens become identities on the state: no decay (g = 0) and no write
+    # (beta = 0); their q, k, v are zeroed so that garbage in them cannot leak.
+    q, k, v, g, beta = (jnp.swapaxes(jnp.where(_expand(valid, x), x, 0.0), 1, 2)
+                        for x in (q, k, v, g, beta))  # [N, Hv, C, ...]
     cum = jnp.cumsum(g, axis=-1)  # f32[N, Hv, C]
     causal = jnp.tril(jnp.ones((size, size), bool))  # j <= i
     gap = cum[..., :, None] - cum[..., None, :]  # f32[N, Hv, C, C]: log decay from j to i
@@ -202,22 +225,26 @@ def chunked_rule(
     solved = jax.lax.linalg.triangular_solve(
         a, rhs, left_side=True, lower=True, unit_diagonal=True
     )
-    u, w = solved[..., :dv], solved[..., dv:]  # [N, Hv, C, dv], [N, Hv, C, dk]
-    attn = _einsum("nhid,nhjd->nhij", q, k) * decay  # f32[N, Hv, C, C]
-    q_read = q * jnp.exp(cum)[..., None]  # reads the state entering the chunk
-    k_write = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # writes decayed to the chunk end
-    chunk_decay = jnp.exp(cum[..., -1])  # f32[N, Hv]
+    dv = v.shape[-1]
+    return ChunkTerms(
+        u=solved[..., :dv],
+        w=solved[..., dv:],
+        attn=_einsum("nhid,nhjd->nhij", q, k) * decay,
+        q_read=q * jnp.exp(cum)[..., None],  # reads the state entering the chunk
+        k_write=k * jnp.exp(cum[..., -1:] - cum)[..., None],  # writes decayed to the chunk end
+        chunk_decay=jnp.exp(cum[..., -1]),
+    )
 
-    def step(s, c):
-        u, w, attn, q_read, k_write, chunk_decay = c
-        v_new = u - _einsum("hcd,hdv->hcv", w, s)
-        o = _einsum("hcd,hdv->hcv", q_read, s) + _einsum("hij,hjv->hiv", attn, v_new)
-        s = s * chunk_decay[:, None, None] + _einsum("hcd,hcv->hdv", k_write, v_new)
-        return s, o
 
-    state, o = jax.lax.scan(step, state, (u, w, attn, q_read, k_write, chunk_decay))
-    o = jnp.swapaxes(o, 1, 2).reshape(n * size, -1, dv)
-    return o[:num_tokens], state
+def chunk_step(state: jax.Array, terms: ChunkTerms) -> tuple[jax.Array, jax.Array]:
+    """One chunk (`terms` of one chunk, no N axis) from the state entering it, f32[Hv, dk, dv]:
+    the state after it and o f32[Hv, C, dv]."""
+    v_new = terms.u - _einsum("hcd,hdv->hcv", terms.w, state)
+    o = (_einsum("hcd,hdv->hcv", terms.q_read, state)
+         + _einsum("hij,hjv->hiv", terms.attn, v_new))
+    state = (state * terms.chunk_decay[:, None, None]
+             + _einsum("hcd,hcv->hdv", terms.k_write, v_new))
+    return state, o
 
 
 def tree_rule(
@@ -457,6 +484,110 @@ def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     rows = weight.reshape(-1, weight.shape[-1])
     y = jax.lax.dot_general(x, rows, (((1,), (1,)), ((), ())))
     return y.reshape(x.shape[0], *weight.shape[:-1])
+
+
+# ---------------------------------------------------------------- the layer over a state pool
+
+
+class SlotLayout(NamedTuple):
+    """How the server's ragged batch maps onto a pool of states (one slot per running request,
+    slot 0 a null slot that nothing valid reads or writes). The batch is NB query blocks of C
+    tokens; each sequence's new tokens fill consecutive blocks from a block boundary, so only
+    its last block may end in padding (see `sgl_jax.layers.attention.metadata`). A decode
+    batch has C = 1."""
+
+    slot: jax.Array  # i32[NB]: the pool slot of the block's sequence (0: a padding block)
+    first: jax.Array  # bool[NB]: the block is its sequence's first in this batch
+    last: jax.Array  # bool[NB]: ... and its last: the state after it is written back
+    fresh: jax.Array  # bool[NB]: the sequence starts here (zero state, not its slot's)
+    valid: jax.Array  # bool[NB, C]: real tokens
+
+
+def forward_slots(
+    params: Params,
+    x: jax.Array,  # [T, H], T = NB * C
+    pool: GdnState,  # [S, ...]: every slot's state
+    layout: SlotLayout,
+    *,
+    config: GdnConfig,
+) -> tuple[jax.Array, GdnState]:
+    """The layer over a ragged batch whose sequences keep their states in `pool`: [T, H] and
+    the pool with each sequence's state after its last token written to its slot (other
+    slots untouched)."""
+    if layout.valid.shape[1] == 1:
+        return _decode_slots(params, x, pool, layout, config)
+    return _extend_slots(params, x, pool, layout, config)
+
+
+def _decode_slots(params, x, pool, layout, config):
+    """One token per sequence: gather the states, one recurrent step, scatter them back."""
+    valid = layout.valid[:, 0]
+    state = _read_slots(pool, layout.slot, layout.fresh)
+    y, state = decode(params, x, state, valid, config=config)
+    return y, _write_slots(pool, layout.slot, state, valid)
+
+
+def _extend_slots(params, x, pool, layout, config):
+    """Prefill chunks laid out in blocks of C tokens. Everything but the state's pass from
+    block to block runs over all blocks at once: the projections, the conv (each block's
+    window is the previous block's last inputs, or the sequence's saved window at its first
+    block), and the chunked rule's per-chunk terms with the block as the chunk. A scan over
+    the blocks then carries the state: a sequence's first block loads its slot (or zero
+    when fresh), its last block stores into the pool, which rides in the scan's carry so
+    that no per-block copy of the states is ever built."""
+    num_blocks, size = layout.valid.shape
+    k1 = config.conv_kernel - 1
+    if size < k1:
+        raise ValueError(f"query blocks of {size} tokens are shorter than the conv window "
+                         f"({k1}): a window would span several blocks")
+    qkv, z, b, a = _in_proj(params, x, config)
+    qkv = qkv.reshape(num_blocks, size, -1)
+    saved = _read_slots(pool, layout.slot, layout.fresh).conv  # [NB, K-1, C']
+    previous = jnp.concatenate([jnp.zeros_like(qkv[:1, -k1:]), qkv[:-1, -k1:]])
+    windows = jnp.where(layout.first[:, None, None], saved, previous.astype(saved.dtype))
+    mixed, after = jax.vmap(causal_conv, (0, 0, None, 0))(
+        qkv, windows, conv_taps(params, config), layout.valid)
+    q, k, v, g, beta = rule_inputs(params, mixed, b.reshape(num_blocks, size, -1),
+                                   a.reshape(num_blocks, size, -1), config)
+    terms = chunk_terms(q, k, v, g, beta, layout.valid)
+
+    def block(carry, inputs):
+        state, ssm_pool = carry
+        terms, slot, first, last, fresh = inputs
+        stored = jax.lax.dynamic_index_in_dim(ssm_pool, slot, keepdims=False)
+        state = jnp.where(first, jnp.where(fresh, 0.0, stored), state)
+        state, o = chunk_step(state, terms)
+        ssm_pool = jax.lax.dynamic_update_index_in_dim(
+            ssm_pool, jnp.where(last, state, stored), slot, 0)
+        return (state, ssm_pool), o
+
+    start = jnp.zeros(pool.ssm.shape[1:], jnp.float32)
+    (_, ssm_pool), o = jax.lax.scan(
+        block, (start, pool.ssm),
+        (terms, layout.slot, layout.first, layout.last, layout.fresh))
+    heads = o.shape[1]  # o: f32[NB, Hv, C, dv]
+    o = jnp.swapaxes(o, 1, 2).reshape(num_blocks * size, heads, -1)  # [T, Hv, dv]
+    y = _out_proj(params, o, z, config, x.dtype)
+    return y, GdnState(_write_rows(pool.conv, layout.slot, after, layout.last), ssm_pool)
+
+
+def _read_slots(pool: GdnState, slot: jax.Array, fresh: jax.Array) -> GdnState:
+    """pool [S, ...], slot i32[B], fresh bool[B] -> GdnState [B, ...] (zero where fresh)."""
+    return GdnState(*(jnp.where(_expand(fresh, x[slot]), 0, x[slot]) for x in pool))
+
+
+def _write_slots(pool: GdnState, slot: jax.Array, state: GdnState, write: jax.Array
+                 ) -> GdnState:
+    """pool with state[i] written to slot[i] where write[i] (bool[B])."""
+    return GdnState(*(_write_rows(p, slot, s, write) for p, s in zip(pool, state, strict=True)))
+
+
+def _write_rows(pool: jax.Array, slot: jax.Array, rows: jax.Array, write: jax.Array
+                ) -> jax.Array:
+    """pool [S, ...] with rows[i] at slot[i] where write[i]; nothing is written elsewhere,
+    not even to the null slot."""
+    target = jnp.where(write, slot, pool.shape[0])  # out of range: dropped
+    return pool.at[target].set(rows.astype(pool.dtype), mode="drop")
 
 
 # ---------------------------------------------------------------- state sizes

@@ -44,7 +44,15 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [T, heads, head_dim], cos/sin: f32[T, head_dim] -> [T, heads, head_dim]."""
+    """x: [T, heads, head_dim], cos/sin: f32[T, rotary_dim] -> [T, heads, head_dim].
+
+    With rotary_dim < head_dim (partial rotary, Qwen3-Next) only the first rotary_dim
+    features turn, in the rotate-half layout over those features (pairs i and
+    i + rotary_dim / 2), and the rest pass through, as transformers does."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned = apply_rope(x[..., :rotary_dim], cos, sin)
+        return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)
     half = x.shape[-1] // 2

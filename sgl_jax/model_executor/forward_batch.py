@@ -24,6 +24,8 @@ class SeqChunk:
     positions: Sequence[int] | None = None  # default: prefix_len, prefix_len + 1, ...
     # bool[n, n]: window token i sees window token j (tree verification); None = causal.
     tree_mask: np.ndarray | None = None
+    # Hybrid models: the sequence's recurrent-state slot (0, the null slot, for the others).
+    state_slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,11 +34,12 @@ class ForwardBatch:
     positions: jax.Array  # i32[T]
     logits_indices: jax.Array  # i32[N]: tokens whose logits the step returns
     attention: AttentionMetadata
+    state_slots: jax.Array  # i32[NB]: each query block's sequence's state slot (0: padding)
 
 
 jax.tree_util.register_dataclass(
     ForwardBatch,
-    data_fields=["input_ids", "positions", "logits_indices", "attention"],
+    data_fields=["input_ids", "positions", "logits_indices", "attention", "state_slots"],
     meta_fields=[],
 )
 
@@ -181,6 +184,7 @@ def build_forward_batch(
     kv_lens = np.zeros(shape.num_blocks, np.int32)
     window_starts = np.zeros(shape.num_blocks, np.int32)
     q_starts = np.zeros(shape.num_blocks, np.int32)
+    state_slots = np.zeros(shape.num_blocks, np.int32)
     for chunk, start, q_len in zip(chunks, starts, q_lens, strict=True):
         span = slice(start, start + q_len)
         kv_index = chunk.prefix_len + np.arange(q_len)
@@ -194,6 +198,7 @@ def build_forward_batch(
         kv_lens[blocks] = chunk.prefix_len + q_len
         window_starts[blocks] = chunk.prefix_len
         q_starts[blocks] = np.arange(blocks.stop - blocks.start) * qb
+        state_slots[blocks] = chunk.state_slot
 
     if shape.num_logits == shape.num_tokens:
         logits_indices = np.arange(shape.num_tokens, dtype=np.int32)
@@ -209,7 +214,7 @@ def build_forward_batch(
         tree_bits=_tree_bits(chunks, starts, shape.num_tokens),
         q_block=qb,
     )
-    return ForwardBatch(input_ids, positions, logits_indices, metadata)
+    return ForwardBatch(input_ids, positions, logits_indices, metadata, state_slots)
 
 
 def token_positions(chunks: Sequence[SeqChunk], shape: BatchShape) -> list[np.ndarray]:

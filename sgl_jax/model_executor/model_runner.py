@@ -3,6 +3,8 @@
 Every step is padded to a bucketed shape (`Buckets`), so a warm-up that compiles each bucket
 once leaves nothing to compile while serving. Two kinds of batch exist:
 decode (one new token per sequence) and extend (prefill chunks or verify windows).
+For a hybrid model (Qwen3-Next) the cache also holds each linear layer's recurrent-state
+pool; every chunk then names its request's state slot, and the step reads and writes it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import LayerKV, get_attention_backend, resolve_attention_backend
 from sgl_jax.layers.sampler import (
     PenaltyState,
@@ -80,7 +83,11 @@ class ModelRunner:
         attention_backend: str = "native",
         capture_layers: tuple[int, ...] = (),
         num_penalty_slots: int = 1,
+        num_state_slots: int = 0,  # hybrid models: recurrent-state slots, the null slot included
     ):
+        if model.config.is_hybrid and num_state_slots < 2:
+            raise ValueError(f"{model.config.architecture} keeps a recurrent state per request: "
+                             "the runner needs num_state_slots >= 2 (slot 0 is the null slot)")
         self.model = model
         self.config = model.config
         self.page_size = page_size
@@ -90,9 +97,12 @@ class ModelRunner:
         )
         self.num_compilations = 0  # traces of the jitted functions; steady serving adds none
         self.tp = model.tp
-        self.kv_cache: list[LayerKV] = allocate_kv_cache(
-            model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype, tp=self.tp
+        # Per layer: (K, V) pages, or a linear layer's GdnState pool (hybrid models).
+        self.kv_cache: list[LayerKV | gated_delta_net.GdnState] = allocate_kv_cache(
+            model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype, tp=self.tp,
+            num_state_slots=num_state_slots,
         )
+        self.num_state_slots = num_state_slots if model.config.is_hybrid else 0
         self.penalties: PenaltyState = self.tp.put_replicated(
             init_penalty_state(num_penalty_slots, self.config.vocab_size))
         _warn_if_slow_on_cpu(attention_backend, model.dtype)
@@ -118,6 +128,7 @@ class ModelRunner:
         Logits are f32[num_chunks, V] for each chunk's last token, or f32[num_tokens, V] for
         every token with all_logits; captured hidden states are f[num_tokens, H] each.
         """
+        self._check_state_slots(chunks)
         shape = self.buckets.shape_for(chunks)
         if all_logits:
             shape = shape.with_logits_for_every_token()
@@ -136,6 +147,7 @@ class ModelRunner:
         want_top_logprobs: bool,
     ) -> StepOutput:
         """Run chunks and sample the next token of each on the device."""
+        self._check_state_slots(chunks)
         shape = self.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
@@ -187,9 +199,15 @@ class ModelRunner:
     def _forward(self, params, kv_cache, batch: ForwardBatch, *, attention, capture):
         self._log_compilation(batch)
         impl, config = self.model.impl, self.config
+        hybrid = {}
+        if config.is_hybrid:  # each linear layer runs on its own key heads of every device
+            layer = functools.partial(gated_delta_net.forward_slots,
+                                      config=config.linear_attention)
+            hybrid = dict(state_slots=batch.state_slots,
+                          linear_attention=self.tp.linear_attention(layer))
         hidden, kv_cache, captured = impl.forward(
             params, kv_cache, batch.input_ids, batch.positions, batch.attention,
-            config=config, attention=attention, capture_layers=capture,
+            config=config, attention=attention, capture_layers=capture, **hybrid,
         )
         logits = impl.compute_logits(params, hidden[batch.logits_indices], config)
         return kv_cache, logits, captured
@@ -212,6 +230,15 @@ class ModelRunner:
         return self.tp.constrain_replicated(reset_slots(penalties, slots, prompt_ids))
 
     # ------------------------------------------------------------------ helpers
+
+    def _check_state_slots(self, chunks: Sequence[SeqChunk]) -> None:
+        """A hybrid model's chunks must each name a distinct real state slot."""
+        if not self.num_state_slots:
+            return
+        slots = [c.state_slot for c in chunks]
+        if not all(0 < s < self.num_state_slots for s in slots) or len(set(slots)) < len(slots):
+            raise ValueError(f"every chunk needs its own state slot in 1..."
+                             f"{self.num_state_slots - 1}, got {slots}")
 
     def _dummy_step_args(self, shape: BatchShape) -> tuple:
         """Sampling-step arguments of the given shape (for compiling it)."""

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_jax.layers.gated_delta_net import GdnConfig
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -69,6 +71,13 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # Hybrid decoders (Qwen3-Next): per layer "full_attention" or "linear_attention" (Gated
+    # DeltaNet, shaped by `linear_attention`); empty means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: GdnConfig | None = None
+    partial_rotary_factor: float = 1.0  # rotary on the first fraction of each head's features
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: out * sigmoid(gate)
+    zero_centered_norm: bool = False  # RMSNorm scales by (1 + weight), in float32
 
     @property
     def q_size(self) -> int:
@@ -77,6 +86,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether layer i is linear attention (Gated DeltaNet) rather than full attention."""
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer keeps a recurrent state per request instead of KV pages."""
+        return any(self.is_linear_layer(i) for i in range(self.num_layers))
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a paged KV cache."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i has a mixture-of-experts MLP (else the dense one)."""
@@ -94,6 +122,19 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, but "
+                             f"num_hidden_layers is {self.num_layers}")
+        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported; supported: "
+                             "full_attention, linear_attention")
+        if self.is_hybrid and self.linear_attention is None:
+            raise ValueError("linear_attention layers need the linear_* config fields")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim "
+                             f"{self.head_dim} gives {self.rotary_dim} rotary features; it "
+                             "must give an even number between 2 and head_dim")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "

@@ -8,6 +8,10 @@ Parameters are a plain pytree:
                  optional "q_norm"/"k_norm": [hd]}, ...]}
 A layer holding a router ("w_router") and expert stacks instead of w_gate_up / w_down runs
 the mixture-of-experts MLP of `sgl_jax.layers.moe` (Qwen3-MoE, see qwen3_moe.py).
+`decoder` runs the stack with any token mixer per layer (hybrid models put Gated DeltaNet
+in some, see qwen3_next.py); config flags add Qwen3-Next's gated attention (q_proj yields
+q and a gate per head: w_qkv's q part is then q | gate per head), partial rotary and
+zero-centred norms.
 Matrices keep the checkpoint's [out, in] layout: XLA streams a matrix-vector product over
 contiguous rows faster than over columns, which is what decode is made of. q|k|v and gate|up
 are fused at load time: one larger product streams faster than several small ones. The fused
@@ -18,7 +22,7 @@ tables may carry padding rows past V when sharded, so logits are cut back to V.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -68,9 +72,10 @@ def decoder_layer_specs(
     h, inter = config.hidden_size, config.intermediate_size
     attn_in = attn_in or h
     qkv, gate_up = _qkv_parts(config), _gate_up_parts(config)
+    q_rows = config.q_size * (2 if config.attn_output_gate else 1)
     # hf module -> (our name, in features, out features, has bias, where in a fused parameter)
     linears = {
-        "self_attn.q_proj": ("_qkv", attn_in, config.q_size, config.qkv_bias, qkv[0]),
+        "self_attn.q_proj": ("_qkv", attn_in, q_rows, config.qkv_bias, qkv[0]),
         "self_attn.k_proj": ("_qkv", attn_in, config.kv_size, config.qkv_bias, qkv[1]),
         "self_attn.v_proj": ("_qkv", attn_in, config.kv_size, config.qkv_bias, qkv[2]),
         "self_attn.o_proj": ("_o", config.q_size, h, config.o_bias, None),
@@ -99,9 +104,10 @@ def decoder_layer_specs(
 
 def _qkv_parts(config: ModelConfig) -> list[Callable[..., FusedPart]]:
     """q, k and v inside w_qkv [G, W, in]: group g holds the q heads that read KV head g,
-    then k and v of that head (W = (nq/G + 2) * hd), so splitting groups keeps them whole."""
+    then k and v of that head (W = (nq/G + 2) * hd), so splitting groups keeps them whole.
+    With an output gate each q head is q | gate (2 * hd rows, as q_proj holds them)."""
     groups, hd = config.num_kv_heads, config.head_dim
-    q_width = config.num_heads // groups * hd
+    q_width = config.num_heads // groups * hd * (2 if config.attn_output_gate else 1)
     spans = [(0, q_width), (q_width, q_width + hd), (q_width + hd, q_width + 2 * hd)]
 
     def part(start: int, stop: int) -> Callable[..., FusedPart]:
@@ -141,20 +147,55 @@ def forward(
     `capture_layers` the residual stream *entering* that layer (index num_layers means the
     output of the last layer, before the final norm), each f[T, H].
     """
+    attend = attention_mixer(positions, metadata, config, attention)
+    return decoder(params, kv_cache, input_ids, [attend] * config.num_layers, config=config,
+                   capture_layers=capture_layers)
+
+
+# A token mixer: (layer params, normed input [T, H], the layer's cache) -> (output [T, H],
+# the layer's cache after it).
+Mixer = Callable[[Params, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def attention_mixer(positions: jax.Array, metadata: AttentionMetadata, config: ModelConfig,
+                    attention: AttentionBackend) -> Mixer:
+    """Self-attention over the paged KV cache, as a token mixer (positions i32[T])."""
+    cos, sin = rope_cos_sin(positions, inverse_frequencies(config.rope, config.rotary_dim))
+
+    def attend(p: Params, x: jax.Array, layer_kv: LayerKV) -> tuple[jax.Array, LayerKV]:
+        return self_attention(p, x, cos, sin, layer_kv, metadata, config, attention)
+    return attend
+
+
+def decoder(
+    params: Params,
+    cache: list[Any],
+    input_ids: jax.Array,  # i32[T]
+    mixers: Sequence[Mixer],  # one per layer
+    *,
+    config: ModelConfig,
+    capture_layers: tuple[int, ...] = (),
+) -> tuple[jax.Array, list[Any], tuple[jax.Array, ...]]:
+    """The pre-norm decoder stack (see `forward` for what it returns): each layer is
+    x + mixer(norm(x)), then x + mlp(norm(x))."""
     hidden = params["embed"][input_ids]
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(config.rope, config.head_dim))
     captured: dict[int, jax.Array] = {}
     new_cache = []
-    for i, layer in enumerate(params["layers"]):
+    for i, (layer, mix) in enumerate(zip(params["layers"], mixers, strict=True)):
         if i in capture_layers:
             captured[i] = hidden
-        hidden, layer_kv = _decoder_layer(
-            layer, hidden, cos, sin, kv_cache[i], metadata, config, attention
-        )
-        new_cache.append(layer_kv)
+        mixed, layer_cache = mix(layer, norm(hidden, layer["input_norm"], config), cache[i])
+        hidden = hidden + mixed
+        hidden = hidden + feed_forward(layer, norm(hidden, layer["post_norm"], config), config)
+        new_cache.append(layer_cache)
     captured[config.num_layers] = hidden
-    hidden = rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    hidden = norm(hidden, params["norm"], config)
     return hidden, new_cache, tuple(captured[i] for i in capture_layers)
+
+
+def norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
+    """The model's RMSNorm (zero-centred for Qwen3-Next)."""
+    return rms_norm(x, weight, config.rms_norm_eps, zero_centered=config.zero_centered_norm)
 
 
 def compute_logits(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
@@ -162,23 +203,6 @@ def compute_logits(params: Params, hidden: jax.Array, config: ModelConfig) -> ja
     weight = params["embed"] if config.tie_word_embeddings else params["lm_head"]  # [V', H]
     logits = matmul_rows(hidden, weight, preferred_element_type=jnp.float32)
     return logits[:, : config.vocab_size]  # V' > V when the table is padded for sharding
-
-
-def _decoder_layer(
-    p: Params,
-    hidden: jax.Array,  # [T, H]
-    cos: jax.Array,  # f32[T, hd]
-    sin: jax.Array,
-    layer_kv: LayerKV,
-    metadata: AttentionMetadata,
-    config: ModelConfig,
-    attention: AttentionBackend,
-) -> tuple[jax.Array, LayerKV]:
-    x = rms_norm(hidden, p["input_norm"], config.rms_norm_eps)
-    attn_out, layer_kv = self_attention(p, x, cos, sin, layer_kv, metadata, config, attention)
-    hidden = hidden + attn_out
-    x = rms_norm(hidden, p["post_norm"], config.rms_norm_eps)
-    return hidden + feed_forward(p, x, config), layer_kv
 
 
 def feed_forward(p: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
@@ -202,13 +226,15 @@ def self_attention(
     num_tokens, hd = x.shape[0], config.head_dim
     qkv = _linear(p, "_qkv", x)  # [T, G, W]: G KV heads (more than the config's when sharded)
     q_width = qkv.shape[-1] - 2 * hd
-    q = qkv[..., :q_width].reshape(num_tokens, config.num_heads, hd)
+    q = qkv[..., :q_width].reshape(num_tokens, config.num_heads, -1)  # [T, nq, hd or 2 hd]
+    q, gate = q[..., :hd], q[..., hd:]  # gate [T, nq, hd] with an output gate, else empty
     k, v = qkv[..., q_width : q_width + hd], qkv[..., q_width + hd :]  # [T, G, hd]
     if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+        q, k = norm(q, p["q_norm"], config), norm(k, p["k_norm"], config)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out, layer_kv = attention(q, k, v, layer_kv, metadata, scale=hd**-0.5)
+    if config.attn_output_gate:
+        out = out * jax.nn.sigmoid(gate)
     return _linear(p, "_o", out.reshape(num_tokens, config.q_size)), layer_kv
 
 

@@ -97,6 +97,7 @@ def load_model(
     specs = impl.hf_weight_specs(config, checkpoint.tensors.names())
     params = load_params(checkpoint.tensors, specs, jax_dtype,
                          progress=progress, tp=tp, config=config,
+                         ignored_prefixes=impl.ignored_tensor_prefixes,
                          what=f"the model in {model_path!r}")
     return LoadedModel(impl, config, params, checkpoint.model_dir, jax_dtype, tp)
 
@@ -234,14 +235,17 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 def load_params(
     source: TensorSource, specs: dict[str, WeightSpec], dtype: Any, *, config: ModelConfig,
     tp: TensorParallel | None = None, progress: bool = True,
-    ignored: frozenset[str] = frozenset(), what: str = "the model",
+    ignored: frozenset[str] = frozenset(), ignored_prefixes: tuple[str, ...] = (),
+    what: str = "the model",
 ) -> dict[str, Any]:
     """`config`: the layers' shapes, checked against `tp` before any tensor is read;
-    `ignored`: tensors a checkpoint may hold that inference does not use."""
+    `ignored` / `ignored_prefixes`: tensors a checkpoint may hold that inference does not
+    use (by name / by the start of their name)."""
     tp = tp or TensorParallel.of_size(1)
     tp.check(config, what=what)
     names = [n for n in source.names()
-             if n in specs or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored)]
+             if n in specs or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored
+                                   or n.startswith(ignored_prefixes))]
     _check_tensor_names(names, specs)
     names = [n for n in names if n in specs]
     source.check(names, specs)
@@ -342,8 +346,8 @@ def _unflatten(flat: dict[tuple, jax.Array]) -> dict[str, Any]:
         tree["layers"] = [{} for _ in range(num_layers)]
     for path, value in flat.items():
         node = tree
-        for key in path[:-1]:
-            node = node[key]
+        for key in path[:-1]:  # layer indices, then names of nested dicts (made on first use)
+            node = node[key] if isinstance(node, list) else node.setdefault(key, {})
         node[path[-1]] = value
     return tree
 

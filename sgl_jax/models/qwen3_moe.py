@@ -48,7 +48,8 @@ def hf_weight_specs(config: ModelConfig, names: Collection[str] | None = None
 
 def moe_layer_specs(config: ModelConfig, prefix: str, path: tuple[str | int, ...], *,
                     fused: bool = False) -> dict[str, WeightSpec]:
-    """Router and experts of one MoE MLP named `prefix`... (e.g. "model.layers.3.mlp.")."""
+    """Router and experts of one MoE MLP named `prefix`... (e.g. "model.layers.3.mlp."), and
+    its shared expert when the config has one (Qwen3-Next)."""
     e, h = config.num_experts, config.hidden_size
     specs = {prefix + "gate.weight": WeightSpec((*path, "w_router"), (e, h))}
     if fused:
@@ -56,7 +57,27 @@ def moe_layer_specs(config: ModelConfig, prefix: str, path: tuple[str | int, ...
     else:
         for expert in range(e):
             specs.update(_expert_specs(config, f"{prefix}experts.{expert}.", path, expert))
+    if config.shared_expert_intermediate_size:
+        specs.update(_shared_expert_specs(config, prefix, path))
     return specs
+
+
+def _shared_expert_specs(config: ModelConfig, prefix: str, path: tuple[str | int, ...]
+                         ) -> dict[str, WeightSpec]:
+    """`shared_expert.{gate,up,down}_proj` into w_shared_gate_up [Is, 2, H] and
+    w_shared_down [H, Is]; `shared_expert_gate` [1, H] into w_shared_gate."""
+    h, inter = config.hidden_size, config.shared_expert_intermediate_size
+    gate_up = (*path, "w_shared_gate_up")
+
+    def half(j: int) -> FusedPart:
+        return FusedPart((inter, 2, h), (inter, h), (_ALL, j))
+    return {
+        prefix + "shared_expert.gate_proj.weight": WeightSpec(gate_up, (inter, h), half(0)),
+        prefix + "shared_expert.up_proj.weight": WeightSpec(gate_up, (inter, h), half(1)),
+        prefix + "shared_expert.down_proj.weight": WeightSpec(
+            (*path, "w_shared_down"), (h, inter)),
+        prefix + "shared_expert_gate.weight": WeightSpec((*path, "w_shared_gate"), (1, h)),
+    }
 
 
 def _expert_specs(config: ModelConfig, prefix: str, path: tuple[str | int, ...], expert: int

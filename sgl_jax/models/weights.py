@@ -59,7 +59,10 @@ def checkpoint_tensors(params: dict, specs: dict[str, WeightSpec]) -> dict[str, 
 # "vocab": rows of a token table; "kv_heads": groups of a fused q|k|v projection, one per KV
 # head (its q heads, then its k and v); "heads": the q-head features an output projection
 # reads; "mlp": the intermediate features (of the dense MLP, of every routed expert, of a
-# shared expert); "experts": the expert index of a mixture-of-experts layer's expert stacks.
+# shared expert); "experts": the expert index of a mixture-of-experts layer's expert stacks;
+# "linear_heads": the key heads of a Gated DeltaNet layer (each with its q, k, value heads, z,
+# b, a rows and conv channels; value heads numbered key-head-major, so dt_bias, A_log and
+# out_proj's input features split the same way).
 LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", None),
     "lm_head": ("vocab", None),
@@ -73,4 +76,9 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "w_expert_down": ("experts", None, "mlp"),
     "w_shared_gate_up": ("mlp", None, None),
     "w_shared_down": (None, "mlp"),
+    "w_in": ("linear_heads", None, None),
+    "conv_w": ("linear_heads", None, None),
+    "dt_bias": ("linear_heads",),
+    "a_log": ("linear_heads",),
+    "w_out": (None, "linear_heads"),
 }

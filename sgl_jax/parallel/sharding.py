@@ -6,13 +6,15 @@ Megatron-style: q/k/v and gate/up are split by output (column-parallel), o and d
 rows; mixture-of-experts layers split each expert the same way and replicate the router.
 Attention runs per device on its own heads (`shard_map`), with the KV cache split by KV
 head. A model with fewer KV heads than devices gets one copy of a KV head per device: each
-device's q heads read the copy it holds, so attention never communicates.
+device's q heads read the copy it holds, so attention never communicates. Gated DeltaNet
+layers likewise run per device on their own key heads, with the recurrent-state pool split
+by them, and out_proj's partial outputs are summed.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sgl_jax.layers.attention import AttentionBackend
+from sgl_jax.layers.gated_delta_net import GdnState
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.weights import LOGICAL_AXES
 from sgl_jax.parallel.mesh import DP_AXIS, TP_AXIS, make_mesh
@@ -33,9 +36,12 @@ from sgl_jax.parallel.mesh import DP_AXIS, TP_AXIS, make_mesh
 # does the same amount of work whatever the routing; down's partial sums are all-reduced as in
 # the dense MLP. (Mapping "experts" instead would hold whole experts per device.)
 MESH_AXES = {"vocab": TP_AXIS, "kv_heads": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS,
-             "experts": None}
+             "experts": None, "linear_heads": TP_AXIS}
 _HEADS = P(None, TP_AXIS, None)  # q/k/v and attention output [T, heads, hd]
 _PAGES = P(None, TP_AXIS, None, None)  # KV pages [num_pages, kv_heads, page_size, hd]
+# A linear layer's state pool: windows [S, K-1, conv_dim] (channels key-head-major) and
+# delta-rule states [S, Hv, dk, dv], both split by key head.
+_STATE = GdnState(conv=P(None, None, TP_AXIS), ssm=P(None, TP_AXIS, None, None))
 _VOCAB_TABLES = ("embed", "lm_head")
 _QKV = ("w_qkv", "b_qkv")
 
@@ -110,6 +116,12 @@ class TensorParallel:
         """Zeroed pages [num_pages, kv_heads, page_size, hd], created already split."""
         return _zeros(shape, jnp.dtype(dtype), NamedSharding(self.mesh, _PAGES))
 
+    def state_pool(self, shapes: GdnState) -> GdnState:
+        """A zeroed recurrent-state pool (ShapeDtypeStructs with the slot axis first), created
+        already split by key head."""
+        return GdnState(*(_zeros(s.shape, jnp.dtype(s.dtype), NamedSharding(self.mesh, spec))
+                          for s, spec in zip(shapes, _STATE, strict=True)))
+
     def put_replicated(self, tree: Any) -> Any:
         """Arrays -> the same values on every device of the mesh (through the host, which
         every process can do for its own devices)."""
@@ -134,6 +146,22 @@ class TensorParallel:
         return sharded
 
 
+    def linear_attention(self, layer: Callable) -> Callable:
+        """A Gated DeltaNet layer `layer(params, x [T, H], pool, layout) -> (out, pool)` run on
+        each device over its own key heads (their parameters and their share of the state
+        pool); out_proj's partial outputs are summed across devices."""
+        def sharded(params, x, pool, layout):
+            specs = {name: self.param_sharding(name, w.ndim).spec for name, w in params.items()}
+
+            def local(params, x, pool, layout):
+                out, pool = layer(params, x, pool, layout)
+                return jax.lax.psum(out, TP_AXIS), pool
+            return jax.shard_map(local, mesh=self.mesh, in_specs=(specs, P(), _STATE, P()),
+                                 out_specs=(P(), _STATE), check_vma=False)(params, x, pool,
+                                                                           layout)
+        return sharded
+
+
 def bytes_per_device(arrays: Iterable[jax.Array]) -> int:
     """What the arrays occupy on one device (the first of their mesh)."""
     return sum(x.addressable_shards[0].data.nbytes for x in arrays)
@@ -154,6 +182,10 @@ def _split_problems(config: ModelConfig, tp: int) -> list[str]:
     if config.shared_expert_intermediate_size % tp:
         problems.append(f"shared expert intermediate size "
                         f"{config.shared_expert_intermediate_size} does not divide by {tp}")
+    linear = config.linear_attention
+    if config.is_hybrid and linear.num_key_heads % tp:
+        problems.append(f"{linear.num_key_heads} linear-attention key heads do not divide by "
+                        f"{tp}")
     return problems
 
 

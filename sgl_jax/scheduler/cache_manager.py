@@ -1,16 +1,23 @@
-"""KV pages for requests: prefix reuse through the radix cache, allocation, eviction, release."""
+"""KV pages for requests: prefix reuse through the radix cache, allocation, eviction, release;
+and for hybrid models each running request's recurrent-state slot."""
 
 from __future__ import annotations
 
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.mem_cache.radix_cache import RadixCache
+from sgl_jax.mem_cache.state_slots import NULL_SLOT, StateSlotAllocator
 from sgl_jax.scheduler.req import Req
 
 
 class CacheManager:
     def __init__(self, allocator: PageAllocator, radix: RadixCache | None, page_size: int,
-                 *, last_slot_needs_next_token: bool = False):
+                 *, last_slot_needs_next_token: bool = False,
+                 states: StateSlotAllocator | None = None):
         self.allocator = allocator
+        # Hybrid models: a slot of the recurrent-state pool per request, from admission to
+        # release (finish, abort, retraction). A state cannot be rebuilt from cached KV pages,
+        # so such models run without the radix cache.
+        self.states = states
         # EAGLE3's draft KV at slot j depends on token j + 1 as well: a cached prefix's last
         # page is then not reusable by a request that continues differently.
         self.last_slot_needs_next_token = last_slot_needs_next_token
@@ -18,6 +25,18 @@ class CacheManager:
         self.page_size = page_size
         self.cache_hit_tokens = 0
         self.cache_query_tokens = 0
+
+    @property
+    def can_admit(self) -> bool:
+        """Whether a new request can get what admission gives it (a free state slot)."""
+        return self.states is None or self.states.num_free > 0
+
+    def admit(self, req: Req) -> None:
+        """A request about to start: its state slot (hybrid models), and the cached pages of
+        its longest known prefix (locked)."""
+        if self.states is not None:
+            req.state_slot = self.states.allocate()
+        self.match_prefix(req)
 
     def match_prefix(self, req: Req) -> None:
         """Give a request the cached pages of its longest known prefix (and lock them)."""
@@ -48,7 +67,11 @@ class CacheManager:
         return True
 
     def release(self, req: Req) -> None:
-        """Return a request's pages; with the radix cache its computed full pages stay cached."""
+        """Return a request's pages (with the radix cache its computed full pages stay cached)
+        and its state slot, whose state is lost: a retracted request recomputes from scratch."""
+        if req.state_slot != NULL_SLOT:
+            self.states.free(req.state_slot)
+            req.state_slot = NULL_SLOT
         pages, req.page_ids = req.page_ids, []
         if self.radix is None:
             self.allocator.free(pages)

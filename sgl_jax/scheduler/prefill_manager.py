@@ -42,7 +42,7 @@ class PrefillManager:
                 budget -= self._take_chunk(req, budget, batch)
         while self._can_admit(running, batch, budget):
             req = self.waiting[0]
-            self.cache.match_prefix(req)
+            self.cache.admit(req)
             taken = self._take_chunk(req, budget, batch)
             if not taken:
                 self.cache.release(req)
@@ -58,6 +58,7 @@ class PrefillManager:
             bool(self.waiting)
             and budget > 0
             and len(running) < self.limits.max_running_requests
+            and self.cache.can_admit
         )
 
     def _take_chunk(self, req: Req, budget: int, batch: list[tuple[Req, int]]) -> int:

@@ -33,6 +33,7 @@ class Req:
     cached_tokens: int = 0  # tokens the prefix cache served at admission
     prefix_node: Any = None  # radix-cache handle locked while the request holds its pages
     penalty_slot: int = -1  # row of the device penalty state; -1 = no penalties
+    state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
 
     # Speculative decoding: the draft tree the next verify round checks (node 0 = last token),
     # and acceptance counts for meta_info.

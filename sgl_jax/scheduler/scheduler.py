@@ -118,7 +118,8 @@ class Scheduler:
 
     def _run(self, batch: list[tuple[Req, int]]) -> StepOutput:
         chunks = [
-            SeqChunk(req.token_slice(req.kv_len, req.kv_len + n), req.kv_len, req.page_ids)
+            SeqChunk(req.token_slice(req.kv_len, req.kv_len + n), req.kv_len, req.page_ids,
+                     state_slot=req.state_slot)
             for req, n in batch
         ]
         emits = np.array([n == req.tokens_to_compute for req, n in batch])
@@ -204,7 +205,8 @@ class Scheduler:
             self.runner.reset_penalty_slot(req.penalty_slot, req.prompt_ids)
 
     def _retract(self, req: Req) -> None:
-        """Free a running request's pages; it recomputes its tokens when readmitted."""
+        """Free a running request's pages (and state slot); it recomputes its tokens when
+        readmitted."""
         self.cache.release(req)
         req.kv_len = 0
         self.prefill.requeue(req)

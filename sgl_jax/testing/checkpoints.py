@@ -52,8 +52,17 @@ _COMMON: dict[str, Any] = {
     "num_attention_heads": 4,
 }
 
-# Norm weights are drawn around 1 (not exactly 1) so that a loader ignoring them fails tests.
+# Norm weights are drawn around 1 (not exactly 1) so that a loader ignoring them fails tests;
+# zero-centred norms (Qwen3-Next's, which scale by 1 + weight) are drawn around 0.
 NORM_WEIGHT_STD = 0.1
+_ZERO_CENTERED_NORMS = ("Qwen3NextForCausalLM",)
+
+
+def _norm_mean(architecture: str, name: str) -> float:
+    """Where a norm weight is centred: 0 for zero-centred norms, else 1 (Qwen3-Next's gated
+    norm inside linear attention scales by its weight as is)."""
+    zero = architecture in _ZERO_CENTERED_NORMS and not name.endswith("linear_attn.norm.weight")
+    return 0.0 if zero else 1.0
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -115,6 +124,33 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_experts": 8,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    },
+    "qwen3_next": {
+        "architecture": "Qwen3NextForCausalLM",
+        "config": {
+            **_COMMON,
+            # Layers 3 and 7 are gated attention, the other six Gated DeltaNet.
+            "num_hidden_layers": 8,
+            "full_attention_interval": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,  # rotary on the first 8 features (partial_rotary_factor 0.25)
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            "linear_conv_kernel_dim": 4,
+            "linear_num_key_heads": 4,
+            "linear_num_value_heads": 8,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            # 8 experts, top 2 renormalised, a shared expert; layer 1 keeps the dense MLP.
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [1],
@@ -197,15 +233,15 @@ def _write_with_torch(
     # config.dtype is unset, so the model is built (and initialised) in float32; casting
     # afterwards makes a bf16/fp16 model the rounding of the float32 one for the same seed.
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
-    _randomize_biases_and_norms(model, config.initializer_range)
+    _randomize_biases_and_norms(model, config.initializer_range, config.architectures[0])
     model.to(getattr(torch, dtype))
     # save_pretrained records the parameters' dtype in config.json.
     model.save_pretrained(out, max_shard_size=max_shard_size)
 
 
-def _randomize_biases_and_norms(model: Any, std: float) -> None:
-    # HF initialises biases to zero and norm weights to one, which would let a loader that
-    # drops them pass tests.
+def _randomize_biases_and_norms(model: Any, std: float, architecture: str) -> None:
+    # HF initialises biases to zero and norm weights to one (or zero), which would let a
+    # loader that drops them pass tests.
     import torch
 
     with torch.no_grad():
@@ -213,7 +249,7 @@ def _randomize_biases_and_norms(model: Any, std: float) -> None:
             if name.endswith(".bias"):
                 param.normal_(0.0, std)
             elif name.endswith("norm.weight"):
-                param.normal_(1.0, NORM_WEIGHT_STD)
+                param.normal_(_norm_mean(architecture, name), NORM_WEIGHT_STD)
 
 
 # --------------------------------------------------------------------------- numpy writer
@@ -221,31 +257,17 @@ def _randomize_biases_and_norms(model: Any, std: float) -> None:
 
 def weight_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Tensor names and [out, in] shapes of the HF checkpoint, in module order."""
-    arch = config.architectures[0]
-    hidden, vocab = config.hidden_size, config.vocab_size
-    inter = config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_dim = config.num_attention_heads * head_dim
-    kv_dim = config.num_key_value_heads * head_dim
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    # Qwen2 hard-codes q/k/v bias and no o_proj bias; Llama/Qwen3 follow attention_bias.
-    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
-    o_bias = arch != "Qwen2ForCausalLM" and attention_bias
+    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
     mlp_bias = bool(getattr(config, "mlp_bias", False))
+    layer_types = getattr(config, "layer_types", None) or ()
 
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config.num_hidden_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        for proj, rows in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
-            shapes[f"{attn}.{proj}_proj.weight"] = (rows, hidden)
-            if qkv_bias:
-                shapes[f"{attn}.{proj}_proj.bias"] = (rows,)
-        shapes[f"{attn}.o_proj.weight"] = (hidden, q_dim)
-        if o_bias:
-            shapes[f"{attn}.o_proj.bias"] = (hidden,)
-        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            shapes[f"{attn}.q_norm.weight"] = (head_dim,)
-            shapes[f"{attn}.k_norm.weight"] = (head_dim,)
+        layer, mlp = f"model.layers.{i}", f"model.layers.{i}.mlp"
+        if layer_types and layer_types[i] == "linear_attention":  # Qwen3-Next
+            shapes.update(_linear_attention_shapes(config, f"{layer}.linear_attn"))
+        else:
+            shapes.update(_attention_shapes(config, f"{layer}.self_attn"))
         if _is_moe_layer(config, i):
             shapes.update(_expert_shapes(config, mlp))
         else:
@@ -257,12 +279,54 @@ def weight_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{mlp}.{proj}_proj.weight"] = shape
                 if mlp_bias:
                     shapes[f"{mlp}.{proj}_proj.bias"] = shape[:1]
-        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
-        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
+
+
+def _attention_shapes(config: PretrainedConfig, attn: str) -> dict[str, tuple[int, ...]]:
+    arch, hidden = config.architectures[0], config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_dim = config.num_attention_heads * head_dim
+    kv_dim = config.num_key_value_heads * head_dim
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    # Qwen2 hard-codes q/k/v bias and no o_proj bias; Llama/Qwen3 follow attention_bias.
+    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+    o_bias = arch != "Qwen2ForCausalLM" and attention_bias
+    q_rows = q_dim * (2 if arch == "Qwen3NextForCausalLM" else 1)  # Qwen3-Next: q | gate
+    shapes = {}
+    for proj, rows in (("q", q_rows), ("k", kv_dim), ("v", kv_dim)):
+        shapes[f"{attn}.{proj}_proj.weight"] = (rows, hidden)
+        if qkv_bias:
+            shapes[f"{attn}.{proj}_proj.bias"] = (rows,)
+    shapes[f"{attn}.o_proj.weight"] = (hidden, q_dim)
+    if o_bias:
+        shapes[f"{attn}.o_proj.bias"] = (hidden,)
+    if arch in _QK_NORM_ARCHITECTURES:
+        shapes[f"{attn}.q_norm.weight"] = (head_dim,)
+        shapes[f"{attn}.k_norm.weight"] = (head_dim,)
+    return shapes
+
+
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+
+
+def _linear_attention_shapes(config: PretrainedConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next's Gated DeltaNet block, as transformers declares it."""
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    key_dim, value_dim = nk * config.linear_key_head_dim, nv * config.linear_value_head_dim
+    return {
+        f"{prefix}.dt_bias": (nv,),
+        f"{prefix}.A_log": (nv,),
+        f"{prefix}.conv1d.weight": (2 * key_dim + value_dim, 1, config.linear_conv_kernel_dim),
+        f"{prefix}.in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, config.hidden_size),
+        f"{prefix}.in_proj_ba.weight": (2 * nv, config.hidden_size),
+        f"{prefix}.norm.weight": (config.linear_value_head_dim,),
+        f"{prefix}.out_proj.weight": (config.hidden_size, value_dim),
+    }
 
 
 def _is_moe_layer(config: PretrainedConfig, i: int) -> bool:
@@ -280,6 +344,12 @@ def _expert_shapes(config: PretrainedConfig, mlp: str) -> dict[str, tuple[int, .
         shapes[f"{mlp}.experts.{e}.gate_proj.weight"] = (inter, hidden)
         shapes[f"{mlp}.experts.{e}.up_proj.weight"] = (inter, hidden)
         shapes[f"{mlp}.experts.{e}.down_proj.weight"] = (hidden, inter)
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    if shared:  # Qwen3-Next
+        shapes[f"{mlp}.shared_expert.gate_proj.weight"] = (shared, hidden)
+        shapes[f"{mlp}.shared_expert.up_proj.weight"] = (shared, hidden)
+        shapes[f"{mlp}.shared_expert.down_proj.weight"] = (hidden, shared)
+        shapes[f"{mlp}.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 
@@ -296,9 +366,11 @@ def _random_state_dict(config: PretrainedConfig, dtype: str, seed: int) -> dict[
     std = np.float32(config.initializer_range)
     target = _numpy_dtype(dtype)
     tensors = {}
+    architecture = config.architectures[0]
     for name, shape in weight_shapes(config).items():
         if name.endswith("norm.weight"):
-            value = 1.0 + rng.standard_normal(shape, dtype=np.float32) * NORM_WEIGHT_STD
+            value = (_norm_mean(architecture, name)
+                     + rng.standard_normal(shape, dtype=np.float32) * NORM_WEIGHT_STD)
         else:
             value = rng.standard_normal(shape, dtype=np.float32) * std
         tensors[name] = value.astype(target)

@@ -1,7 +1,8 @@
 """Gated DeltaNet: the chunked rule against the recurrent one, both against transformers'
 PyTorch fallbacks; the whole layer against transformers' Qwen3NextGatedDeltaNet (float32, CPU);
 prefill / decode / verify agreeing with each other; draft trees against a float64 reference
-that walks each root-to-node path; padding that leaves states alone; checkpoint names."""
+that walks each root-to-node path; padding that leaves states alone; the layer over a pool of
+state slots and the server's ragged block layout; checkpoint names."""
 
 from functools import partial
 
@@ -33,6 +34,7 @@ prefill = jax.jit(partial(gdn.prefill, config=CONFIG))
 decode = jax.jit(partial(gdn.decode, config=CONFIG))
 verify = jax.jit(partial(gdn.verify, config=CONFIG))
 select_node = jax.jit(gdn.select_node)
+forward_slots = jax.jit(partial(gdn.forward_slots, config=CONFIG))
 
 TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 8]  # two children per node near the root; depths up to 4
 CHAIN = [-1, 0, 1, 2, 3, 4]
@@ -385,6 +387,71 @@ def test_halves_of_the_key_heads_sum_to_the_layer(layer):
         close(s_part.ssm, state.ssm[:, v])
         total = total + y_part
     close(total, y)
+
+
+# ---------------------------------------------------------------- over a pool of slots
+
+BLOCK = 16
+
+
+def random_pool(num_slots: int, seed: int) -> GdnState:
+    """Random states in every slot but the null slot 0, which stays zero."""
+    pool = random_state(num_slots, seed)
+    return GdnState(*(x.at[0].set(0.0) for x in pool))
+
+
+def test_extend_blocks_continue_each_sequence_from_its_slot(layer):
+    """A ragged extend batch: A (slot 2, fresh, 20 tokens over two blocks), B (slot 4, a
+    second chunk of 5 tokens after its saved state), C (slot 1, 16 tokens), then a padding
+    block: each equals prefill of that sequence alone, and only slots 2, 4 and 1 change."""
+    _, params, _, _ = layer
+    pool = random_pool(6, seed=30)
+    seqs = [(2, True, 20), (4, False, 5), (1, False, 16)]  # slot, fresh, tokens
+    x = hidden(1, 5 * BLOCK, seed=31)[0]
+    slot, first, last, fresh = [], [], [], []
+    valid = np.zeros((5, BLOCK), bool)
+    block, spans = 0, []
+    for s, f, n in seqs:
+        blocks = -(-n // BLOCK)
+        spans.append((block * BLOCK, n))
+        for j in range(blocks):
+            slot.append(s), first.append(j == 0), last.append(j == blocks - 1), fresh.append(f)
+            valid[block + j] = np.arange(BLOCK) < n - j * BLOCK
+        block += blocks
+    slot.append(0), first.append(False), last.append(False), fresh.append(False)  # padding
+    layout = gdn.SlotLayout(*(jnp.asarray(a) for a in (slot, first, last, fresh, valid)))
+    y, after = forward_slots(params, x, pool, layout)
+    for (s, f, n), (start, _) in zip(seqs, spans, strict=True):
+        begin = jax.tree.map(lambda p, s=s, f=f: p[s : s + 1] * (not f), pool)
+        y_ref, ref = prefill(params, x[None, start : start + n], begin, ones(1, n))
+        close(y[start : start + n], y_ref[0])
+        close(after.ssm[s], ref.ssm[0])
+        close(after.conv[s], ref.conv[0])
+    for untouched in (0, 3, 5):
+        for field in range(2):
+            np.testing.assert_array_equal(after[field][untouched], pool[field][untouched])
+
+
+def test_decode_rows_read_and_write_their_slots(layer):
+    """A decode batch (blocks of one token): rows in slots 3, 5 (fresh) and 1, one padding
+    row; the padding row writes nothing, not even the null slot."""
+    _, params, _, _ = layer
+    pool = random_pool(6, seed=32)
+    x = hidden(4, 1, seed=33)[:, 0]
+    slot, fresh, live = [3, 0, 5, 1], [False, False, True, False], [True, False, True, True]
+    layout = gdn.SlotLayout(jnp.asarray(slot), jnp.asarray(live), jnp.asarray(live),
+                            jnp.asarray(fresh), jnp.asarray(live)[:, None])
+    y, after = forward_slots(params, x, pool, layout)
+    for row in (0, 2, 3):
+        s = slot[row]
+        begin = jax.tree.map(lambda p, s=s, row=row: p[s : s + 1] * (not fresh[row]), pool)
+        y_ref, ref = decode(params, x[row : row + 1], begin, ones(1))
+        close(y[row], y_ref[0])
+        close(after.ssm[s], ref.ssm[0])
+        close(after.conv[s], ref.conv[0])
+    for untouched in (0, 2, 4):
+        for field in range(2):
+            np.testing.assert_array_equal(after[field][untouched], pool[field][untouched])
 
 
 # ---------------------------------------------------------------- names, shapes, sizes

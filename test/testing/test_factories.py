@@ -18,7 +18,7 @@ from sgl_jax.testing import PRESETS, TINY_VOCAB_SIZE, write_tiny_checkpoint, wri
 from sgl_jax.testing.tokenizer import ENDOFTEXT_ID
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MOE_PRESETS = ("qwen3_moe",)
+MOE_PRESETS = ("qwen3_moe", "qwen3_next")
 
 # --------------------------------------------------------------------------- helpers
 
