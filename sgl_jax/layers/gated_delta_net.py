@@ -534,7 +534,13 @@ def _extend_slots(params, x, pool, layout, config):
     block), and the chunked rule's per-chunk terms with the block as the chunk. A scan over
     the blocks then carries the state: a sequence's first block loads its slot (or zero
     when fresh), its last block stores into the pool, which rides in the scan's carry so
-    that no per-block copy of the states is ever built."""
+    that no per-block copy of the states is ever built.
+
+    Why blocks rather than a gather into [sequences, longest chunk]: the block layout is
+    what the batch already is, bucketed by token count alone, so this adds no shape to
+    compile; a dense [sequences, length] view would need its own buckets for both, or
+    T * T / C padded tokens. The cost is a sequential pass over T / C blocks of small
+    matmuls, the same pass the chunked rule makes over its chunks."""
     num_blocks, size = layout.valid.shape
     k1 = config.conv_kernel - 1
     if size < k1:
@@ -542,7 +548,7 @@ def _extend_slots(params, x, pool, layout, config):
                          f"({k1}): a window would span several blocks")
     qkv, z, b, a = _in_proj(params, x, config)
     qkv = qkv.reshape(num_blocks, size, -1)
-    saved = _read_slots(pool, layout.slot, layout.fresh).conv  # [NB, K-1, C']
+    saved = _read_rows(pool.conv, layout.slot, layout.fresh)  # [NB, K-1, C']
     previous = jnp.concatenate([jnp.zeros_like(qkv[:1, -k1:]), qkv[:-1, -k1:]])
     windows = jnp.where(layout.first[:, None, None], saved, previous.astype(saved.dtype))
     mixed, after = jax.vmap(causal_conv, (0, 0, None, 0))(
@@ -573,7 +579,12 @@ def _extend_slots(params, x, pool, layout, config):
 
 def _read_slots(pool: GdnState, slot: jax.Array, fresh: jax.Array) -> GdnState:
     """pool [S, ...], slot i32[B], fresh bool[B] -> GdnState [B, ...] (zero where fresh)."""
-    return GdnState(*(jnp.where(_expand(fresh, x[slot]), 0, x[slot]) for x in pool))
+    return GdnState(*(_read_rows(x, slot, fresh) for x in pool))
+
+
+def _read_rows(pool: jax.Array, slot: jax.Array, fresh: jax.Array) -> jax.Array:
+    rows = pool[slot]
+    return jnp.where(_expand(fresh, rows), 0, rows).astype(pool.dtype)
 
 
 def _write_slots(pool: GdnState, slot: jax.Array, state: GdnState, write: jax.Array

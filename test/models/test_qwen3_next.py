@@ -4,19 +4,21 @@ value heads of 16, 8 experts top 2 with a shared expert, layer 1 dense. Config a
 names, partial rotary, logits, greedy continuations through the Engine (page sizes 1 and 16,
 batches of 1 and 8, chunked prefill), seeded sampling, no compilation after warm-up, the
 recurrent-state pool back to full after finished, aborted and retracted requests, the radix
-cache off, speculation refused, TP 1, 2 and 4 alike."""
+cache off, speculation refused, TP 1, 2 and 4 alike, and a chat through the HTTP server."""
 
 import json
 import logging
 import shutil
 import time
 
+import httpx
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3NextConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from sgl_jax import Engine
@@ -30,6 +32,7 @@ from sgl_jax.models.weights import checkpoint_tensors
 from sgl_jax.testing import tiny_config, write_tiny_checkpoint
 from sgl_jax.testing.parallel import prompts as tp_prompts
 from sgl_jax.testing.parallel import run_subprocess
+from sgl_jax.testing.server import launch_server
 
 # The residual stream of this random model grows to ~30 through 8 layers, and float32
 # rounding with it: transformers' own float32 run is as far from its float64 run as we are.
@@ -152,8 +155,8 @@ def test_ragged_prefill_logits_match_transformers(checkpoint, page_size):
 
 def test_chunks_and_decode_steps_continue_each_state(checkpoint):
     """Steps mixing a second prefill chunk, a whole prompt and decode tokens, each sequence in
-    its own slot: every step's logits are transformers' over the whole sequence so far, and
-    the slots nobody uses (the null slot included) stay zero."""
+    its own slot, then decode steps: every step's logits are transformers' over the whole
+    sequence so far, and the slots nobody uses (the null slot included) stay zero."""
     _, reference, model = checkpoint
     runner = ModelRunner(model, num_pages=64, page_size=4, num_state_slots=6)
     a, b, c = prompts(1, [30, 21, 9])
@@ -163,15 +166,17 @@ def test_chunks_and_decode_steps_continue_each_state(checkpoint):
     logits, _ = runner.forward([SeqChunk(a[13:], 13, pages[1], state_slot=1),
                                 SeqChunk(b, 0, pages[3], state_slot=3),
                                 SeqChunk(c[-1:], len(c) - 1, pages[5], state_slot=5)])
-    seqs = {1: a, 3: b, 5: c}
-    for step in range(4):  # then decode steps: one token per sequence
-        expected = np.stack([reference_logits(reference, ids)[-1] for ids in seqs.values()])
-        np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0, err_msg=str(step))
+    seqs, steps = {1: a, 3: b, 5: c}, [logits]
+    for _ in range(3):  # decode steps: one token per sequence, our own greedy choice
         seqs = {slot: ids + [int(row.argmax())]
-                for (slot, ids), row in zip(seqs.items(), expected, strict=True)}
+                for (slot, ids), row in zip(seqs.items(), steps[-1], strict=True)}
         chunks = [SeqChunk(ids[-1:], len(ids) - 1, pages[slot], state_slot=slot)
                   for slot, ids in seqs.items()]
-        logits, _ = runner.forward(chunks)
+        steps.append(runner.forward(chunks)[0])
+    for row, ids in enumerate(seqs.values()):  # one forward over each whole sequence
+        expected = reference_logits(reference, ids)[-len(steps):]
+        ours = np.stack([step[row] for step in steps])
+        np.testing.assert_allclose(ours, expected, atol=ATOL, rtol=0, err_msg=str(row))
     for i in range(model.config.num_layers):
         if model.config.is_linear_layer(i):
             for field in runner.kv_cache[i]:
@@ -216,9 +221,9 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(checkpoint
     with Engine(model_path=str(path), page_size=16, **ENGINE) as engine:
         batch = engine.generate(input_ids=seqs, sampling_params=params)
         alone = engine.generate(input_ids=seqs[1], sampling_params=params[1])
-        unseeded = engine.generate(input_ids=seqs[1], sampling_params=params[1] | {"seed": 9})
+        reseeded = engine.generate(input_ids=seqs[1], sampling_params=params[1] | {"seed": 9})
     assert alone["output_ids"] == batch[1]["output_ids"]
-    assert len(alone["output_ids"]) == 12 and unseeded["output_ids"] != alone["output_ids"]
+    assert len(alone["output_ids"]) == 12 and reseeded["output_ids"] != alone["output_ids"]
 
 
 def test_state_pool_returns_to_full_after_finish_abort_and_retraction(checkpoint, caplog):
@@ -278,3 +283,36 @@ def test_greedy_identical_across_tp_sizes(checkpoint):
     assert config["linear_num_key_heads"] % 4 == 0
     assert plain[4]["param_bytes_per_device"] < plain[2]["param_bytes_per_device"] < \
         plain[1]["param_bytes_per_device"]
+
+
+# --------------------------------------------------------------------------- the HTTP server
+
+
+def test_server_chat_greedy_and_sampled(checkpoint):
+    """The OpenAI client against the server: a greedy chat equals transformers' greedy reply,
+    a sampled stream completes, and no state slot stays taken."""
+    path, reference, _ = checkpoint
+    flags = ["--model-path", str(path), "--dtype", "float32", "--skip-server-warmup",
+             "--precompile-token-paddings", "64", "--precompile-bs-paddings", "4",
+             "--max-prefill-tokens", "64", "--served-model-name", "tiny-next"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    expected = tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True)
+    with launch_server(flags) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="tiny-next", messages=messages,
+                                               temperature=0, max_tokens=8,
+                                               extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(model="tiny-next", messages=messages,
+                                                temperature=0.7, seed=1, max_tokens=6,
+                                                extra_body={"ignore_eos": True}, stream=True)
+        finishes = [c.choices[0].finish_reason for c in stream if c.choices]
+        info = httpx.get(f"{server.base_url}/get_server_info").json()
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens == 8 and finishes[-1] == "length"
+    assert info["state_slots_in_use"] == 0 and info["kv_pages_in_use"] == 0
