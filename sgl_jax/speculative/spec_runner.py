@@ -5,9 +5,10 @@ Two steps, each one compiled function per bucket:
 - `prefill`: the target's extend (prompt chunks) with its captured hidden states, the draft's
   extend over the same tokens, and for the requests whose prompt is now complete the first
   draft tree.
-- `round`: verify every running request's tree in one target forward with the tree mask,
-  accept a path, move the accepted nodes' target KV to consecutive slots, extend the draft over
-  the accepted tokens and grow the next tree.
+- `round`: `verify_step` (every running request's tree in one target forward with the tree
+  mask, the accepted path, its nodes' target KV moved to consecutive slots), then `draft_step`
+  (the draft extended over the accepted tokens, the next tree grown), as one program. The two
+  parts are public so that a benchmark can time them apart.
 
 Invariant between steps: a request's target and draft caches both hold its first kv_len
 tokens (kv_len = all tokens but the last), so the radix cache can share draft pages exactly
@@ -74,6 +75,18 @@ class RoundOutput:
     top_logprobs: np.ndarray  # f32[B, S+1, MAX_TOP_LOGPROBS]
     next_tokens: np.ndarray  # i32[B, N]: the next round's tree
     next_parents: np.ndarray  # i32[B, N]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Verified:
+    """What a round's verification hands on, one row per request."""
+
+    verdict: Verdict
+    logprobs: jax.Array  # f32[B, S+1]: raw target log-probability of each emitted token
+    top: tuple[jax.Array, jax.Array]  # i32 / f32[B, S+1, MAX_TOP_LOGPROBS] (zeros unless asked)
+    features: jax.Array | None  # f[B*(S+1), F]: the target's features along the accepted
+    # path (what the draft reads), or None for a draft that reads none
 
 
 class SpecRunner:
@@ -144,12 +157,9 @@ class SpecRunner:
               ) -> RoundOutput:
         """Verify and redraft every row; `sampling` has one host row per request."""
         n = len(rows)
-        padded = self.target.buckets.batch_padding(n)
-        tree, page_table, kv_lens, active = self._round_inputs(rows, padded)
-        node_sampling = self._node_sampling(sampling, rows, padded)
         self.target.kv_cache, self.draft_kv, result = self._round(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
-            page_table, kv_lens, active, tree, node_sampling, np.bool_(want_top_logprobs),
+            *self.round_arrays(rows, sampling), np.bool_(want_top_logprobs),
         )
         verdict, logprobs, top, next_tree = jax.device_get(result)
         return RoundOutput(
@@ -186,6 +196,15 @@ class SpecRunner:
             pages[row, : len(chunk.page_ids)] = chunk.page_ids
             lens[row] = chunk.prefix_len + len(chunk.token_ids)
         return pages, lens
+
+    def round_arrays(self, rows: Sequence[RoundRow], sampling: SamplingBatch
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, DraftTree, SamplingBatch]:
+        """The host arrays a round's steps take, padded to the batch bucket: page_table
+        i32[B, P], kv_lens i32[B], active bool[B], the trees [B, N] and one sampling row per
+        node."""
+        padded = self.target.buckets.batch_padding(len(rows))
+        tree, page_table, kv_lens, active = self._round_inputs(rows, padded)
+        return page_table, kv_lens, active, tree, self._node_sampling(sampling, rows, padded)
 
     def _round_inputs(self, rows: Sequence[RoundRow], padded: int):
         n = self.shape.num_draft_tokens
@@ -256,8 +275,25 @@ class SpecRunner:
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
                     kv_lens, active, tree: DraftTree, sampling, want_top):
+        self._count_compilation("round", tree.tokens.shape[0])
+        target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
+                                               active, tree, sampling, want_top)
+        next_tree, draft_kv = self.draft_step(draft_params, draft_kv, tree, verified,
+                                              page_table, kv_lens, active)
+        return target_kv, draft_kv, self.tp.constrain_replicated(
+            (verified.verdict, verified.logprobs, verified.top, next_tree))
+
+    def verify_step(self, target_params, target_kv: list[LayerKV],
+                    page_table: jax.Array,  # i32[B, P]
+                    kv_lens: jax.Array,  # i32[B]: committed tokens before the tree's root
+                    active: jax.Array,  # bool[B]: padding rows write nothing
+                    tree: DraftTree,  # [B, N]
+                    sampling: SamplingBatch,  # B*N rows, one per node
+                    want_top: jax.Array,  # bool[]
+                    ) -> tuple[list[LayerKV], Verified]:
+        """The round's first part (pure, jittable): the target's forward over every tree with
+        the tree mask, the acceptance walk, and the accepted nodes' K/V moved into place."""
         batch, n = tree.tokens.shape
-        self._count_compilation("round", batch)
         positions = kv_lens[:, None] + node_depths(tree.parents)
         metadata = window_metadata(page_table, kv_lens, jnp.where(active, n, 0), n,
                                    self.page_size, ancestor_mask(tree.parents))
@@ -273,14 +309,14 @@ class SpecRunner:
         logprobs, top = _path_logprobs(logits[path_rows], verdict.tokens, want_top)
         features = (self._features(hidden, captured)[path_rows]
                     if self.draft.uses_target_features else None)
-        next_tree, draft_kv = self._redraft(draft_params, draft_kv, tree, verdict, features,
-                                            page_table, kv_lens, active)
-        return target_kv, draft_kv, self.tp.constrain_replicated(
-            (verdict, logprobs, top, next_tree))
+        return target_kv, Verified(verdict, logprobs, top, features)
 
-    def _redraft(self, params, kv, tree, verdict: Verdict, features, page_table, kv_lens,
-                 active):
-        """Extend the draft over the accepted path, then grow the next tree from the bonus."""
+    def draft_step(self, params, kv: list[LayerKV], tree: DraftTree, verified: Verified,
+                   page_table: jax.Array, kv_lens: jax.Array, active: jax.Array
+                   ) -> tuple[DraftTree, list[LayerKV]]:
+        """The round's second part (pure, jittable): extend the draft over the accepted path,
+        then grow the next tree from the bonus token. Arguments as for verify_step."""
+        verdict = verified.verdict
         batch, width = verdict.tokens.shape  # width = S + 1
         valid = jnp.where(active, verdict.num_accepted + 1, 0)
         metadata = window_metadata(page_table, kv_lens, valid, width, self.page_size)
@@ -289,8 +325,8 @@ class SpecRunner:
             tokens = verdict.tokens
         else:  # the accepted path's own tokens, root first
             tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)
-        hidden, kv = self.draft.forward(params, kv, tokens.reshape(-1), positions, features,
-                                        metadata, from_target=True)
+        hidden, kv = self.draft.forward(params, kv, tokens.reshape(-1), positions,
+                                        verified.features, metadata, from_target=True)
         last = verdict.num_accepted[:, None]
         root_tokens = jnp.take_along_axis(verdict.tokens, last, axis=1)[:, 0]
         root_hidden = root_logits = None

@@ -1,0 +1,226 @@
+"""The cost of a speculative round in parts, beside a plain decode step, on any device.
+
+For each draft shape and batch size, with every request `--context` tokens deep:
+
+- decode: one plain decode step through ModelRunner.step (host arrays in, tokens out);
+- round: one verify round through SpecRunner.round (the same, for a round);
+- verify: SpecRunner.verify_step alone on the device (target forward over the trees with the
+  tree mask, logits, acceptance walk, accepted K/V moved);
+- draft: SpecRunner.draft_step alone on the device (draft extend over the accepted path, the
+  next tree's draft steps);
+- round on device: both as the one program a round compiles to; host = round - that.
+
+A round emits `accept length` tokens where a decode step emits one, so speculation pays when
+the accept length exceeds round / decode: the break-even column. Contents of the caches and
+trees do not change the cost (every shape is fixed), so random tokens stand in for real ones.
+
+    python benchmark/bench_round_parts.py                      # the demo pair, chain and tree
+    python benchmark/bench_round_parts.py --shapes 2/1/3,5/1/6,3/4/8 --batch-sizes 1,8,32
+    python benchmark/bench_round_parts.py --model-path meta-llama/Llama-3.1-8B-Instruct \\
+        --draft-model-path lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+SHAPES = {"chain": "5/1/6", "tree": "3/4/8"}
+
+
+@dataclass
+class Row:
+    shape: str  # steps/topk/draft tokens
+    batch_size: int
+    decode_ms: float
+    round_ms: float
+    verify_ms: float
+    draft_ms: float
+    round_device_ms: float
+    host_ms: float
+    break_even_accept_length: float  # round / decode
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default="demo", help="target; default: the demo model")
+    p.add_argument("--draft-model-path", default="demo",
+                   help="EAGLE3 head; default: the demo model's trained head")
+    p.add_argument("--shapes", default="chain,tree",
+                   help="comma-separated: chain, tree, or steps/topk/draft-tokens")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--context", type=int, default=256, help="committed tokens per request")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--output-json")
+    return p.parse_args(argv)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    steps, topk, tokens = (int(x) for x in SHAPES.get(text, text).split("/"))
+    return steps, topk, tokens
+
+
+def median_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time of each fn() in ms, after one untimed call each (compilation). The
+    calls take turns, so a load that comes and goes weighs on all of them alike."""
+    import jax
+
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
+class Setup:
+    """A target ModelRunner and its SpecRunner for one shape, loaded as the Engine loads them."""
+
+    def __init__(self, args: argparse.Namespace, shape: tuple[int, int, int], max_batch: int):
+        from sgl_jax.demo import demo_draft_path, demo_model_path
+        from sgl_jax.model_executor.forward_batch import Buckets
+        from sgl_jax.model_executor.model_runner import ModelRunner
+        from sgl_jax.models.loader import load_model
+        from sgl_jax.server_args import ServerArgs
+        from sgl_jax.speculative.setup import load_draft, make_spec_runner
+
+        steps, topk, tokens = shape
+        target = str(demo_model_path()) if args.model_path == "demo" else args.model_path
+        draft = str(demo_draft_path()) if args.draft_model_path == "demo" else args.draft_model_path
+        backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+        server_args = ServerArgs(
+            model_path=target, dtype=args.dtype, page_size=args.page_size,
+            speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+            speculative_num_steps=steps, speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=tokens, **backend)
+        self.model = load_model(target, dtype=server_args.dtype, tp=None)
+        context_len = args.context + 64
+        self.pages_per_seq = -(-context_len // args.page_size)
+        buckets = Buckets.automatic(max_tokens=256, max_seqs=max_batch, context_len=context_len,
+                                    page_size=args.page_size)
+        self.runner = ModelRunner(self.model, num_pages=1 + max_batch * self.pages_per_seq,
+                                  page_size=args.page_size, buckets=buckets,
+                                  attention_backend=server_args.attention_backend)
+        self.spec = make_spec_runner(server_args, self.runner,
+                                     load_draft(server_args, self.model))
+        self.num_tokens = tokens
+        self.tree_parents = _tree_parents(steps, topk, tokens)
+
+    def pages(self, row: int) -> list[int]:
+        return list(range(1 + row * self.pages_per_seq, 1 + (row + 1) * self.pages_per_seq))
+
+
+def _tree_parents(steps: int, topk: int, tokens: int) -> np.ndarray:
+    """i32[N]: a tree of N nodes, topk children per node in breadth-first order (a chain when
+    topk is 1), no deeper than `steps`. Which tree it is does not change the cost."""
+    parents = np.array([-1] + [(i - 1) // topk for i in range(1, tokens)], np.int32)
+    depth = 0 if topk == 1 else int(np.ceil(np.log(tokens * (topk - 1) + 1) / np.log(topk))) - 1
+    if (tokens - 1 if topk == 1 else depth) > steps:
+        raise ValueError(f"{tokens} draft tokens do not fit {steps} steps of topk {topk}")
+    return parents
+
+
+def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: str) -> Row:
+    import jax
+
+    from sgl_jax.model_executor.forward_batch import SeqChunk
+    from sgl_jax.model_executor.model_runner import greedy_sampling_batch
+    from sgl_jax.speculative.spec_runner import RoundRow
+
+    rng = np.random.default_rng(0)
+    vocab = setup.runner.config.vocab_size
+    runner, spec = setup.runner, setup.spec
+    sampling = greedy_sampling_batch(batch)
+
+    def decode():
+        chunks = [SeqChunk([int(rng.integers(vocab))], context, setup.pages(i))
+                  for i in range(batch)]
+        return runner.step(chunks, sampling, np.full(batch, -1, np.int32),
+                           np.ones(batch, bool), False).tokens
+
+    rows = [RoundRow(setup.pages(i), context,
+                     rng.integers(vocab, size=setup.num_tokens).astype(np.int32),
+                     setup.tree_parents, 0) for i in range(batch)]
+    arrays = spec.round_arrays(rows, sampling)
+    want_top = np.bool_(False)
+
+    def verify_step(target_kv):
+        return spec.verify_step(runner.model.params, target_kv, *arrays, want_top)
+
+    def draft_step(draft_kv, verified):
+        return spec.draft_step(spec.draft.params, draft_kv, arrays[3], verified, *arrays[:3])
+
+    def round_step(target_kv, draft_kv):  # the program SpecRunner.round runs
+        target_kv, verified = verify_step(target_kv)
+        tree, draft_kv = draft_step(draft_kv, verified)
+        return target_kv, draft_kv, (verified.verdict, tree)
+
+    _, verified = jax.jit(verify_step)(runner.kv_cache)  # not donated: the cache stays
+    verify = jax.jit(verify_step, donate_argnums=0)
+    draft = jax.jit(draft_step, donate_argnums=0)
+    whole = jax.jit(round_step, donate_argnums=(0, 1))
+
+    def run_verify():
+        runner.kv_cache, out = verify(runner.kv_cache)
+        return out
+
+    def run_draft():
+        tree, spec.draft_kv = draft(spec.draft_kv, verified)
+        return tree
+
+    def run_round_device():
+        runner.kv_cache, spec.draft_kv, out = whole(runner.kv_cache, spec.draft_kv)
+        return out
+
+    ms = median_ms({"decode": decode, "round": lambda: spec.round(rows, sampling, False).tokens,
+                    "verify": run_verify, "draft": run_draft, "device": run_round_device},
+                   repeats)
+    return Row(shape_name, batch, ms["decode"], ms["round"], ms["verify"], ms["draft"],
+               ms["device"], ms["round"] - ms["device"], ms["round"] / ms["decode"])
+
+
+HEADER = (f"{'shape':7} {'bs':>3} {'decode ms':>10} {'round ms':>9} {'verify ms':>10} "
+          f"{'draft ms':>9} {'round on device':>16} {'host ms':>8} {'break-even accept len':>22}")
+
+
+def print_row(row: Row) -> None:
+    print(f"{row.shape:7} {row.batch_size:>3} {row.decode_ms:>10.2f} {row.round_ms:>9.2f} "
+          f"{row.verify_ms:>10.2f} {row.draft_ms:>9.2f} {row.round_device_ms:>16.2f} "
+          f"{row.host_ms:>8.2f} {row.break_even_accept_length:>22.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows: list[Row] = []
+    print(HEADER)
+    for name in args.shapes.split(","):
+        shape = parse_shape(name)
+        setup = Setup(args, shape, max(batch_sizes))
+        for batch in batch_sizes:
+            rows.append(measure(setup, batch, args.context, args.repeats,
+                                "/".join(map(str, shape))))
+            print_row(rows[-1])
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

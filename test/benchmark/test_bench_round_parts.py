@@ -1,0 +1,63 @@
+"""benchmark/bench_round_parts.py on a tiny random target and head: one row per shape and batch
+size whose parts add up, and draft trees that fit their shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_round_parts.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_round_parts", BENCH_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_round_parts"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("steps,topk,tokens", [(5, 1, 6), (3, 4, 8), (2, 2, 7), (3, 2, 9)])
+def test_trees_fit_their_shape(steps, topk, tokens):
+    parents = load_bench()._tree_parents(steps, topk, tokens)
+    depths = np.zeros(tokens, int)
+    for i, parent in enumerate(parents[1:], start=1):
+        assert 0 <= parent < i
+        depths[i] = depths[parent] + 1
+    assert depths.max() <= steps
+    assert np.bincount(parents[1:]).max() <= topk
+
+
+def test_a_shape_too_deep_for_its_steps_is_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        load_bench()._tree_parents(2, 1, 6)
+
+
+def test_every_shape_and_batch_size_is_timed_in_parts(tmp_path, capsys):
+    bench = load_bench()
+    target = write_tiny_checkpoint(tmp_path / "target", "llama", hidden_size=64,
+                                   num_hidden_layers=4)
+    config = json.loads((target / "config.json").read_text())
+    draft = write_tiny_eagle3_draft(tmp_path / "draft", config)
+    out = tmp_path / "parts.json"
+    assert bench.main(["--model-path", str(target), "--draft-model-path", str(draft),
+                       "--shapes", "chain,2/2/4", "--batch-sizes", "1,2", "--context", "20",
+                       "--repeats", "2", "--dtype", "float32", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["batch_size"]) for r in rows] == [
+        ("5/1/6", 1), ("5/1/6", 2), ("2/2/4", 1), ("2/2/4", 2)]
+    for row in rows:
+        assert min(row["decode_ms"], row["verify_ms"], row["draft_ms"],
+                   row["round_device_ms"]) > 0
+        assert row["host_ms"] == pytest.approx(row["round_ms"] - row["round_device_ms"])
+        assert row["break_even_accept_length"] == pytest.approx(
+            row["round_ms"] / row["decode_ms"])
+    assert "break-even accept len" in capsys.readouterr().out
