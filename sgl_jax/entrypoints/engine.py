@@ -31,8 +31,7 @@ from sgl_jax.mem_cache.state_pool import state_bytes_per_slot
 from sgl_jax.mem_cache.state_slots import StateSlotAllocator
 from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings, powers_of_two
 from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, ModelRunner
-from sgl_jax.models.loader import load_model, open_checkpoint, read_hf_config
-from sgl_jax.models.registry import get_model_impl
+from sgl_jax.models.loader import load_model
 from sgl_jax.parallel import (
     TensorParallel,
     bytes_per_device,
@@ -87,7 +86,6 @@ class Engine:
             enable_compilation_cache(args.compilation_cache_dir)
         init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)  # before any device use
         _check_available(args)
-        _check_speculation_target(args)
         # Settle the platform default once, so server info reports what actually runs.
         self.server_args = args = dataclasses.replace(
             args, attention_backend=resolve_attention_backend(args.attention_backend))
@@ -170,6 +168,7 @@ class Engine:
             chunk_size=min(args.chunk_size, buckets.max_tokens),
             max_running_requests=buckets.max_seqs,
             completion_lookahead=self._spec.lookahead if self._spec else 0,
+            prompt_ends_in_prefill=self._spec is not None,
         )
         scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
                               decode_log_interval=args.decode_log_interval, spec=spec)
@@ -548,20 +547,6 @@ def _check_available(args: ServerArgs) -> None:
         )
     if args.device is not None:
         _check_device(args.device)
-
-
-def _check_speculation_target(args: ServerArgs) -> None:
-    """Refuse, before any weight loads, speculative decoding on a target with recurrent state."""
-    if args.speculative_algorithm is None:
-        return
-    hf_config = read_hf_config(open_checkpoint(args.model_path, args.revision).model_dir)
-    config = get_model_impl(hf_config).config_from_hf(hf_config)
-    if config.is_hybrid:
-        raise NotImplementedError(
-            f"--speculative-algorithm {args.speculative_algorithm} is not supported for "
-            f"{config.architecture}: speculative decoding over recurrent state (the conv "
-            "windows and delta-rule states of its Gated DeltaNet layers) is not implemented "
-            "yet; serve it without --speculative-algorithm")
 
 
 def _state_slot_info(states: StateSlotAllocator | None) -> dict[str, Any]:

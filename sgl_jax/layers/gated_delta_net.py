@@ -577,6 +577,43 @@ def _extend_slots(params, x, pool, layout, config):
     return y, GdnState(_write_rows(pool.conv, layout.slot, after, layout.last), ssm_pool)
 
 
+class TreeLayout(NamedTuple):
+    """A verify batch over a state pool: B requests, each a draft tree of N nodes laid out
+    row-major ([B * N] tokens), node 0 the root (the request's last committed token)."""
+
+    slot: jax.Array  # i32[B]: each request's slot (0 for padding rows)
+    parents: jax.Array  # i32[B, N]: -1 = the root; a parent precedes its children
+    valid: jax.Array  # bool[B, N]
+
+
+def verify_slots(
+    params: Params,
+    x: jax.Array,  # [B * N, H]
+    pool: GdnState,  # [S, ...]: every slot's state
+    layout: TreeLayout,
+    *,
+    config: GdnConfig,
+) -> tuple[jax.Array, GdnState]:
+    """`verify` over trees whose roots are the committed states in `pool`: [B * N, H] and the
+    state after every node, GdnState [B * N, ...] (the pool's rank, so that the same
+    tensor-parallel split applies). The pool is only read; `commit_node` writes it."""
+    batch, n = layout.parents.shape
+    root = _read_slots(pool, layout.slot, layout.slot == 0)
+    y, nodes = verify(params, x.reshape(batch, n, -1), root, layout.parents, layout.valid,
+                      config=config)
+    return (y.reshape(batch * n, -1),
+            GdnState(*(a.reshape(batch * n, *a.shape[2:]) for a in nodes)))
+
+
+def commit_node(pool: GdnState, nodes: GdnState, slot: jax.Array, node: jax.Array,
+                write: jax.Array) -> GdnState:
+    """pool with each request's state after tree node `node` (i32[B]) written to its slot
+    (i32[B]) where `write` (bool[B]); nodes GdnState [B * N, ...] from `verify_slots`."""
+    batch = slot.shape[0]
+    per_request = GdnState(*(a.reshape(batch, -1, *a.shape[1:]) for a in nodes))
+    return _write_slots(pool, slot, select_node(per_request, node), write)
+
+
 def _read_slots(pool: GdnState, slot: jax.Array, fresh: jax.Array) -> GdnState:
     """pool [S, ...], slot i32[B], fresh bool[B] -> GdnState [B, ...] (zero where fresh)."""
     return GdnState(*(_read_rows(x, slot, fresh) for x in pool))

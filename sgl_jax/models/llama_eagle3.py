@@ -75,16 +75,39 @@ def config_from_hf(hf: dict[str, Any]) -> Eagle3Config:
     )
 
 
-def target_capture_layers(num_target_layers: int, config: Eagle3Config) -> tuple[int, ...]:
-    """Target layers whose *input* residual stream feeds the draft.
+def target_capture_layers(num_target_layers: int, config: Eagle3Config,
+                          target: ModelConfig | None = None) -> tuple[int, ...]:
+    """Target layers whose *input* residual stream feeds the draft (the decoder captures the
+    stream entering layer i; index L is the last layer's output).
 
     Default: inputs of layers 2, L//2 and L-3. `eagle_aux_hidden_state_layer_ids` name the
     layers whose *output* is captured (SpecForge writes [1, L//2-1, L-4]); the output of
     layer i is the input of layer i + 1, so they map to the same states.
+
+    A hybrid target (`target` with linear-attention layers) feeds the draft attention layers'
+    outputs only: explicit ids must name attention layers (a start-up error otherwise), and
+    the default takes, for each of the default outputs 1, L//2-1 and L-4, the first
+    attention layer at or after it (Qwen3-Next, 48 layers: outputs of 3, 23 and 47).
     """
     n = num_target_layers
-    layers = ((2, n // 2, n - 3) if config.aux_layer_ids is None
-              else tuple(i + 1 for i in config.aux_layer_ids))
+    hybrid = target is not None and target.is_hybrid
+    if config.aux_layer_ids is not None:
+        outputs = config.aux_layer_ids
+        if hybrid:
+            linear = [i for i in outputs if 0 <= i < n and target.is_linear_layer(i)]
+            if linear:
+                raise ValueError(
+                    f"eagle_aux_hidden_state_layer_ids {list(outputs)} name linear-attention "
+                    f"layers {linear} of {target.architecture}: EAGLE3 on a hybrid target "
+                    "captures attention layers' outputs only (ids in the 'output of layer i' "
+                    "convention)")
+    elif hybrid:
+        attention = [i for i in range(n) if not target.is_linear_layer(i)]
+        outputs = tuple(next((a for a in attention if a >= i), attention[-1])
+                        for i in (1, n // 2 - 1, n - 4))
+    else:
+        outputs = (1, n // 2 - 1, n - 4)
+    layers = tuple(i + 1 for i in outputs)
     if not all(0 < i <= n for i in layers):
         raise ValueError(f"EAGLE3 capture layers {layers} do not fit a target with {n} layers")
     return layers

@@ -102,6 +102,35 @@ def forward(
                          capture_layers=capture_layers)
 
 
+def verify_forward(
+    params: Params,
+    cache: list[Any],
+    input_ids: jax.Array,  # i32[B * N]: each request's draft tree, node 0 its root
+    positions: jax.Array,  # i32[B * N]
+    metadata: AttentionMetadata,  # the verify window with the trees' ancestor mask
+    *,
+    config: ModelConfig,
+    attention: AttentionBackend,
+    tree: gdn.TreeLayout,
+    linear_attention: LinearAttention | None = None,
+    capture_layers: tuple[int, ...] = (),
+) -> tuple[jax.Array, list[Any], tuple[jax.Array, ...]]:
+    """The target's forward over draft trees (speculative verify). Attention layers attend
+    with the tree mask and write the nodes' K/V as `forward` does. Each linear layer runs
+    every node from its parent's state, the root from the request's committed state in its
+    slot, and writes nothing: its entry in the returned cache is the state after every node,
+    GdnState [B * N, ...], for `gdn.commit_node` once the accepted path is known."""
+    attend = llama.attention_mixer(positions, metadata, config, attention)
+    run = linear_attention or partial(gdn.verify_slots, config=config.linear_attention)
+
+    def linear(p: Params, x: jax.Array, pool: gdn.GdnState) -> tuple[jax.Array, gdn.GdnState]:
+        return run(p["linear_attn"], x, pool, tree)
+
+    mixers = [linear if config.is_linear_layer(i) else attend for i in range(config.num_layers)]
+    return llama.decoder(params, cache, input_ids, mixers, config=config,
+                         capture_layers=capture_layers)
+
+
 compute_logits = llama.compute_logits
 
 

@@ -17,6 +17,9 @@ class PrefillLimits:
     max_running_requests: int
     # Extra KV slots reserved past a completed prompt: the first draft tree's scratch.
     completion_lookahead: int = 0
+    # Speculative decoding: a prompt's last token is computed by prefill, never left alone to
+    # a decode step (a verify round needs the draft tree that completing a prompt grows).
+    prompt_ends_in_prefill: bool = False
 
 
 class PrefillManager:
@@ -66,6 +69,8 @@ class PrefillManager:
         count = min(req.tokens_to_compute, self.limits.chunk_size)
         if aligned(count) > budget:  # a chunk that does not fit stops at a block boundary
             count = budget // EXTEND_Q_BLOCK * EXTEND_Q_BLOCK
+        if self.limits.prompt_ends_in_prefill and req.tokens_to_compute - count == 1:
+            count -= 1  # leaves two tokens for the next chunk
         needed = req.kv_len + count
         if count == req.tokens_to_compute:
             needed = min(needed + self.limits.completion_lookahead, req.context_len)

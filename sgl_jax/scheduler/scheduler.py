@@ -143,7 +143,8 @@ class Scheduler:
     def _verify_round(self, reqs: list[Req]) -> None:
         """One speculative round for every decoding request: verify, emit, redraft."""
         rows = [RoundRow(req.page_ids, req.kv_len, req.draft_tokens, req.draft_parents,
-                         max(req.params.min_new_tokens - len(req.output_ids), 0))
+                         max(req.params.min_new_tokens - len(req.output_ids), 0),
+                         req.state_slot)
                 for req in reqs]
         want_top = any(req.top_logprobs_num > 0 for req in reqs)
         output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs]), want_top)

@@ -54,6 +54,11 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
                 f"the STANDALONE draft's vocabulary ({loaded.config.vocab_size}) is larger than "
                 f"the target's ({target.config.vocab_size}); a draft must share the target's "
                 "tokenizer")
+        if loaded.config.is_hybrid:
+            raise NotImplementedError(
+                f"a STANDALONE draft with recurrent state ({loaded.config.architecture}, "
+                "Gated DeltaNet layers) is not supported: drafting keeps only a paged KV "
+                "cache; use an attention-only draft model or an EAGLE3 head")
         draft = StandaloneDraft(loaded, attention)
     else:
         raise NotImplementedError(f"--speculative-algorithm {spec.algorithm} is not supported")
@@ -65,7 +70,8 @@ def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -
     spec = args.speculative
     capture = ()
     if isinstance(draft, Eagle3Draft):
-        capture = llama_eagle3.target_capture_layers(runner.config.num_layers, draft.config)
+        capture = llama_eagle3.target_capture_layers(runner.config.num_layers, draft.config,
+                                                     target=runner.config)
     shape = TreeShape(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
     thresholds = AcceptThresholds(spec.accept_threshold_single, spec.accept_threshold_acc)
     logger.info("Speculative decoding: %s, steps %d, topk %d, draft tokens %d, capture %s",

@@ -17,6 +17,8 @@ as it shares target pages. Slots past kv_len are scratch that every round rewrit
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import LayerKV, get_attention_backend
 from sgl_jax.layers.attention.metadata import read_slots, write_slots
 from sgl_jax.layers.sampler import SamplingBatch, sample
@@ -46,6 +49,7 @@ from sgl_jax.model_executor.model_runner import (
     _top_logprobs,
     greedy_sampling_batch,
 )
+from sgl_jax.models import qwen3_next
 from sgl_jax.speculative.drafts import DraftModel, TreeShape, allocate_draft_cache, grow_tree
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
@@ -62,6 +66,7 @@ class RoundRow:
     tree_tokens: np.ndarray  # i32[N]: node 0 = the request's last token
     tree_parents: np.ndarray  # i32[N]
     suppress_depth: int  # nodes shallower than this still suppress EOS (min_new_tokens)
+    state_slot: int = 0  # hybrid targets: the request's recurrent-state slot
 
 
 @dataclass(frozen=True)
@@ -108,13 +113,18 @@ class SpecRunner:
         self.page_size = target.page_size
         self.tp = target.tp
         self.attention = self.tp.attention(get_attention_backend(attention_backend))
-        num_pages = target.kv_cache[0][0].shape[0]
+        # Pages of the first attention layer (a hybrid model's layer 0 may be a state pool).
+        config = target.config
+        first_attention = next(i for i in range(config.num_layers)
+                               if not config.is_linear_layer(i))
+        num_pages = target.kv_cache[first_attention][0].shape[0]
         self.draft_kv: list[LayerKV] = allocate_draft_cache(
             draft, num_pages=num_pages, page_size=self.page_size, dtype=target.model.dtype,
             tp=self.tp,
         )
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._round = jax.jit(self._round_impl, donate_argnums=(2, 3))
+        self.hybrid = config.is_hybrid
 
     @property
     def lookahead(self) -> int:
@@ -160,6 +170,7 @@ class SpecRunner:
         self.target.kv_cache, self.draft_kv, result = self._round(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             *self.round_arrays(rows, sampling), np.bool_(want_top_logprobs),
+            self.round_state_slots(rows),
         )
         verdict, logprobs, top, next_tree = jax.device_get(result)
         return RoundOutput(
@@ -176,12 +187,16 @@ class SpecRunner:
         with tqdm(total=len(sizes) + len(shapes), desc="Compiling speculative buckets",
                   unit="bucket") as bar:
             for size in sizes:
-                rows = [RoundRow([0], 0, np.zeros(n, np.int32), chain, 0)] * size
+                rows = [RoundRow([0], 0, np.zeros(n, np.int32), chain, 0, slot)
+                        for slot in self._dummy_state_slots(size)]
                 self.round(rows, greedy_sampling_batch(size), False)
                 bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
                 count = len(chunks)
+                if self.hybrid:
+                    chunks = [dataclasses.replace(c, state_slot=slot) for c, slot
+                              in zip(chunks, self._dummy_state_slots(count), strict=True)]
                 self.prefill(chunks, greedy_sampling_batch(count), np.zeros(count, bool),
                              False, [0] * count)
                 bar.update()
@@ -205,6 +220,19 @@ class SpecRunner:
         padded = self.target.buckets.batch_padding(len(rows))
         tree, page_table, kv_lens, active = self._round_inputs(rows, padded)
         return page_table, kv_lens, active, tree, self._node_sampling(sampling, rows, padded)
+
+    def round_state_slots(self, rows: Sequence[RoundRow]) -> np.ndarray:
+        """i32[B]: each row's state slot, 0 (the null slot) for padding rows."""
+        slots = np.zeros(self.target.buckets.batch_padding(len(rows)), np.int32)
+        slots[: len(rows)] = [row.state_slot for row in rows]
+        return slots
+
+    def _dummy_state_slots(self, count: int) -> list[int]:
+        """Warm-up rows of a hybrid target need distinct real slots (their states are
+        scratch: no request holds a slot during warm-up)."""
+        if not self.hybrid:
+            return [0] * count
+        return [1 + i % (self.target.num_state_slots - 1) for i in range(count)]
 
     def _round_inputs(self, rows: Sequence[RoundRow], padded: int):
         n = self.shape.num_draft_tokens
@@ -240,16 +268,34 @@ class SpecRunner:
 
     # ------------------------------------------------------------------ jitted bodies
 
-    def _target_forward(self, params, kv, tokens, positions, metadata):
+    def _target_forward(self, params, kv, tokens, positions, metadata, state_slots):
         impl, config = self.target.model.impl, self.target.config
+        hybrid = {}
+        if self.hybrid:  # prompt chunks read and update their requests' states
+            layer = functools.partial(gated_delta_net.forward_slots,
+                                      config=config.linear_attention)
+            hybrid = dict(state_slots=state_slots,
+                          linear_attention=self.tp.linear_attention(layer))
         return impl.forward(params, kv, tokens, positions, metadata, config=config,
-                            attention=self.attention, capture_layers=self.capture_layers)
+                            attention=self.attention, capture_layers=self.capture_layers,
+                            **hybrid)
+
+    def _target_verify_forward(self, params, kv, tokens, positions, metadata,
+                               tree: gated_delta_net.TreeLayout):
+        """A hybrid target over draft trees: linear layers return each node's state."""
+        config = self.target.config
+        layer = functools.partial(gated_delta_net.verify_slots, config=config.linear_attention)
+        return qwen3_next.verify_forward(
+            params, kv, tokens, positions, metadata, config=config, attention=self.attention,
+            tree=tree, linear_attention=self.tp.linear_attention(layer),
+            capture_layers=self.capture_layers)
 
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, batch, sampling,
                       emits, want_top, draft_ids, row_pages, row_lens):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self._target_forward(
-            target_params, target_kv, batch.input_ids, batch.positions, batch.attention)
+            target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
+            batch.state_slots)
         logits = self.target.model.impl.compute_logits(
             target_params, hidden[batch.logits_indices], self.target.config)
         out = sample(logits, sampling, None, None)
@@ -274,10 +320,10 @@ class SpecRunner:
         return target_kv, draft_kv, *self.tp.constrain_replicated((out, top, tree))
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
-                    kv_lens, active, tree: DraftTree, sampling, want_top):
+                    kv_lens, active, tree: DraftTree, sampling, want_top, state_slots):
         self._count_compilation("round", tree.tokens.shape[0])
         target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
-                                               active, tree, sampling, want_top)
+                                               active, tree, sampling, want_top, state_slots)
         next_tree, draft_kv = self.draft_step(draft_params, draft_kv, tree, verified,
                                               page_table, kv_lens, active)
         return target_kv, draft_kv, self.tp.constrain_replicated(
@@ -290,19 +336,39 @@ class SpecRunner:
                     tree: DraftTree,  # [B, N]
                     sampling: SamplingBatch,  # B*N rows, one per node
                     want_top: jax.Array,  # bool[]
+                    state_slots: jax.Array | None = None,  # i32[B]: hybrid targets' slots
                     ) -> tuple[list[LayerKV], Verified]:
         """The round's first part (pure, jittable): the target's forward over every tree with
-        the tree mask, the acceptance walk, and the accepted nodes' K/V moved into place."""
+        the tree mask, the acceptance walk, and the accepted nodes' K/V moved into place.
+        A hybrid target's linear layers run the trees from each request's committed state
+        without writing the pools; the state after the last accepted node is then committed
+        to the request's slot (padding rows write nothing)."""
         batch, n = tree.tokens.shape
         positions = kv_lens[:, None] + node_depths(tree.parents)
         metadata = window_metadata(page_table, kv_lens, jnp.where(active, n, 0), n,
                                    self.page_size, ancestor_mask(tree.parents))
-        hidden, target_kv, captured = self._target_forward(
-            target_params, target_kv, tree.tokens.reshape(-1), positions.reshape(-1), metadata)
+        pools = list(target_kv)
+        if self.hybrid:
+            slots = jnp.where(active, state_slots, 0)
+            layout = gated_delta_net.TreeLayout(
+                slots, tree.parents, jnp.broadcast_to(active[:, None], tree.parents.shape))
+            hidden, target_kv, captured = self._target_verify_forward(
+                target_params, target_kv, tree.tokens.reshape(-1), positions.reshape(-1),
+                metadata, layout)
+        else:
+            hidden, target_kv, captured = self._target_forward(
+                target_params, target_kv, tree.tokens.reshape(-1), positions.reshape(-1),
+                metadata, None)
         logits = self.target.model.impl.compute_logits(target_params, hidden,
                                                        self.target.config)  # f32[B*N, V]
         verdict = verify_tree(tree, logits, sampling, num_steps=self.shape.num_steps,
                               thresholds=self.thresholds)
+        if self.hybrid:
+            last = jnp.take_along_axis(verdict.path, verdict.num_accepted[:, None], axis=1)[:, 0]
+            target_kv = [
+                gated_delta_net.commit_node(pools[i], nodes, slots, last, active)
+                if self.target.config.is_linear_layer(i) else nodes
+                for i, nodes in enumerate(target_kv)]
         if self.shape.topk > 1:  # a chain's accepted nodes are already consecutive
             target_kv = commit_path_kv(target_kv, page_table, kv_lens, verdict, self.page_size)
         path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)
@@ -366,7 +432,9 @@ def commit_path_kv(kv: list[LayerKV], page_table: jax.Array, prefix_lens: jax.Ar
     def move(pages: jax.Array) -> jax.Array:
         return write_slots(pages, dest, read_slots(pages, source))
 
-    return [(move(k), move(v)) for k, v in kv]
+    # A hybrid model's linear layers hold state pools, committed apart.
+    return [layer if isinstance(layer, gated_delta_net.GdnState) else tuple(map(move, layer))
+            for layer in kv]
 
 
 def _path_logprobs(logits: jax.Array, tokens: jax.Array, want_top: jax.Array):

@@ -4,7 +4,7 @@ value heads of 16, 8 experts top 2 with a shared expert, layer 1 dense. Config a
 names, partial rotary, logits, greedy continuations through the Engine (page sizes 1 and 16,
 batches of 1 and 8, chunked prefill), seeded sampling, no compilation after warm-up, the
 recurrent-state pool back to full after finished, aborted and retracted requests, the radix
-cache off, speculation refused, TP 1, 2 and 4 alike, and a chat through the HTTP server."""
+cache off, TP 1, 2 and 4 alike, and a chat through the HTTP server."""
 
 import json
 import logging
@@ -256,14 +256,6 @@ def test_state_pool_returns_to_full_after_finish_abort_and_retraction(checkpoint
         assert_greedy_as_transformers(reference, ids, out["output_ids"])
     assert any("Radix prefix cache off" in r.message and "recurrent state" in r.message
                for r in caplog.records)
-
-
-def test_speculative_decoding_on_a_hybrid_target_is_refused(checkpoint):
-    path, _, _ = checkpoint
-    with pytest.raises(NotImplementedError, match="speculative decoding over recurrent state "
-                                                  r"\(.*\) is not implemented yet"):
-        Engine(model_path=str(path), speculative_algorithm="EAGLE3",
-               speculative_draft_model_path=str(path), **ENGINE)
 
 
 # --------------------------------------------------------------------------- tensor parallel

@@ -1,0 +1,152 @@
+"""Speculative decoding on a hybrid target (the tiny Qwen3-Next: Gated DeltaNet layers with a
+recurrent state per request, gated attention at layers 3 and 7): greedy output with an EAGLE3
+head equals plain greedy (chain and topk > 1 tree, page sizes 1 and 16, batch sizes 1 and 8)
+and every state slot comes back; a verify round whose trees hold the target's own greedy
+tokens accepts them all and commits, into each request's slot, the state that decoding the
+accepted path one token at a time leaves; EAGLE3 captures attention layers' outputs only."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from sgl_jax import Engine
+from sgl_jax.layers import gated_delta_net
+from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.model_executor.forward_batch import SeqChunk
+from sgl_jax.model_executor.model_runner import greedy_sampling_batch
+from sgl_jax.models import llama_eagle3
+from sgl_jax.models.loader import load_eagle3_draft
+from sgl_jax.speculative.spec_runner import RoundRow
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 8],
+            max_prefill_tokens=64, chunked_prefill_size=32, skip_server_warmup=True)
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=8)
+LENGTHS = [3, 45, 12, 70, 5, 20, 9, 33]  # 45 and 70 take several prefill chunks
+MAX_NEW = [9, 5, 12, 4, 10, 6, 1, 8]
+
+
+def greedy(n):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid-spec")
+    target = write_tiny_checkpoint(root / "qwen3_next", "qwen3_next")
+    config = json.loads((target / "config.json").read_text())
+    return {"target": target, "eagle3": write_tiny_eagle3_draft(root / "eagle3", config)}
+
+
+@pytest.fixture(scope="module")
+def references(paths):
+    with Engine(model_path=str(paths["target"]), page_size=16, **BASE) as engine:
+        batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])
+        return [o["output_ids"] for o in batch]
+
+
+def spec_engine(paths, shape, page_size):
+    return Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
+                  speculative_draft_model_path=str(paths["eagle3"]), page_size=page_size,
+                  **shape, **BASE)
+
+
+def states_all_free(engine) -> bool:
+    info = engine.get_server_info()
+    return (info["state_slots_in_use"] == 0
+            and engine._allocator.num_free == engine._allocator.capacity)
+
+
+@pytest.mark.parametrize("shape,page_size", [(CHAIN, 1), (TREE, 16)], ids=["chain-page1",
+                                                                         "tree-page16"])
+def test_greedy_speculation_equals_plain_decoding(paths, references, shape, page_size):
+    with spec_engine(paths, shape, page_size) as engine:
+        alone = engine.generate(input_ids=prompts()[3], sampling_params=greedy(MAX_NEW[3]))
+        assert alone["output_ids"] == references[3]  # batch size 1
+        assert states_all_free(engine)
+        batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                      MAX_NEW])
+        assert [o["output_ids"] for o in batch] == references  # batch size 8
+        assert states_all_free(engine)
+
+
+def test_capture_layers_are_attention_outputs(paths):
+    from sgl_jax.models.loader import load_model
+    target = load_model(str(paths["target"]), dtype="float32", progress=False).config
+    draft = load_eagle3_draft(str(paths["eagle3"]), dtype="float32").config
+    # Attention at 3 and 7: the default outputs 1, 3, 4 move to 3, 3, 7 (inputs of 4, 4, 8).
+    assert llama_eagle3.target_capture_layers(8, draft, target=target) == (4, 4, 8)
+    explicit = dataclasses.replace(draft, aux_layer_ids=(3, 7, 7))
+    assert llama_eagle3.target_capture_layers(8, explicit, target=target) == (4, 8, 8)
+    wrong = dataclasses.replace(draft, aux_layer_ids=(1, 3, 7))
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        llama_eagle3.target_capture_layers(8, wrong, target=target)
+
+
+def _pools(runner, slot):
+    config = runner.config
+    return [jax.tree.map(lambda a: np.asarray(a[slot]), runner.kv_cache[i])
+            for i in range(config.num_layers) if config.is_linear_layer(i)]
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, shape):
+    """Trees holding the target's own greedy continuation: every draft token is accepted, and
+    the committed state equals decoding root, g1, g2, g3 one token at a time."""
+    with spec_engine(paths, shape, 16) as engine:
+        runner, spec = engine._runner, engine._spec
+        ids = [prompts()[i] for i in (2, 5)]
+        follow = [references[i] for i in (2, 5)]
+        n = spec.shape.num_draft_tokens
+        slots = [engine._state_slots.allocate() for _ in range(4)]
+        pages = [engine._allocator.allocate(8) for _ in range(4)]
+        # Slots 0, 1: the requests before verify; 2, 3: the same prompts decoded plainly.
+        runner.forward([SeqChunk(p[:-1], 0, pages[j], state_slot=slots[j])
+                        for j, p in enumerate(ids)])
+        runner.forward([SeqChunk(p[:-1], 0, pages[j + 2], state_slot=slots[j + 2])
+                        for j, p in enumerate(ids)])
+        for depth in range(4):
+            runner.forward([SeqChunk([([p[-1]] + f)[depth]], len(p) - 1 + depth, pages[j + 2],
+                                     state_slot=slots[j + 2])
+                            for j, (p, f) in enumerate(zip(ids, follow, strict=True))])
+        rows, paths_taken = [], []
+        for j, (p, f) in enumerate(zip(ids, follow, strict=True)):
+            if n == 4:  # the chain root, g1, g2, g3
+                tokens, parents, path = [p[-1], *f[:3]], [-1, 0, 1, 2], [0, 1, 2, 3]
+            else:  # decoys beside and below the greedy path, which lies at nodes 0, 2, 4, 7
+                decoy = [(t + 1) % 500 for t in f[:3]]
+                tokens = [p[-1], decoy[0], f[0], decoy[1], f[1], decoy[2], decoy[2], f[2]]
+                parents, path = [-1, 0, 0, 2, 2, 4, 3, 4], [0, 2, 4, 7]
+            rows.append(RoundRow(pages[j], len(p) - 1, np.array(tokens, np.int32),
+                                 np.array(parents, np.int32), 0, slots[j]))
+            paths_taken.append(path)
+        arrays = spec.round_arrays(rows, greedy_sampling_batch(len(rows)))
+        assert isinstance(arrays[4], SamplingBatch)
+        kv, verified = jax.jit(spec.verify_step)(
+            runner.model.params, runner.kv_cache, *arrays, np.bool_(False),
+            spec.round_state_slots(rows))
+        runner.kv_cache = kv
+        verdict = jax.device_get(verified.verdict)
+        for j, f in enumerate(follow):
+            assert verdict.num_accepted[j] == 3
+            assert verdict.path[j].tolist() == paths_taken[j]
+            assert verdict.tokens[j].tolist() == f[:4]
+            for committed, decoded in zip(_pools(runner, slots[j]), _pools(runner, slots[j + 2]),
+                                          strict=True):
+                np.testing.assert_allclose(committed.conv, decoded.conv, rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(committed.ssm, decoded.ssm, rtol=1e-4, atol=1e-4)
+        for slot in slots:
+            engine._state_slots.free(slot)
+        for page_ids in pages:
+            engine._allocator.free(page_ids)
+        assert isinstance(runner.kv_cache[0], gated_delta_net.GdnState)
