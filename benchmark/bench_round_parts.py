@@ -155,35 +155,39 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     rows = [RoundRow(setup.pages(i), context,
                      rng.integers(vocab, size=setup.num_tokens).astype(np.int32),
                      setup.tree_parents, 0) for i in range(batch)]
-    arrays = spec.round_arrays(rows, sampling)
+    arrays = spec.round_arrays(rows, sampling)  # page_table, kv_lens, active, tree, sampling
+    page_table, kv_lens, active, tree, _ = arrays
     want_top = np.bool_(False)
 
-    def verify_step(target_kv):
-        return spec.verify_step(runner.model.params, target_kv, *arrays, want_top)
+    def round_step(target_params, draft_params, target_kv, draft_kv, page_table, kv_lens,
+                   active, tree, node_sampling, want_top):
+        """The program SpecRunner.round runs: the two parts back to back."""
+        target_kv, verified = spec.verify_step(target_params, target_kv, page_table, kv_lens,
+                                               active, tree, node_sampling, want_top)
+        next_tree, draft_kv = spec.draft_step(draft_params, draft_kv, tree, verified,
+                                              page_table, kv_lens, active)
+        return target_kv, draft_kv, (verified.verdict, next_tree)
 
-    def draft_step(draft_kv, verified):
-        return spec.draft_step(spec.draft.params, draft_kv, arrays[3], verified, *arrays[:3])
-
-    def round_step(target_kv, draft_kv):  # the program SpecRunner.round runs
-        target_kv, verified = verify_step(target_kv)
-        tree, draft_kv = draft_step(draft_kv, verified)
-        return target_kv, draft_kv, (verified.verdict, tree)
-
-    _, verified = jax.jit(verify_step)(runner.kv_cache)  # not donated: the cache stays
-    verify = jax.jit(verify_step, donate_argnums=0)
-    draft = jax.jit(draft_step, donate_argnums=0)
-    whole = jax.jit(round_step, donate_argnums=(0, 1))
+    # Everything goes in as an argument: a closed-over array would be folded at compile time.
+    _, verified = jax.jit(spec.verify_step)(runner.model.params, runner.kv_cache, *arrays,
+                                            want_top)  # not donated: the cache stays
+    verify = jax.jit(spec.verify_step, donate_argnums=1)
+    draft = jax.jit(spec.draft_step, donate_argnums=1)
+    whole = jax.jit(round_step, donate_argnums=(2, 3))
 
     def run_verify():
-        runner.kv_cache, out = verify(runner.kv_cache)
+        runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *arrays, want_top)
         return out
 
     def run_draft():
-        tree, spec.draft_kv = draft(spec.draft_kv, verified)
-        return tree
+        out, spec.draft_kv = draft(spec.draft.params, spec.draft_kv, tree, verified,
+                                   page_table, kv_lens, active)
+        return out
 
     def run_round_device():
-        runner.kv_cache, spec.draft_kv, out = whole(runner.kv_cache, spec.draft_kv)
+        runner.kv_cache, spec.draft_kv, out = whole(
+            runner.model.params, spec.draft.params, runner.kv_cache, spec.draft_kv, *arrays,
+            want_top)
         return out
 
     ms = median_ms({"decode": decode, "round": lambda: spec.round(rows, sampling, False).tokens,
