@@ -112,9 +112,11 @@ class Setup:
         self.pages_per_seq = -(-context_len // args.page_size)
         buckets = Buckets.automatic(max_tokens=256, max_seqs=max_batch, context_len=context_len,
                                     page_size=args.page_size)
+        hybrid = self.model.config.is_hybrid  # request i holds recurrent-state slot i + 1
         self.runner = ModelRunner(self.model, num_pages=1 + max_batch * self.pages_per_seq,
                                   page_size=args.page_size, buckets=buckets,
-                                  attention_backend=server_args.attention_backend)
+                                  attention_backend=server_args.attention_backend,
+                                  num_state_slots=max_batch + 1 if hybrid else 0)
         self.spec = make_spec_runner(server_args, self.runner,
                                      load_draft(server_args, self.model))
         self.num_tokens = tokens
@@ -147,47 +149,50 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     sampling = greedy_sampling_batch(batch)
 
     def decode():
-        chunks = [SeqChunk([int(rng.integers(vocab))], context, setup.pages(i))
+        chunks = [SeqChunk([int(rng.integers(vocab))], context, setup.pages(i),
+                           state_slot=i + 1)
                   for i in range(batch)]
         return runner.step(chunks, sampling, np.full(batch, -1, np.int32),
                            np.ones(batch, bool), False).tokens
 
     rows = [RoundRow(setup.pages(i), context,
                      rng.integers(vocab, size=setup.num_tokens).astype(np.int32),
-                     setup.tree_parents, 0) for i in range(batch)]
+                     setup.tree_parents, 0, i + 1) for i in range(batch)]
     arrays = spec.round_arrays(rows, sampling)  # page_table, kv_lens, active, tree, sampling
     page_table, kv_lens, active, tree, _ = arrays
     want_top = np.bool_(False)
+    slots = spec.round_state_slots(rows)  # i32[B]: recurrent-state slots (hybrid targets)
 
     def round_step(target_params, draft_params, target_kv, draft_kv, page_table, kv_lens,
-                   active, tree, node_sampling, want_top):
+                   active, tree, node_sampling, want_top, slots):
         """The program SpecRunner.round runs: the two parts back to back."""
         target_kv, verified = spec.verify_step(target_params, target_kv, page_table, kv_lens,
-                                               active, tree, node_sampling, want_top)
+                                               active, tree, node_sampling, want_top, slots)
         next_tree, draft_kv = spec.draft_step(draft_params, draft_kv, tree, verified,
-                                              page_table, kv_lens, active)
+                                              page_table, kv_lens, active, slots)
         return target_kv, draft_kv, (verified.verdict, next_tree)
 
     # Everything goes in as an argument: a closed-over array would be folded at compile time.
     _, verified = jax.jit(spec.verify_step)(runner.model.params, runner.kv_cache, *arrays,
-                                            want_top)  # not donated: the cache stays
+                                            want_top, slots)  # not donated: the cache stays
     verify = jax.jit(spec.verify_step, donate_argnums=1)
     draft = jax.jit(spec.draft_step, donate_argnums=1)
     whole = jax.jit(round_step, donate_argnums=(2, 3))
 
     def run_verify():
-        runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *arrays, want_top)
+        runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *arrays, want_top,
+                                      slots)
         return out
 
     def run_draft():
         out, spec.draft_kv = draft(spec.draft.params, spec.draft_kv, tree, verified,
-                                   page_table, kv_lens, active)
+                                   page_table, kv_lens, active, slots)
         return out
 
     def run_round_device():
         runner.kv_cache, spec.draft_kv, out = whole(
             runner.model.params, spec.draft.params, runner.kv_cache, spec.draft_kv, *arrays,
-            want_top)
+            want_top, slots)
         return out
 
     ms = median_ms({"decode": decode, "round": lambda: spec.round(rows, sampling, False).tokens,

@@ -61,3 +61,16 @@ def test_every_shape_and_batch_size_is_timed_in_parts(tmp_path, capsys):
         assert row["break_even_accept_length"] == pytest.approx(
             row["round_ms"] / row["decode_ms"])
     assert "break-even accept len" in capsys.readouterr().out
+
+
+def test_a_hybrid_target_is_timed_with_its_state_slots(tmp_path):
+    bench = load_bench()
+    target = write_tiny_checkpoint(tmp_path / "target", "qwen3_next", backend="numpy")
+    config = json.loads((target / "config.json").read_text())
+    draft = write_tiny_eagle3_draft(tmp_path / "draft", config)
+    out = tmp_path / "parts.json"
+    assert bench.main(["--model-path", str(target), "--draft-model-path", str(draft),
+                       "--shapes", "2/2/4", "--batch-sizes", "2", "--context", "20",
+                       "--repeats", "1", "--dtype", "float32", "--output-json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["shape"] == "2/2/4" and row["verify_ms"] > 0 and row["draft_ms"] > 0
