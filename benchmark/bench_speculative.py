@@ -83,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="random token ids of --input-len, or real questions")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="real datasets: the first N prompts (default: all; ShareGPT 200)")
-    p.add_argument("--sharegpt-skip", type=int, default=20000,
-                   help="ShareGPT conversations at the file's start never drawn")
+    p.add_argument("--sharegpt-skip", type=int, default=12000,
+                   help="ShareGPT conversations at the file's start never drawn (the demo head "
+                        "trained on the first 12000)")
     p.add_argument("--shapes", default="chain,tree")
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=64)
@@ -181,6 +182,9 @@ def questions(args: argparse.Namespace, tokenizer: Any) -> list[str]:
         found = [p.prompt for p in datasets.sample_sharegpt(
             args.num_prompts or SHAREGPT_PROMPTS, count, seed=args.seed,
             output_len=args.output_len, skip=args.sharegpt_skip)]
+    if not found:
+        raise SystemExit(f"no {args.dataset} prompts found (--sharegpt-skip {args.sharegpt_skip} "
+                         "may skip the whole file)")
     return found[: args.num_prompts]
 
 
