@@ -120,7 +120,8 @@ class Engine:
         # Hybrid models: one recurrent-state slot per running request plus the null slot, its
         # bytes taken from the memory budget before any KV page is counted.
         num_state_slots = buckets.max_seqs + 1 if config.is_hybrid else 0
-        state_bytes = num_state_slots * state_bytes_per_slot(config, dtype, tp)
+        state_bytes = num_state_slots * sum(state_bytes_per_slot(c, dtype, tp)
+                                            for c in (config, draft and draft.cache_config) if c)
         num_pages = kv_pool_pages(
             page_size=args.page_size,
             bytes_per_token=sum(kv_bytes_per_token(c, dtype, tp)

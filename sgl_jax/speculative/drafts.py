@@ -6,21 +6,26 @@
 - `EagleDraft`: an EAGLE v1 / v2 head, paired the same way but fed the target's final hidden
   state, with fc applied at every step and the target's lm_head for logits.
 - `StandaloneDraft`: an ordinary small model with the target's vocabulary. Its slot j holds
-  token j, so the root (the last committed token) is run again in every draft window.
+  token j, so the root (the last committed token) is run again in every draft window. A
+  hybrid one (Qwen3-Next) keeps, like a hybrid target, a recurrent state per request in the
+  request's slot of its own state pools: windows run from that state without writing it,
+  and the extend over the accepted path commits the state after its last token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax.model_executor.forward_batch import window_metadata
-from sgl_jax.models import llama, llama_eagle, llama_eagle3
+from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
 from sgl_jax.parallel import TensorParallel
@@ -42,6 +47,7 @@ class DraftModel(Protocol):
     uses_target_features: bool  # consumes target hidden states (EAGLE, EAGLE3)
     feature_source: str  # "aux": the captured layers (EAGLE3); "final": the last hidden state
     root_in_window: bool  # the root token is re-run in every draft window
+    recurrent: bool  # keeps a recurrent state per request (a hybrid STANDALONE draft)
 
     def forward(self, params: Params, kv: list[LayerKV], tokens: jax.Array,
                 positions: jax.Array, inputs: jax.Array | None, metadata: AttentionMetadata,
@@ -56,6 +62,7 @@ class Eagle3Draft:
     uses_target_features = True
     feature_source = "aux"
     root_in_window = False
+    recurrent = False
 
     def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
         config, own = draft.config, draft.params
@@ -89,6 +96,7 @@ class EagleDraft:
     uses_target_features = True
     feature_source = "final"
     root_in_window = False
+    recurrent = False
 
     def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
         own, target_params = draft.params, target.params
@@ -124,11 +132,37 @@ class StandaloneDraft:
         self.cache_config = draft.config
         self.attention = attention
         self.params = draft.params
+        self.recurrent = draft.config.is_hybrid
 
-    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
-        hidden, kv, _ = self.model.impl.forward(params, kv, tokens, positions, metadata,
-                                                config=self.model.config,
-                                                attention=self.attention)
+    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target,
+                state_slots=None, tree=None, commit=None):
+        """A hybrid draft: with `state_slots` (i32[NB], one per query block) a ragged extend
+        that updates each request's state; with `tree` (gated_delta_net.TreeLayout) rows of
+        nodes run from the committed states, then the state after node `commit` (i32[B]) is
+        written to each active row's slot, or nothing when commit is None."""
+        config = self.model.config
+        if not self.recurrent:
+            hidden, kv, _ = self.model.impl.forward(params, kv, tokens, positions, metadata,
+                                                    config=config, attention=self.attention)
+            return hidden, kv
+        linear = config.linear_attention
+        if tree is None:
+            layer = partial(gated_delta_net.forward_slots, config=linear)
+            hidden, kv, _ = qwen3_next.forward(
+                params, kv, tokens, positions, metadata, config=config,
+                attention=self.attention, state_slots=state_slots,
+                linear_attention=self.model.tp.linear_attention(layer))
+            return hidden, kv
+        layer = partial(gated_delta_net.verify_slots, config=linear)
+        pools = list(kv)
+        hidden, nodes, _ = qwen3_next.verify_forward(
+            params, kv, tokens, positions, metadata, config=config, attention=self.attention,
+            tree=tree, linear_attention=self.model.tp.linear_attention(layer))
+        written = tree.valid[:, 0]
+        kv = [(pools[i] if commit is None else
+               gated_delta_net.commit_node(pools[i], layer_nodes, tree.slot, commit, written))
+              if config.is_linear_layer(i) else layer_nodes
+              for i, layer_nodes in enumerate(nodes)]
         return hidden, kv
 
     def logits(self, params, hidden):
@@ -139,11 +173,13 @@ class StandaloneDraft:
 
 
 def allocate_draft_cache(draft: DraftModel, *, num_pages: int, page_size: int, dtype,
-                         tp: TensorParallel) -> list[LayerKV]:
-    """The draft's cache uses the same page ids as the target's, so one allocator serves both;
-    it is split over the target's mesh by the same rules."""
+                         tp: TensorParallel, num_state_slots: int = 0) -> list[LayerKV]:
+    """The draft's cache uses the same page ids as the target's, so one allocator serves both
+    (and a hybrid draft the target's state slot ids); it is split over the target's mesh by
+    the same rules."""
     return allocate_kv_cache(draft.cache_config, num_pages=num_pages, page_size=page_size,
-                             dtype=dtype, tp=tp)
+                             dtype=dtype, tp=tp,
+                             num_state_slots=num_state_slots if draft.recurrent else 0)
 
 
 def grow_tree(
@@ -159,6 +195,7 @@ def grow_tree(
     *,
     shape: TreeShape,
     page_size: int,
+    state_slots: jax.Array | None = None,  # i32[B]: a recurrent draft's state slots
 ) -> tuple[DraftTree, list[LayerKV]]:
     """EAGLE-2 drafting: expand the best `topk` nodes by `topk` children for `num_steps`
     levels, then keep the best N-1 candidates by cumulative log-probability.
@@ -172,7 +209,7 @@ def grow_tree(
     window = _Window.start(root_tokens, draft.root_in_window)
     if root_logits is None:  # the root's prediction comes from running it
         hidden, kv = _run_window(draft, params, kv, window, prefix_lens, page_table, active,
-                                 page_size)
+                                 page_size, state_slots)
         root_logits = draft.logits(params, hidden[:, 0])
     scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), k)  # [B, K]
     tokens = draft.to_target(params, ids.astype(jnp.int32))
@@ -187,7 +224,7 @@ def grow_tree(
     for step in range(1, steps):
         window = window.append(frontier)
         hidden, kv = _run_window(draft, params, kv, window, prefix_lens, page_table, active,
-                                 page_size)
+                                 page_size, state_slots)
         frontier_hidden = hidden[:, -k:]  # [B, K, H]
         logp = jax.nn.log_softmax(draft.logits(params, frontier_hidden.reshape(batch * k, -1)))
         child_logp, child_ids = jax.lax.top_k(logp.reshape(batch, k, -1), k)  # [B, K, K]
@@ -260,7 +297,7 @@ class _Window:
 
 
 def _run_window(draft, params, kv, window: _Window, prefix_lens, page_table, active,
-                page_size) -> tuple[jax.Array, list[LayerKV]]:
+                page_size, state_slots=None) -> tuple[jax.Array, list[LayerKV]]:
     """hidden f[B, W, H] of every window node; a node at depth d sits at prefix_len + d
     counted from the first node after the committed prefix."""
     batch, width = window.tokens.shape
@@ -268,6 +305,11 @@ def _run_window(draft, params, kv, window: _Window, prefix_lens, page_table, act
     metadata = window_metadata(page_table, prefix_lens, jnp.where(active, width, 0), width,
                                page_size, ancestor_mask(window.parents))
     inputs = None if window.inputs is None else window.inputs.reshape(batch * width, -1)
+    extra = {}
+    if draft.recurrent:  # each window node from its parent's state; the pools stay as they are
+        extra["tree"] = gated_delta_net.TreeLayout(
+            jnp.where(active, state_slots, 0), window.parents,
+            jnp.broadcast_to(active[:, None], window.parents.shape))
     hidden, kv = draft.forward(params, kv, window.tokens.reshape(-1), positions.reshape(-1),
-                               inputs, metadata, from_target=False)
+                               inputs, metadata, from_target=False, **extra)
     return hidden.reshape(batch, width, -1), kv

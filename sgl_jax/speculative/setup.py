@@ -54,11 +54,11 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
                 f"the STANDALONE draft's vocabulary ({loaded.config.vocab_size}) is larger than "
                 f"the target's ({target.config.vocab_size}); a draft must share the target's "
                 "tokenizer")
-        if loaded.config.is_hybrid:
+        if loaded.config.is_hybrid and not target.config.is_hybrid:
             raise NotImplementedError(
-                f"a STANDALONE draft with recurrent state ({loaded.config.architecture}, "
-                "Gated DeltaNet layers) is not supported: drafting keeps only a paged KV "
-                "cache; use an attention-only draft model or an EAGLE3 head")
+                f"a STANDALONE draft with recurrent state ({loaded.config.architecture}) needs "
+                "a hybrid target: the draft keeps its states in the target's request state "
+                f"slots, and {target.config.architecture} has none")
         draft = StandaloneDraft(loaded, attention)
     else:
         raise NotImplementedError(f"--speculative-algorithm {spec.algorithm} is not supported")

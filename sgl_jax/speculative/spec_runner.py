@@ -13,6 +13,9 @@ Two steps, each one compiled function per bucket:
 Invariant between steps: a request's target and draft caches both hold its first kv_len
 tokens (kv_len = all tokens but the last), so the radix cache can share draft pages exactly
 as it shares target pages. Slots past kv_len are scratch that every round rewrites.
+A hybrid target's (and a hybrid STANDALONE draft's) state slot holds the state after those
+kv_len tokens: verify runs the tree's nodes from it without writing it, then commits the
+state after the last accepted node.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ class SpecRunner:
         num_pages = target.kv_cache[first_attention][0].shape[0]
         self.draft_kv: list[LayerKV] = allocate_draft_cache(
             draft, num_pages=num_pages, page_size=self.page_size, dtype=target.model.dtype,
-            tp=self.tp,
+            tp=self.tp, num_state_slots=target.num_state_slots,
         )
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._round = jax.jit(self._round_impl, donate_argnums=(2, 3))
@@ -151,11 +154,13 @@ class SpecRunner:
         rows = shape.num_logits
         draft_ids = _shifted_ids(chunks, shape, next_tokens)
         row_pages, row_lens = self._row_pages(chunks, rows)
+        row_slots = np.zeros(rows, np.int32)
+        row_slots[: len(chunks)] = [chunk.state_slot for chunk in chunks]
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
         self.target.kv_cache, self.draft_kv, out, top, tree = self._prefill(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             batch, sampling, _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
-            draft_ids, row_pages, row_lens,
+            draft_ids, row_pages, row_lens, row_slots,
         )
         n = len(chunks)
         top_ids, top_values = (np.asarray(a)[:n] for a in top)
@@ -291,7 +296,7 @@ class SpecRunner:
             capture_layers=self.capture_layers)
 
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, batch, sampling,
-                      emits, want_top, draft_ids, row_pages, row_lens):
+                      emits, want_top, draft_ids, row_pages, row_lens, row_slots):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self._target_forward(
             target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
@@ -310,13 +315,14 @@ class SpecRunner:
             root_hidden = hidden[batch.logits_indices]
             root_logits = self.draft.logits(draft_params, root_hidden)
         else:
+            extra = dict(state_slots=batch.state_slots) if self.draft.recurrent else {}
             _, draft_kv = self.draft.forward(draft_params, draft_kv, batch.input_ids,
                                              batch.positions, None, batch.attention,
-                                             from_target=True)
+                                             from_target=True, **extra)
             root_hidden = root_logits = None
         tree, draft_kv = grow_tree(
             self.draft, draft_params, draft_kv, out.tokens, root_hidden, root_logits, row_lens,
-            row_pages, emits, shape=self.shape, page_size=self.page_size)
+            row_pages, emits, shape=self.shape, page_size=self.page_size, state_slots=row_slots)
         return target_kv, draft_kv, *self.tp.constrain_replicated((out, top, tree))
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
@@ -325,7 +331,7 @@ class SpecRunner:
         target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
                                                active, tree, sampling, want_top, state_slots)
         next_tree, draft_kv = self.draft_step(draft_params, draft_kv, tree, verified,
-                                              page_table, kv_lens, active)
+                                              page_table, kv_lens, active, state_slots)
         return target_kv, draft_kv, self.tp.constrain_replicated(
             (verified.verdict, verified.logprobs, verified.top, next_tree))
 
@@ -378,10 +384,13 @@ class SpecRunner:
         return target_kv, Verified(verdict, logprobs, top, features)
 
     def draft_step(self, params, kv: list[LayerKV], tree: DraftTree, verified: Verified,
-                   page_table: jax.Array, kv_lens: jax.Array, active: jax.Array
+                   page_table: jax.Array, kv_lens: jax.Array, active: jax.Array,
+                   state_slots: jax.Array | None = None,
                    ) -> tuple[DraftTree, list[LayerKV]]:
         """The round's second part (pure, jittable): extend the draft over the accepted path,
-        then grow the next tree from the bonus token. Arguments as for verify_step."""
+        then grow the next tree from the bonus token. Arguments as for verify_step. A
+        recurrent draft runs the path as a chain from each request's committed state and
+        commits the state after its last token."""
         verdict = verified.verdict
         batch, width = verdict.tokens.shape  # width = S + 1
         valid = jnp.where(active, verdict.num_accepted + 1, 0)
@@ -391,8 +400,15 @@ class SpecRunner:
             tokens = verdict.tokens
         else:  # the accepted path's own tokens, root first
             tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)
+        extra = {}
+        if self.draft.recurrent:
+            slots = jnp.where(active, state_slots, 0)
+            chain = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32) - 1, (batch, width))
+            extra = dict(tree=gated_delta_net.TreeLayout(
+                slots, chain, jnp.arange(width)[None, :] < valid[:, None]),
+                commit=verdict.num_accepted)
         hidden, kv = self.draft.forward(params, kv, tokens.reshape(-1), positions,
-                                        verified.features, metadata, from_target=True)
+                                        verified.features, metadata, from_target=True, **extra)
         last = verdict.num_accepted[:, None]
         root_tokens = jnp.take_along_axis(verdict.tokens, last, axis=1)[:, 0]
         root_hidden = root_logits = None
@@ -402,7 +418,7 @@ class SpecRunner:
             root_logits = self.draft.logits(params, root_hidden)
         return grow_tree(self.draft, params, kv, root_tokens, root_hidden, root_logits,
                          kv_lens + verdict.num_accepted + 1, page_table, active,
-                         shape=self.shape, page_size=self.page_size)
+                         shape=self.shape, page_size=self.page_size, state_slots=state_slots)
 
     def _features(self, hidden: jax.Array, captured: tuple[jax.Array, ...]) -> jax.Array:
         """What the draft reads of the target per token: f[T, 3H] (EAGLE3) or f[T, H]."""

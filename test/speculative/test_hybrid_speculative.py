@@ -1,9 +1,11 @@
 """Speculative decoding on a hybrid target (the tiny Qwen3-Next: Gated DeltaNet layers with a
 recurrent state per request, gated attention at layers 3 and 7): greedy output with an EAGLE3
-head equals plain greedy (chain and topk > 1 tree, page sizes 1 and 16, batch sizes 1 and 8)
-and every state slot comes back; a verify round whose trees hold the target's own greedy
-tokens accepts them all and commits, into each request's slot, the state that decoding the
-accepted path one token at a time leaves; EAGLE3 captures attention layers' outputs only."""
+head, with the target as its own STANDALONE draft and with a noisy copy of it equals plain
+greedy (chain and topk > 1 tree, page sizes 1 and 16, batch sizes 1 and 8) and every state
+slot comes back; the self and noisy drafts are accepted (accept length > 1); a verify round
+whose trees hold the target's own greedy tokens accepts them all and commits, into each
+request's slot, the state that decoding the accepted path one token at a time leaves; EAGLE3
+captures attention layers' outputs only."""
 
 import dataclasses
 import json
@@ -20,13 +22,16 @@ from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
 from sgl_jax.speculative.spec_runner import RoundRow
-from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 8],
             max_prefill_tokens=64, chunked_prefill_size=32, skip_server_warmup=True)
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=8)
+# Every candidate kept (2 + 2 * 4 = 10 draft nodes).
+FULL_TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=11)
 LENGTHS = [3, 45, 12, 70, 5, 20, 9, 33]  # 45 and 70 take several prefill chunks
 MAX_NEW = [9, 5, 12, 4, 10, 6, 1, 8]
 
@@ -45,7 +50,9 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid-spec")
     target = write_tiny_checkpoint(root / "qwen3_next", "qwen3_next")
     config = json.loads((target / "config.json").read_text())
-    return {"target": target, "eagle3": write_tiny_eagle3_draft(root / "eagle3", config)}
+    return {"target": target, "self": target,
+            "eagle3": write_tiny_eagle3_draft(root / "eagle3", config),
+            "noisy": write_noisy_copy(target, root / "noisy", relative_noise=0.005)}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +62,10 @@ def references(paths):
         return [o["output_ids"] for o in batch]
 
 
-def spec_engine(paths, shape, page_size):
-    return Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
-                  speculative_draft_model_path=str(paths["eagle3"]), page_size=page_size,
+def spec_engine(paths, shape, page_size, draft="eagle3"):
+    algorithm = "EAGLE3" if draft == "eagle3" else "STANDALONE"
+    return Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
+                  speculative_draft_model_path=str(paths[draft]), page_size=page_size,
                   **shape, **BASE)
 
 
@@ -77,6 +85,49 @@ def test_greedy_speculation_equals_plain_decoding(paths, references, shape, page
         batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
                                                                       MAX_NEW])
         assert [o["output_ids"] for o in batch] == references  # batch size 8
+        assert states_all_free(engine)
+
+
+@pytest.mark.parametrize("shape,page_size", [(CHAIN, 16), (FULL_TREE, 1)],
+                         ids=["chain-page16", "tree-page1"])
+def test_target_as_its_own_draft_accepts_a_full_path_every_round(paths, references, shape,
+                                                                 page_size):
+    """A hybrid STANDALONE draft (the target itself) keeps its own states per request. A
+    chain is its greedy path, accepted whole every round: every round commits the deepest
+    node in the target's and the draft's state pools. A topk 2 tree expands only the best two
+    depth-2 nodes by cumulative score, which may miss the greedy one on this flat random
+    model, so most (not all) of its rounds accept the full depth."""
+    with spec_engine(paths, shape, page_size, draft="self") as engine:
+        outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                        MAX_NEW])
+        assert [o["output_ids"] for o in outputs] == references
+        if shape is CHAIN:
+            for out, n in zip(outputs, MAX_NEW, strict=True):
+                meta = out["meta_info"]
+                assert meta["spec_verify_ct"] == -(-(n - 1) // 4)  # the first is prefill's
+                if n > 1:
+                    assert meta["spec_accept_length"] == 4.0
+        else:
+            rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+            per_depth = np.sum([o["meta_info"]["spec_accepted_per_position"]
+                                for o in outputs], axis=0)
+            assert per_depth[:2].tolist() == [rounds, rounds]
+            assert per_depth[2] >= rounds // 2
+        assert states_all_free(engine)
+
+
+def test_noisy_tree_draft_is_accepted_and_lossless(paths, references):
+    """A noisy copy of the target as a topk 3 tree draft, page size 1, batches of 1 and 8."""
+    with spec_engine(paths, TREE, 1, draft="noisy") as engine:
+        alone = engine.generate(input_ids=prompts()[0], sampling_params=greedy(MAX_NEW[0]))
+        assert alone["output_ids"] == references[0]
+        batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                      MAX_NEW])
+        assert [o["output_ids"] for o in batch] == references
+        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in batch)
+        accepted = sum(sum(o["meta_info"]["spec_accepted_per_position"]) for o in batch)
+        assert accepted > rounds  # accept length > 1: deeper nodes are committed
+        assert engine.get_server_info()["avg_spec_accept_length"] > 1.5
         assert states_all_free(engine)
 
 
