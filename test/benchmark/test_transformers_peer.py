@@ -82,3 +82,18 @@ def test_bench_one_batch_against_the_peer(benchmarks, tmp_path, capsys):
     assert "omp" not in json.dumps(report["machine"]).lower()
     assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(report["summary"]))
     assert "transformers: own process" in capsys.readouterr().out
+
+
+def test_bench_one_batch_on_a_hybrid_target_agrees_with_the_peer(benchmarks, tmp_path):
+    """Qwen3-Next: each sequence decodes from its own recurrent-state slot; greedy tokens
+    equal transformers'; the dense-only weight-product floor is left out (nan)."""
+    bench = benchmarks("bench_one_batch")
+    path = write_tiny_checkpoint(tmp_path / "hybrid", "qwen3_next", backend="torch")
+    report = bench.main([
+        "--model-path", str(path), "--batch-sizes", "1,2", "--input-len", "16",
+        "--output-len", "4", "--repeats", "1", "--warmup", "1", "--bandwidth-gib", "0.01",
+        "--transformers-batch-sizes", "1,2"])
+    assert report["summary"]["greedy_tokens_agree_batch1"] == 1.0
+    assert report["summary"]["greedy_tokens_agree_batch2"] == 1.0
+    assert all(r["products_ms"] != r["products_ms"] for r in report["results"])  # nan
+    assert all(r["recompilations_while_timed"] == 0 for r in report["results"])
