@@ -41,17 +41,22 @@ def test_a_shape_too_deep_for_its_steps_is_refused():
         load_bench()._tree_parents(2, 1, 6)
 
 
-def test_every_shape_and_batch_size_is_timed_in_parts(tmp_path, capsys):
-    bench = load_bench()
-    target = write_tiny_checkpoint(tmp_path / "target", "llama", hidden_size=64,
-                                   num_hidden_layers=4)
+def timed_rows(tmp_path, preset: str, *args: str, **target_overrides) -> list[dict]:
+    """Run the benchmark on a tiny random target of `preset` and a random EAGLE3 head."""
+    target = write_tiny_checkpoint(tmp_path / "target", preset, backend="numpy",
+                                   **target_overrides)
     config = json.loads((target / "config.json").read_text())
     draft = write_tiny_eagle3_draft(tmp_path / "draft", config)
     out = tmp_path / "parts.json"
-    assert bench.main(["--model-path", str(target), "--draft-model-path", str(draft),
-                       "--shapes", "chain,2/2/4", "--batch-sizes", "1,2", "--context", "20",
-                       "--repeats", "2", "--dtype", "float32", "--output-json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    assert load_bench().main([
+        "--model-path", str(target), "--draft-model-path", str(draft), "--context", "20",
+        "--dtype", "float32", "--output-json", str(out), *args]) == 0
+    return json.loads(out.read_text())["rows"]
+
+
+def test_every_shape_and_batch_size_is_timed_in_parts(tmp_path, capsys):
+    rows = timed_rows(tmp_path, "llama", "--shapes", "chain,2/2/4", "--batch-sizes", "1,2",
+                      "--repeats", "2", hidden_size=64, num_hidden_layers=4)
     assert [(r["shape"], r["batch_size"]) for r in rows] == [
         ("5/1/6", 1), ("5/1/6", 2), ("2/2/4", 1), ("2/2/4", 2)]
     for row in rows:
@@ -64,13 +69,6 @@ def test_every_shape_and_batch_size_is_timed_in_parts(tmp_path, capsys):
 
 
 def test_a_hybrid_target_is_timed_with_its_state_slots(tmp_path):
-    bench = load_bench()
-    target = write_tiny_checkpoint(tmp_path / "target", "qwen3_next", backend="numpy")
-    config = json.loads((target / "config.json").read_text())
-    draft = write_tiny_eagle3_draft(tmp_path / "draft", config)
-    out = tmp_path / "parts.json"
-    assert bench.main(["--model-path", str(target), "--draft-model-path", str(draft),
-                       "--shapes", "2/2/4", "--batch-sizes", "2", "--context", "20",
-                       "--repeats", "1", "--dtype", "float32", "--output-json", str(out)]) == 0
-    [row] = json.loads(out.read_text())["rows"]
+    [row] = timed_rows(tmp_path, "qwen3_next", "--shapes", "2/2/4", "--batch-sizes", "2",
+                       "--repeats", "1")
     assert row["shape"] == "2/2/4" and row["verify_ms"] > 0 and row["draft_ms"] > 0
