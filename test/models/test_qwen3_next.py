@@ -263,10 +263,15 @@ def test_state_pool_returns_to_full_after_finish_abort_and_retraction(checkpoint
 
 def test_greedy_identical_across_tp_sizes(checkpoint):
     """Attention heads (2 KV heads: one copy each at TP 4), GDN key heads (4: one per device
-    at TP 4) with the state pool, and every expert's features split."""
+    at TP 4) with the state pool, and every expert's features split; plain and speculative."""
     path, reference, _ = checkpoint
-    results = run_subprocess(["--model-path", str(path), "--tp-sizes", "1,2,4"], devices=8)
+    results = run_subprocess(["--model-path", str(path), "--tp-sizes", "1,2,4",
+                              "--draft-model-path", str(path), "--draft-algorithm",
+                              "STANDALONE"], devices=8)
     plain = results["plain"]
+    # The target as its own draft: every round commits deep tree nodes' states on each split.
+    for tp in (1, 2, 4):
+        assert results["speculative"][tp]["output_ids"] == plain[1]["output_ids"], tp
     for ids, output in zip(tp_prompts(512), plain[1]["output_ids"], strict=True):
         assert_greedy_as_transformers(reference, ids, output)
     for tp in (2, 4):
