@@ -6,9 +6,9 @@ For each draft shape and batch size, with every request `--context` tokens deep:
 - round: one verify round through SpecRunner.round (the same, for a round);
 - verify: SpecRunner.verify_step alone on the device (target forward over the trees with the
   tree mask, logits, acceptance walk, accepted K/V moved);
-- draft: SpecRunner.draft_step alone on the device (draft extend over the accepted path, the
-  next tree's draft steps);
-- round on device: both as the one program a round compiles to; host = round - that.
+- draft: SpecRunner.draft_step and extend_step on the device (the tree's draft steps, the
+  draft's extend over the accepted path);
+- round on device: all three as the one program a round compiles to; host = round - that.
 
 A round emits `accept length` tokens where a decode step emits one, so speculation pays when
 the accept length exceeds round / decode: the break-even column. Contents of the caches and
@@ -23,6 +23,7 @@ trees do not change the cost (every shape is fixed), so random tokens stand in f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -106,7 +107,7 @@ class Setup:
             model_path=target, dtype=args.dtype, page_size=args.page_size,
             speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
             speculative_num_steps=steps, speculative_eagle_topk=topk,
-            speculative_num_draft_tokens=tokens, **backend)
+            speculative_num_draft_tokens=tokens, speculative_adaptive=False, **backend)
         self.model = load_model(target, dtype=server_args.dtype, tp=None)
         context_len = args.context + 64
         self.pages_per_seq = -(-context_len // args.page_size)
@@ -142,6 +143,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     from sgl_jax.model_executor.forward_batch import SeqChunk
     from sgl_jax.model_executor.model_runner import greedy_sampling_batch
     from sgl_jax.speculative.spec_runner import RoundRow
+    from sgl_jax.speculative.tree import DraftTree
 
     rng = np.random.default_rng(0)
     vocab = setup.runner.config.vocab_size
@@ -155,44 +157,51 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return runner.step(chunks, sampling, np.full(batch, -1, np.int32),
                            np.ones(batch, bool), False).tokens
 
-    rows = [RoundRow(setup.pages(i), context,
-                     rng.integers(vocab, size=setup.num_tokens).astype(np.int32),
-                     setup.tree_parents, 0, i + 1) for i in range(batch)]
-    arrays = spec.round_arrays(rows, sampling)  # page_table, kv_lens, active, tree, sampling
-    page_table, kv_lens, active, tree, _ = arrays
+    dtype = runner.model.dtype
+    rows = [RoundRow(setup.pages(i), context, int(rng.integers(vocab)),
+                     rng.standard_normal(spec.root_width).astype(dtype), 0, i + 1)
+            for i in range(batch)]
+    arrays = spec.round_arrays(rows, sampling)
+    page_table, kv_lens, active, root_tokens, root_hidden, _, _, slots = arrays
+    _, _, _, _, _, request_sampling, suppress, _ = arrays
+    padded = len(kv_lens)
+    tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
+                     np.tile(setup.tree_parents, (padded, 1)))
     want_top = np.bool_(False)
-    slots = spec.round_state_slots(rows)  # i32[B]: recurrent-state slots (hybrid targets)
+    shape = spec.shape
 
-    def round_step(target_params, draft_params, target_kv, draft_kv, page_table, kv_lens,
-                   active, tree, node_sampling, want_top, slots):
-        """The program SpecRunner.round runs: the two parts back to back."""
-        target_kv, verified = spec.verify_step(target_params, target_kv, page_table, kv_lens,
-                                               active, tree, node_sampling, want_top, slots)
-        next_tree, draft_kv = spec.draft_step(draft_params, draft_kv, tree, verified,
-                                              page_table, kv_lens, active, slots)
-        return target_kv, draft_kv, (verified.verdict, next_tree)
+    def draft_part(params, kv, root_tokens, root_hidden, page_table, kv_lens, active, slots,
+                   verified):
+        """The round's draft work: grow the tree, then extend over the accepted path."""
+        tree, kv = spec.draft_step(params, kv, root_tokens, root_hidden, page_table, kv_lens,
+                                   active, slots, shape=shape)
+        root, kv = spec.extend_step(params, kv, tree, verified, page_table, kv_lens, active,
+                                    slots)
+        return kv, (tree, root)
 
     # Everything goes in as an argument: a closed-over array would be folded at compile time.
-    _, verified = jax.jit(spec.verify_step)(runner.model.params, runner.kv_cache, *arrays,
-                                            want_top, slots)  # not donated: the cache stays
-    verify = jax.jit(spec.verify_step, donate_argnums=1)
-    draft = jax.jit(spec.draft_step, donate_argnums=1)
-    whole = jax.jit(round_step, donate_argnums=(2, 3))
+    verify = jax.jit(functools.partial(spec.verify_step, shape=shape), donate_argnums=1)
+    verify_args = (page_table, kv_lens, active, tree, request_sampling, suppress, want_top,
+                   slots)
+    _, verified = jax.jit(functools.partial(spec.verify_step, shape=shape))(
+        runner.model.params, runner.kv_cache, *verify_args)  # not donated: the cache stays
+    draft = jax.jit(draft_part, donate_argnums=1)
+    whole = spec._rounds[shape]  # the program SpecRunner.round runs
+    device_arrays = jax.device_put((*arrays, want_top))
 
     def run_verify():
-        runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *arrays, want_top,
-                                      slots)
+        runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *verify_args)
         return out
 
     def run_draft():
-        out, spec.draft_kv = draft(spec.draft.params, spec.draft_kv, tree, verified,
-                                   page_table, kv_lens, active, slots)
+        spec.draft_kv, out = draft(spec.draft.params, spec.draft_kv, root_tokens, root_hidden,
+                                   page_table, kv_lens, active, slots, verified)
         return out
 
     def run_round_device():
         runner.kv_cache, spec.draft_kv, out = whole(
-            runner.model.params, spec.draft.params, runner.kv_cache, spec.draft_kv, *arrays,
-            want_top, slots)
+            runner.model.params, spec.draft.params, runner.kv_cache, spec.draft_kv,
+            *device_arrays)
         return out
 
     ms = median_ms({"decode": decode, "round": lambda: spec.round(rows, sampling, False).tokens,

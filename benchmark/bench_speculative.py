@@ -7,7 +7,8 @@ position (acc_0, acc_1, ...). Prints a table, writes JSON and a PNG of speedup a
 size. Each configuration runs once untimed first, so no compilation is timed.
 
 The two shapes of the seed cards are built in: chain (steps 5, topk 1, 6 draft tokens) and
-tree (steps 3, topk 4, 8 draft tokens).
+tree (steps 3, topk 4, 8 draft tokens); `adaptive` lets the policy pick each round's shape
+(plain, a one-step chain, a 3-step chain or the tree), with the tree as its ceiling.
 
     # real checkpoints (a GPU machine)
     python benchmark/bench_speculative.py --model-path meta-llama/Llama-3.1-8B-Instruct \\
@@ -26,7 +27,12 @@ HumanEval prompt is asked to be completed), generation is greedy and stops at EO
 speculation must give the very tokens of plain decoding: the rows count the prompts whose
 outputs differ (float rounding in a batched verify can flip a near tie; anything more is a
 bug). The ShareGPT prompts come after the file's first --sharegpt-skip conversations, which
-drafts trained on the file's start (the demo head included) never saw.
+drafts trained on the file's start (the demo head included) never saw. `mixed` alternates a
+HumanEval prompt (predictable code) with a request to continue a list of random words (text
+no draft predicts), so every batch holds both.
+
+    python benchmark/bench_speculative.py --model-path demo --draft-model-path demo \
+        --dataset mixed --shapes chain,tree,adaptive --batch-sizes 1,8,32 --num-prompts 32
 """
 
 from __future__ import annotations
@@ -44,13 +50,18 @@ import numpy as np
 
 SHAPES = {
     "chain": {"speculative_num_steps": 5, "speculative_eagle_topk": 1,
-              "speculative_num_draft_tokens": 6},
+              "speculative_num_draft_tokens": 6, "speculative_adaptive": False},
     "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
-             "speculative_num_draft_tokens": 8},
+             "speculative_num_draft_tokens": 8, "speculative_adaptive": False},
+    # The policy's choice each round, under the seed cards' wide tree (it needs the warm-up's
+    # timing of every shape, so this engine warms up).
+    "adaptive": {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
+                 "speculative_num_draft_tokens": 8, "speculative_adaptive": True,
+                 "skip_server_warmup": False},
 }
 
 
-DATASETS = ("random", "mtbench", "humaneval", "sharegpt")
+DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed")
 SHAREGPT_PROMPTS = 200
 
 
@@ -67,6 +78,7 @@ class Row:
     dataset: str = "random"
     num_prompts: int = 0
     outputs_differing: int = 0  # prompts whose speculative output differs from plain decoding
+    rounds_by_shape: dict[str, int] = field(default_factory=dict)  # what the rounds took
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -148,7 +160,16 @@ def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[f
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     counts = np.subtract(after["spec_accepted_per_position"],
                          before["spec_accepted_per_position"])
-    return 1 + accepted / rounds, (counts / rounds).tolist()
+    drafted = np.subtract(after["spec_drafted_per_position"],
+                          before["spec_drafted_per_position"])
+    return 1 + accepted / rounds, (counts / np.maximum(drafted, 1)).tolist()
+
+
+def rounds_since(engine: Any, before: dict[str, Any]) -> dict[str, int]:
+    """Rounds run in each shape since `before` was read."""
+    after = engine.get_server_info()["spec_rounds_by_shape"]
+    return {shape: n - before["spec_rounds_by_shape"].get(shape, 0)
+            for shape, n in after.items()}
 
 
 def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
@@ -171,7 +192,11 @@ def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
 def questions(args: argparse.Namespace, tokenizer: Any) -> list[str]:
     from sgl_jax import datasets
 
-    if args.dataset == "mtbench":
+    if args.dataset == "mixed":
+        code = ["Complete this Python function.\n\n" + p.prompt for p in datasets.load_humaneval()]
+        found = [text for pair in zip(code, random_word_requests(tokenizer, len(code), args.seed),
+                                      strict=True) for text in pair]
+    elif args.dataset == "mtbench":
         found = [q.turns[0] for q in datasets.load_mt_bench()]
     elif args.dataset == "humaneval":
         found = ["Complete this Python function.\n\n" + p.prompt
@@ -186,6 +211,16 @@ def questions(args: argparse.Namespace, tokenizer: Any) -> list[str]:
         raise SystemExit(f"no {args.dataset} prompts found (--sharegpt-skip {args.sharegpt_skip} "
                          "may skip the whole file)")
     return found[: args.num_prompts]
+
+
+def random_word_requests(tokenizer: Any, count: int, seed: int) -> list[str]:
+    """Requests to continue lists of 40 words drawn at random from the tokenizer's
+    vocabulary: text that no draft can predict."""
+    words = sorted({w.strip() for w in tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+                    if w.strip().isalpha() and len(w.strip()) >= 4})
+    rng = np.random.default_rng(seed)
+    return ["Continue this list of random words with forty more: "
+            + ", ".join(rng.choice(words, 40)) for _ in range(count)]
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -208,7 +243,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows = []
         for shape in shapes:
             with Engine(model_path=target, speculative_algorithm=algorithm,
-                        speculative_draft_model_path=draft, **SHAPES[shape], **common) as engine:
+                        speculative_draft_model_path=draft, **{**common, **SHAPES[shape]}
+                        ) as engine:
                 for b in batch_sizes:
                     chosen = prompts if real else prompts[:b]
                     timed_generate(engine, chosen[:b], 8, b, ignore_eos=True)  # compile first
@@ -221,7 +257,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                     differing = sum(a != c for a, c in zip(outputs, base_outputs, strict=True))
                     rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
                                     length / draft_tokens, length, rates, args.dataset,
-                                    len(chosen), differing))
+                                    len(chosen), differing,
+                                    rounds_since(engine, before)))
                     print_row(rows[-1])
     return rows
 
@@ -235,7 +272,9 @@ def print_row(row: Row) -> None:
     rates = " ".join(f"{r:.2f}" for r in row.position_rates)
     print(f"{row.dataset:9} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
           f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
-          f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]", flush=True)
+          f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]"
+          + (f"  rounds {row.rounds_by_shape}" if len(row.rounds_by_shape) > 1 else ""),
+          flush=True)
 
 
 def plot(rows: list[Row], path: str) -> None:

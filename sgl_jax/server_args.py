@@ -33,6 +33,7 @@ class SpeculativeConfig:
     num_draft_tokens: int  # N tokens sent to verify, the root included
     accept_threshold_single: float
     accept_threshold_acc: float
+    adaptive: bool  # each round's shape chosen by the policy, the flags' shape the widest
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = None  # default: num_steps + 1 (chain)
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
+    speculative_adaptive: bool = True  # off: every round takes the flags' shape
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -226,6 +228,7 @@ class ServerArgs:
             num_draft_tokens=self.speculative_num_draft_tokens or default_tokens,
             accept_threshold_single=self.speculative_accept_threshold_single,
             accept_threshold_acc=self.speculative_accept_threshold_acc,
+            adaptive=self.speculative_adaptive,
         )
 
     @property
@@ -376,6 +379,12 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
                        help="relaxes the acceptance of one draft token; 1.0 = lossless")
     group.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
                        help="relaxes acceptance by accumulated probability; 1.0 = lossless")
+    group.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="choose each round's draft shape (plain decoding, a shorter "
+                            "chain, or the flags' shape, which is the widest) for the most "
+                            "tokens per second from measured acceptance and round costs; "
+                            "--no-speculative-adaptive takes the flags' shape every round")
 
 
 def _add_http_args(group: argparse._ArgumentGroup) -> None:

@@ -172,7 +172,9 @@ class Engine:
             prompt_ends_in_prefill=self._spec is not None,
         )
         scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
-                              decode_log_interval=args.decode_log_interval, spec=spec)
+                              decode_log_interval=args.decode_log_interval, spec=spec,
+                              adaptive_speculation=bool(args.speculative
+                                                        and args.speculative.adaptive))
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
 
     def _mirror_to_followers(self) -> tuple[ModelRunner, SpecRunner | None]:
@@ -296,6 +298,7 @@ class Engine:
                 "num_retractions": scheduler.decode.num_retractions,
                 "num_compilations": scheduler.runner.num_compilations,
                 **_spec_info(scheduler.spec_stats),
+                **(scheduler.policy.info() if scheduler.policy else {}),
                 "version": __import__("sgl_jax").__version__,
             }
         return self._require_loop().call(info)
@@ -573,6 +576,7 @@ def _spec_info(stats) -> dict[str, Any]:
         "spec_verify_rounds": stats.rounds,
         "spec_accepted_tokens": stats.accepted_tokens,
         "spec_accepted_per_position": list(stats.accepted_per_position),
+        "spec_drafted_per_position": list(stats.drafted_per_position),
         "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by draft position
     }
 

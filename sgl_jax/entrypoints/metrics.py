@@ -56,6 +56,20 @@ class ServerMetrics:
         self.spec_accept_rate = Gauge("sgl_jax_spec_accept_rate", "Share of verify rounds that "
                                       "accepted the draft token at this position",
                                       [*names, "position"], registry=r)
+        # The adaptive policy: what it chose, and what it believed when it last chose.
+        self.spec_shape_rounds = Gauge("sgl_jax_spec_rounds_by_shape", "Rounds run in each "
+                                       "draft shape (plain = no draft)", [*names, "shape"],
+                                       registry=r)
+        self.spec_believed_rate = Gauge("sgl_jax_spec_believed_accept_rate", "Server-wide "
+                                        "acceptance the policy believes per draft depth, given "
+                                        "the depth above", [*names, "family", "depth"],
+                                        registry=r)
+        self.spec_believed_round_ms = Gauge("sgl_jax_spec_believed_round_ms", "Cost of a round "
+                                            "per shape at the last batch bucket, as the policy "
+                                            "believed it", [*names, "shape"], registry=r)
+        self.spec_expected_tokens = Gauge("sgl_jax_spec_expected_tokens_per_second", "Expected "
+                                          "committed tokens/s per shape at the last choice",
+                                          [*names, "shape"], registry=r)
 
     def on_output(self, req: Req, num_new_tokens: int) -> None:
         """Engine thread: a request produced tokens or finished."""
@@ -89,4 +103,19 @@ class ServerMetrics:
             self.spec_accept_length.labels(**self._label).set(info["avg_spec_accept_length"])
             for position, rate in enumerate(info["spec_accept_rates"]):
                 self.spec_accept_rate.labels(**self._label, position=str(position)).set(rate)
+            self._render_policy(info)
         return generate_latest(self.registry)
+
+    def _render_policy(self, info: dict) -> None:
+        for shape, rounds in info["spec_rounds_by_shape"].items():
+            self.spec_shape_rounds.labels(**self._label, shape=shape).set(rounds)
+        for kind, rates in info["spec_believed_accept_rates"].items():
+            for depth, rate in enumerate(rates, start=1):
+                self.spec_believed_rate.labels(**self._label, family=kind,
+                                               depth=str(depth)).set(rate)
+        last = info["spec_last_choice"]
+        if last is not None:
+            for shape, ms in last["round_ms"].items():
+                self.spec_believed_round_ms.labels(**self._label, shape=shape).set(ms)
+                self.spec_expected_tokens.labels(**self._label, shape=shape).set(
+                    last["tokens_per_s"][shape])

@@ -35,11 +35,11 @@ class Req:
     penalty_slot: int = -1  # row of the device penalty state; -1 = no penalties
     state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
 
-    # Speculative decoding: the draft tree the next verify round checks (node 0 = last token),
-    # and acceptance counts for meta_info.
-    draft_tokens: Any = None  # np.ndarray i32[N]
-    draft_parents: Any = None  # np.ndarray i32[N]
+    # Speculative decoding: the draft's output at the last token (the next tree's root),
+    # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.
+    draft_root: Any = None  # np.ndarray f[H] (SpecRunner.root_width)
     spec_stats: Any = None  # AcceptanceStats, set by a speculative scheduler
+    spec_acceptance: Any = None  # policy.Acceptance
 
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

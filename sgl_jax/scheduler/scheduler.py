@@ -21,6 +21,7 @@ from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decode_manager import DecodeManager
 from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
 from sgl_jax.scheduler.req import Req
+from sgl_jax.speculative.policy import SpeculationPolicy
 from sgl_jax.speculative.spec_runner import RoundOutput, RoundRow, SpecRunner
 from sgl_jax.speculative.stats import AcceptanceStats
 
@@ -50,11 +51,15 @@ class Scheduler:
         on_output: OutputCallback,
         decode_log_interval: int = 40,
         spec: SpecRunner | None = None,
+        adaptive_speculation: bool = True,
     ):
         self.runner = runner
         self.cache = cache
         self.spec = spec  # speculative decoding: decode steps become verify rounds
         self.spec_stats = None if spec is None else AcceptanceStats(spec.shape.num_steps)
+        # Each round's draft shape: the flags' one, or the adaptive policy's choice.
+        self.policy = None if spec is None else SpeculationPolicy(
+            spec.shapes, spec.shape, spec.round_seconds, adaptive=adaptive_speculation)
         self.prefill = PrefillManager(cache, limits)
         self.decode = DecodeManager(cache, self._retract,
                                     lookahead=1 if spec is None else spec.lookahead)
@@ -69,6 +74,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         if self.spec is not None:
             req.spec_stats = AcceptanceStats(self.spec.shape.num_steps)
+            req.spec_acceptance = self.policy.new_request()
         if req.params.max_new_tokens == 0:  # nothing to generate: done without touching KV
             req.finish_reason = {"type": "length", "length": 0}
             req.finished_at = req.created_at
@@ -133,30 +139,38 @@ class Scheduler:
         """Target and draft extend together; completed prompts get their first draft tree."""
         after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
         next_tokens = [ids[0] if ids else 0 for ids in after]
-        output, tokens, parents = self.spec.prefill(chunks, sampling_batch(batch), emits,
-                                                    want_top, next_tokens)
+        output, roots = self.spec.prefill(chunks, sampling_batch(batch), emits, want_top,
+                                          next_tokens)
         for row, (req, _) in enumerate(batch):
             if emits[row]:
-                req.draft_tokens, req.draft_parents = tokens[row], parents[row]
+                req.draft_root = roots[row]
         return output
 
     def _verify_round(self, reqs: list[Req]) -> None:
-        """One speculative round for every decoding request: verify, emit, redraft."""
-        rows = [RoundRow(req.page_ids, req.kv_len, req.draft_tokens, req.draft_parents,
-                         max(req.params.min_new_tokens - len(req.output_ids), 0),
+        """One speculative round for every decoding request, in the shape the policy picks:
+        draft, verify, emit, extend the draft."""
+        rows = [RoundRow(req.page_ids, req.kv_len, req.token_slice(req.kv_len, req.kv_len + 1)[0],
+                         req.draft_root, max(req.params.min_new_tokens - len(req.output_ids), 0),
                          req.state_slot)
                 for req in reqs]
         want_top = any(req.top_logprobs_num > 0 for req in reqs)
-        output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs]), want_top)
+        bucket = self.runner.buckets.batch_padding(len(reqs))
+        shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket)
+        start = time.perf_counter()
+        output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs]), want_top,
+                                 shape)
+        accepted = [int(a) for a in output.num_accepted]
+        self.policy.observe(shape, bucket, time.perf_counter() - start,
+                            [(req.spec_acceptance, a)
+                             for req, a in zip(reqs, accepted, strict=True)])
         emitted = 0
         for row, req in enumerate(reqs):
-            accepted = int(output.num_accepted[row])
-            self.spec_stats.record(accepted)
-            req.spec_stats.record(accepted)
-            text, tokens = self._emit_run(req, output, row, accepted + 1)
+            self.spec_stats.record(accepted[row], shape.num_steps)
+            req.spec_stats.record(accepted[row], shape.num_steps)
+            text, tokens = self._emit_run(req, output, row, accepted[row] + 1)
             emitted += len(tokens)
             req.kv_len += len(tokens)  # the root and the accepted nodes are now in the cache
-            req.draft_tokens, req.draft_parents = output.next_tokens[row], output.next_parents[row]
+            req.draft_root = output.root_hidden[row]
             if req.finished:
                 self.running.remove(req)
                 self._finish(req)

@@ -24,6 +24,7 @@ from sgl_jax.speculative.drafts import (
     StandaloneDraft,
     TreeShape,
 )
+from sgl_jax.speculative.policy import candidate_shapes
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.verify import AcceptThresholds
 
@@ -74,10 +75,17 @@ def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -
                                                      target=runner.config)
     shape = TreeShape(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
     thresholds = AcceptThresholds(spec.accept_threshold_single, spec.accept_threshold_acc)
-    logger.info("Speculative decoding: %s, steps %d, topk %d, draft tokens %d, capture %s",
-                spec.algorithm, shape.num_steps, shape.topk, shape.num_draft_tokens, capture)
+    # The adaptive policy needs every candidate shape compiled and timed at warm-up.
+    adaptive = spec.adaptive and not args.skip_server_warmup
+    if spec.adaptive and args.skip_server_warmup:
+        logger.warning("--speculative-adaptive needs the warm-up's timing of every round shape; "
+                       "with --skip-server-warmup every round takes the flags' shape")
+    logger.info("Speculative decoding: %s, steps %d, topk %d, draft tokens %d, capture %s, "
+                "adaptive %s", spec.algorithm, shape.num_steps, shape.topk,
+                shape.num_draft_tokens, capture, "on" if adaptive else "off")
     return SpecRunner(runner, draft, shape, thresholds=thresholds, capture_layers=capture,
-                      attention_backend=args.attention_backend)
+                      attention_backend=args.attention_backend,
+                      shapes=candidate_shapes(shape) if adaptive else ())
 
 
 def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:

@@ -2,13 +2,18 @@
 
 Two steps, each one compiled function per bucket:
 
-- `prefill`: the target's extend (prompt chunks) with its captured hidden states, the draft's
-  extend over the same tokens, and for the requests whose prompt is now complete the first
-  draft tree.
-- `round`: `verify_step` (every running request's tree in one target forward with the tree
-  mask, the accepted path, its nodes' target KV moved to consecutive slots), then `draft_step`
-  (the draft extended over the accepted tokens, the next tree grown), as one program. The two
-  parts are public so that a benchmark can time them apart.
+- `prefill`: the target's extend (prompt chunks) with its captured hidden states and the
+  draft's extend over the same tokens; for the requests whose prompt is now complete, the
+  draft's output at the last pair (the root the first tree grows from).
+- `round`, one program per round shape (`TreeShape`: plain decoding is the one-node tree):
+  `draft_step` (the tree grown from each request's root), `verify_step` (every tree in one
+  target forward with the tree mask, the accepted path, its nodes' target KV moved to
+  consecutive slots), then `extend_step` (the draft extended over the accepted tokens, which
+  gives the next root). The parts are public so that a benchmark can time them apart.
+
+Trees are grown at the start of the round that verifies them, so each round may take another
+shape (the adaptive policy's choice) without a program per pair of shapes; what passes from
+one round to the next is the root's draft output, kept on the host with the request.
 
 Invariant between steps: a request's target and draft caches both hold its first kv_len
 tokens (kv_len = all tokens but the last), so the radix cache can share draft pages exactly
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,8 +72,8 @@ class RoundRow:
 
     page_ids: Sequence[int]  # covering kv_len + SpecRunner.lookahead tokens
     kv_len: int
-    tree_tokens: np.ndarray  # i32[N]: node 0 = the request's last token
-    tree_parents: np.ndarray  # i32[N]
+    root_token: int  # the request's last token (not in the cache yet): the trees' root
+    root_hidden: np.ndarray  # f[H]: the draft's output at the root (SpecRunner.root_width)
     suppress_depth: int  # nodes shallower than this still suppress EOS (min_new_tokens)
     state_slot: int = 0  # hybrid targets: the request's recurrent-state slot
 
@@ -81,8 +87,9 @@ class RoundOutput:
     logprobs: np.ndarray  # f32[B, S+1]: raw target log-probability of each token
     top_logprob_ids: np.ndarray  # i32[B, S+1, MAX_TOP_LOGPROBS]
     top_logprobs: np.ndarray  # f32[B, S+1, MAX_TOP_LOGPROBS]
-    next_tokens: np.ndarray  # i32[B, N]: the next round's tree
-    next_parents: np.ndarray  # i32[B, N]
+    root_hidden: np.ndarray  # f[B, H]: the draft's output at the new root (the next round's)
+    tree_tokens: np.ndarray  # i32[B, N]: the tree this round verified (node 0 = the root)
+    tree_parents: np.ndarray  # i32[B, N]
 
 
 @jax.tree_util.register_dataclass
@@ -107,10 +114,12 @@ class SpecRunner:
         thresholds: AcceptThresholds,
         capture_layers: tuple[int, ...],
         attention_backend: str = "native",
+        shapes: Sequence[TreeShape] = (),
     ):
         self.target = target
         self.draft = draft
-        self.shape = shape
+        self.shape = shape  # the flags' shape: the widest a round may take
+        self.shapes = tuple(dict.fromkeys((*shapes, shape)))  # every shape a round may take
         self.thresholds = thresholds
         self.capture_layers = capture_layers
         self.page_size = target.page_size
@@ -125,17 +134,23 @@ class SpecRunner:
             draft, num_pages=num_pages, page_size=self.page_size, dtype=target.model.dtype,
             tp=self.tp, num_state_slots=target.num_state_slots,
         )
+        self.root_width = draft.cache_config.hidden_size if draft.uses_target_features else 0
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
-        self._round = jax.jit(self._round_impl, donate_argnums=(2, 3))
+        self._rounds = {s: jax.jit(functools.partial(self._round_impl, shape=s),
+                                   donate_argnums=(2, 3)) for s in self.shapes}
         self.hybrid = config.is_hybrid
+        # Seconds of one round by (shape, padded batch size), measured by warmup().
+        self.round_seconds: dict[tuple[TreeShape, int], float] = {}
 
     @property
     def lookahead(self) -> int:
-        """KV slots past kv_len a round may write: the verify window, or the accepted tokens
-        plus the next tree's draft windows, whichever reaches further."""
-        s, k, n = self.shape.num_steps, self.shape.topk, self.shape.num_draft_tokens
-        window = (s - 1) * k + int(self.draft.root_in_window)
-        return max(n, s + 1 + window)
+        """KV slots past kv_len a round may write: the verify window, or the draft windows,
+        or the accepted tokens, whichever reaches furthest, for the widest shape."""
+        def reach(shape: TreeShape) -> int:
+            s, k, n = shape.num_steps, shape.topk, shape.num_draft_tokens
+            window = max(s - 1, 0) * k + int(self.draft.root_in_window)
+            return max(n, s + 1, window)
+        return max(map(reach, self.shapes))
 
     # ------------------------------------------------------------------ host API
 
@@ -146,56 +161,59 @@ class SpecRunner:
         emits: np.ndarray,  # bool[n]: the chunk completes its request's prompt
         want_top_logprobs: bool,
         next_tokens: Sequence[int],  # the token after each chunk when known (else ignored)
-    ) -> tuple[StepOutput, np.ndarray, np.ndarray]:
+    ) -> tuple[StepOutput, np.ndarray]:
         """Extend target and draft; returns the sampled tokens and, for emitting rows, the
-        first draft tree (tokens i32[n, N], parents i32[n, N])."""
+        draft's output at the root (f[n, root_width])."""
         shape = self.target.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
         draft_ids = _shifted_ids(chunks, shape, next_tokens)
-        row_pages, row_lens = self._row_pages(chunks, rows)
         row_slots = np.zeros(rows, np.int32)
         row_slots[: len(chunks)] = [chunk.state_slot for chunk in chunks]
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
-        self.target.kv_cache, self.draft_kv, out, top, tree = self._prefill(
+        self.target.kv_cache, self.draft_kv, out, top, root_hidden = self._prefill(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             batch, sampling, _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
-            draft_ids, row_pages, row_lens, row_slots,
+            draft_ids,
         )
         n = len(chunks)
         top_ids, top_values = (np.asarray(a)[:n] for a in top)
         output = StepOutput(np.asarray(out.tokens)[:n], np.asarray(out.logprob)[:n], top_ids,
                             top_values)
-        return output, np.asarray(tree.tokens)[:n], np.asarray(tree.parents)[:n]
+        return output, np.asarray(root_hidden)[:n]
 
-    def round(self, rows: Sequence[RoundRow], sampling: SamplingBatch, want_top_logprobs: bool
-              ) -> RoundOutput:
-        """Verify and redraft every row; `sampling` has one host row per request."""
+    def round(self, rows: Sequence[RoundRow], sampling: SamplingBatch, want_top_logprobs: bool,
+              shape: TreeShape | None = None) -> RoundOutput:
+        """Draft, verify and extend every row with trees of `shape` (default: the flags');
+        `sampling` has one host row per request."""
         n = len(rows)
-        self.target.kv_cache, self.draft_kv, result = self._round(
+        self.target.kv_cache, self.draft_kv, result = self._rounds[shape or self.shape](
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             *self.round_arrays(rows, sampling), np.bool_(want_top_logprobs),
-            self.round_state_slots(rows),
         )
-        verdict, logprobs, top, next_tree = jax.device_get(result)
+        verdict, logprobs, top, root_hidden, tree = jax.device_get(result)
         return RoundOutput(
             tokens=verdict.tokens[:n], num_accepted=verdict.num_accepted[:n],
             logprobs=logprobs[:n], top_logprob_ids=top[0][:n], top_logprobs=top[1][:n],
-            next_tokens=next_tree.tokens[:n], next_parents=next_tree.parents[:n],
+            root_hidden=root_hidden[:n], tree_tokens=tree.tokens[:n],
+            tree_parents=tree.parents[:n],
         )
 
     def warmup(self) -> None:
-        """Compile every round and prefill bucket now."""
-        n = self.shape.num_draft_tokens
-        chain = np.arange(-1, n - 1, dtype=np.int32)
+        """Compile every round shape and prefill bucket now, and time each round program for
+        the adaptive policy (the fastest of a few runs after the compiling one: the others
+        met some other load)."""
         sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
-        with tqdm(total=len(sizes) + len(shapes), desc="Compiling speculative buckets",
-                  unit="bucket") as bar:
+        with tqdm(total=len(sizes) * len(self.shapes) + len(shapes),
+                  desc="Compiling speculative buckets", unit="bucket") as bar:
             for size in sizes:
-                rows = [RoundRow([0], 0, np.zeros(n, np.int32), chain, 0, slot)
-                        for slot in self._dummy_state_slots(size)]
-                self.round(rows, greedy_sampling_batch(size), False)
-                bar.update()
+                rows = self._dummy_rows(size)
+                for shape in self.shapes:
+                    self.round(rows, greedy_sampling_batch(size), False, shape)
+                    self.round_seconds[shape, size] = _fastest_seconds(
+                        lambda rows=rows, shape=shape, size=size: self.round(
+                            rows, greedy_sampling_batch(size), False, shape))
+                    bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
                 count = len(chunks)
@@ -208,29 +226,28 @@ class SpecRunner:
 
     # ------------------------------------------------------------------ host helpers
 
-    def _row_pages(self, chunks: Sequence[SeqChunk], rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per chunk: its page table row and its KV length after the chunk."""
-        pages = np.zeros((rows, self.target.buckets.pages_per_seq), np.int32)
-        lens = np.zeros(rows, np.int32)
-        for row, chunk in enumerate(chunks):
-            pages[row, : len(chunk.page_ids)] = chunk.page_ids
-            lens[row] = chunk.prefix_len + len(chunk.token_ids)
-        return pages, lens
-
-    def round_arrays(self, rows: Sequence[RoundRow], sampling: SamplingBatch
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, DraftTree, SamplingBatch]:
-        """The host arrays a round's steps take, padded to the batch bucket: page_table
-        i32[B, P], kv_lens i32[B], active bool[B], the trees [B, N] and one sampling row per
-        node."""
+    def round_arrays(self, rows: Sequence[RoundRow], sampling: SamplingBatch) -> tuple:
+        """The host arrays a round takes, padded to the batch bucket: page_table i32[B, P],
+        kv_lens i32[B], active bool[B], root_tokens i32[B], root_hidden f[B, H], sampling
+        (B rows), suppress_depth i32[B], state_slots i32[B] (0, the null slot, for padding
+        rows and targets without recurrent state)."""
         padded = self.target.buckets.batch_padding(len(rows))
-        tree, page_table, kv_lens, active = self._round_inputs(rows, padded)
-        return page_table, kv_lens, active, tree, self._node_sampling(sampling, rows, padded)
+        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
+        ints = np.zeros((4, padded), np.int32)  # kv_len, root token, suppress depth, state slot
+        active = np.arange(padded) < len(rows)
+        root_hidden = np.zeros((padded, self.root_width), self.target.model.dtype)
+        for i, row in enumerate(rows):
+            page_table[i, : len(row.page_ids)] = row.page_ids
+            ints[:, i] = row.kv_len, row.root_token, row.suppress_depth, row.state_slot
+            root_hidden[i] = row.root_hidden
+        kv_lens, root_tokens, suppress_depth, state_slots = ints
+        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), padded), sampling)
+        return (page_table, kv_lens, active, root_tokens, root_hidden, sampling,
+                suppress_depth, state_slots)
 
-    def round_state_slots(self, rows: Sequence[RoundRow]) -> np.ndarray:
-        """i32[B]: each row's state slot, 0 (the null slot) for padding rows."""
-        slots = np.zeros(self.target.buckets.batch_padding(len(rows)), np.int32)
-        slots[: len(rows)] = [row.state_slot for row in rows]
-        return slots
+    def _dummy_rows(self, count: int) -> list[RoundRow]:
+        root = np.zeros(self.root_width, self.target.model.dtype)
+        return [RoundRow([0], 0, 0, root, 0, slot) for slot in self._dummy_state_slots(count)]
 
     def _dummy_state_slots(self, count: int) -> list[int]:
         """Warm-up rows of a hybrid target need distinct real slots (their states are
@@ -238,38 +255,6 @@ class SpecRunner:
         if not self.hybrid:
             return [0] * count
         return [1 + i % (self.target.num_state_slots - 1) for i in range(count)]
-
-    def _round_inputs(self, rows: Sequence[RoundRow], padded: int):
-        n = self.shape.num_draft_tokens
-        tokens = np.zeros((padded, n), np.int32)
-        parents = np.tile(np.arange(-1, n - 1, dtype=np.int32), (padded, 1))  # a chain
-        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
-        kv_lens = np.zeros(padded, np.int32)
-        active = np.zeros(padded, bool)
-        for i, row in enumerate(rows):
-            tokens[i], parents[i] = row.tree_tokens, row.tree_parents
-            page_table[i, : len(row.page_ids)] = row.page_ids
-            kv_lens[i], active[i] = row.kv_len, True
-        return DraftTree(tokens, parents), page_table, kv_lens, active
-
-    def _node_sampling(self, sampling: SamplingBatch, rows: Sequence[RoundRow], padded: int
-                       ) -> SamplingBatch:
-        """One sampling row per tree node: the request's parameters at the output position
-        of that node's prediction, with EOS suppressed only where min_new_tokens still holds."""
-        n = self.shape.num_draft_tokens
-        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), padded), sampling)
-        depths = np.zeros((padded, n), np.int32)
-        suppress_depth = np.zeros(padded, np.int32)
-        for i, row in enumerate(rows):
-            depths[i] = _host_depths(row.tree_parents)
-            suppress_depth[i] = row.suppress_depth
-        per_node = jax.tree.map(lambda a: np.repeat(a, n, axis=0), sampling)
-        suppressing = (depths < suppress_depth[:, None]).reshape(-1)
-        return SamplingBatch(**{
-            **vars(per_node),
-            "position": per_node.position + depths.reshape(-1),
-            "suppress_ids": np.where(suppressing[:, None], per_node.suppress_ids, -1),
-        })
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -296,7 +281,7 @@ class SpecRunner:
             capture_layers=self.capture_layers)
 
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, batch, sampling,
-                      emits, want_top, draft_ids, row_pages, row_lens, row_slots):
+                      emits, want_top, draft_ids):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self._target_forward(
             target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
@@ -305,6 +290,7 @@ class SpecRunner:
             target_params, hidden[batch.logits_indices], self.target.config)
         out = sample(logits, sampling, None, None)
         top = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
+        rows = batch.logits_indices.shape[0]
         if self.draft.uses_target_features:
             # The last token of a completed prompt pairs with the token just sampled.
             where = jnp.where(emits, batch.logits_indices, draft_ids.shape[0])
@@ -313,44 +299,68 @@ class SpecRunner:
                 draft_params, draft_kv, draft_ids, batch.positions,
                 self._features(hidden, captured), batch.attention, from_target=True)
             root_hidden = hidden[batch.logits_indices]
-            root_logits = self.draft.logits(draft_params, root_hidden)
         else:
             extra = dict(state_slots=batch.state_slots) if self.draft.recurrent else {}
             _, draft_kv = self.draft.forward(draft_params, draft_kv, batch.input_ids,
                                              batch.positions, None, batch.attention,
                                              from_target=True, **extra)
-            root_hidden = root_logits = None
-        tree, draft_kv = grow_tree(
-            self.draft, draft_params, draft_kv, out.tokens, root_hidden, root_logits, row_lens,
-            row_pages, emits, shape=self.shape, page_size=self.page_size, state_slots=row_slots)
-        return target_kv, draft_kv, *self.tp.constrain_replicated((out, top, tree))
+            root_hidden = jnp.zeros((rows, 0), self.target.model.dtype)
+        return target_kv, draft_kv, *self.tp.constrain_replicated((out, top, root_hidden))
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
-                    kv_lens, active, tree: DraftTree, sampling, want_top, state_slots):
-        self._count_compilation("round", tree.tokens.shape[0])
+                    kv_lens, active, root_tokens, root_hidden, sampling, suppress_depth,
+                    state_slots, want_top, *, shape: TreeShape):
+        self._count_compilation(f"round {_shape_name(shape)}", root_tokens.shape[0])
+        tree, draft_kv = self.draft_step(draft_params, draft_kv, root_tokens, root_hidden,
+                                         page_table, kv_lens, active, state_slots, shape=shape)
         target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
-                                               active, tree, sampling, want_top, state_slots)
-        next_tree, draft_kv = self.draft_step(draft_params, draft_kv, tree, verified,
-                                              page_table, kv_lens, active, state_slots)
+                                               active, tree, sampling, suppress_depth,
+                                               want_top, state_slots, shape=shape)
+        root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
+                                                 page_table, kv_lens, active, state_slots)
         return target_kv, draft_kv, self.tp.constrain_replicated(
-            (verified.verdict, verified.logprobs, verified.top, next_tree))
+            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree))
+
+    def draft_step(self, params, kv: list[LayerKV],
+                   root_tokens: jax.Array,  # i32[B]: each request's last token
+                   root_hidden: jax.Array,  # f[B, H]: the draft's output at the root
+                   page_table: jax.Array,  # i32[B, P]
+                   kv_lens: jax.Array,  # i32[B]: committed tokens before the root
+                   active: jax.Array,  # bool[B]: padding rows write nothing
+                   state_slots: jax.Array,  # i32[B]: a recurrent draft's slots
+                   *, shape: TreeShape) -> tuple[DraftTree, list[LayerKV]]:
+        """The round's first part (pure, jittable): grow each request's tree of `shape` from
+        its root. The one-node shape (plain decoding) runs no draft at all."""
+        if shape.num_draft_tokens == 1:
+            return DraftTree(root_tokens[:, None], jnp.full((root_tokens.shape[0], 1), -1,
+                                                             jnp.int32)), kv
+        root_logits = None
+        if self.draft.uses_target_features:
+            root_logits = self.draft.logits(params, root_hidden)
+        else:
+            root_hidden = None
+        return grow_tree(self.draft, params, kv, root_tokens, root_hidden, root_logits,
+                         kv_lens, page_table, active, shape=shape, page_size=self.page_size,
+                         state_slots=state_slots)
 
     def verify_step(self, target_params, target_kv: list[LayerKV],
                     page_table: jax.Array,  # i32[B, P]
                     kv_lens: jax.Array,  # i32[B]: committed tokens before the tree's root
                     active: jax.Array,  # bool[B]: padding rows write nothing
                     tree: DraftTree,  # [B, N]
-                    sampling: SamplingBatch,  # B*N rows, one per node
+                    sampling: SamplingBatch,  # B rows, one per request
+                    suppress_depth: jax.Array,  # i32[B]: nodes shallower still suppress EOS
                     want_top: jax.Array,  # bool[]
-                    state_slots: jax.Array | None = None,  # i32[B]: hybrid targets' slots
-                    ) -> tuple[list[LayerKV], Verified]:
-        """The round's first part (pure, jittable): the target's forward over every tree with
+                    state_slots: jax.Array,  # i32[B]: hybrid targets' slots
+                    *, shape: TreeShape) -> tuple[list[LayerKV], Verified]:
+        """The round's second part (pure, jittable): the target's forward over every tree with
         the tree mask, the acceptance walk, and the accepted nodes' K/V moved into place.
         A hybrid target's linear layers run the trees from each request's committed state
         without writing the pools; the state after the last accepted node is then committed
         to the request's slot (padding rows write nothing)."""
         batch, n = tree.tokens.shape
-        positions = kv_lens[:, None] + node_depths(tree.parents)
+        depths = node_depths(tree.parents)
+        positions = kv_lens[:, None] + depths
         metadata = window_metadata(page_table, kv_lens, jnp.where(active, n, 0), n,
                                    self.page_size, ancestor_mask(tree.parents))
         pools = list(target_kv)
@@ -367,15 +377,15 @@ class SpecRunner:
                 metadata, None)
         logits = self.target.model.impl.compute_logits(target_params, hidden,
                                                        self.target.config)  # f32[B*N, V]
-        verdict = verify_tree(tree, logits, sampling, num_steps=self.shape.num_steps,
-                              thresholds=self.thresholds)
+        verdict = verify_tree(tree, logits, node_sampling(sampling, depths, suppress_depth),
+                              num_steps=shape.num_steps, thresholds=self.thresholds)
         if self.hybrid:
             last = jnp.take_along_axis(verdict.path, verdict.num_accepted[:, None], axis=1)[:, 0]
             target_kv = [
                 gated_delta_net.commit_node(pools[i], nodes, slots, last, active)
                 if self.target.config.is_linear_layer(i) else nodes
                 for i, nodes in enumerate(target_kv)]
-        if self.shape.topk > 1:  # a chain's accepted nodes are already consecutive
+        if shape.topk > 1:  # a chain's accepted nodes are already consecutive
             target_kv = commit_path_kv(target_kv, page_table, kv_lens, verdict, self.page_size)
         path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)
         logprobs, top = _path_logprobs(logits[path_rows], verdict.tokens, want_top)
@@ -383,14 +393,14 @@ class SpecRunner:
                     if self.draft.uses_target_features else None)
         return target_kv, Verified(verdict, logprobs, top, features)
 
-    def draft_step(self, params, kv: list[LayerKV], tree: DraftTree, verified: Verified,
-                   page_table: jax.Array, kv_lens: jax.Array, active: jax.Array,
-                   state_slots: jax.Array | None = None,
-                   ) -> tuple[DraftTree, list[LayerKV]]:
-        """The round's second part (pure, jittable): extend the draft over the accepted path,
-        then grow the next tree from the bonus token. Arguments as for verify_step. A
-        recurrent draft runs the path as a chain from each request's committed state and
-        commits the state after its last token."""
+    def extend_step(self, params, kv: list[LayerKV], tree: DraftTree, verified: Verified,
+                    page_table: jax.Array, kv_lens: jax.Array, active: jax.Array,
+                    state_slots: jax.Array) -> tuple[jax.Array, list[LayerKV]]:
+        """The round's last part (pure, jittable): extend the draft over the accepted path;
+        returns its output at the new root (f[B, H], the bonus token's pair; f[B, 0] for a
+        draft that reads no target features). Arguments as for verify_step. A recurrent
+        draft runs the path as a chain from each request's committed state and commits the
+        state after its last token."""
         verdict = verified.verdict
         batch, width = verdict.tokens.shape  # width = S + 1
         valid = jnp.where(active, verdict.num_accepted + 1, 0)
@@ -409,16 +419,11 @@ class SpecRunner:
                 commit=verdict.num_accepted)
         hidden, kv = self.draft.forward(params, kv, tokens.reshape(-1), positions,
                                         verified.features, metadata, from_target=True, **extra)
-        last = verdict.num_accepted[:, None]
-        root_tokens = jnp.take_along_axis(verdict.tokens, last, axis=1)[:, 0]
-        root_hidden = root_logits = None
-        if self.draft.uses_target_features:
-            root_hidden = jnp.take_along_axis(hidden.reshape(batch, width, -1),
-                                              last[:, :, None], axis=1)[:, 0]
-            root_logits = self.draft.logits(params, root_hidden)
-        return grow_tree(self.draft, params, kv, root_tokens, root_hidden, root_logits,
-                         kv_lens + verdict.num_accepted + 1, page_table, active,
-                         shape=self.shape, page_size=self.page_size, state_slots=state_slots)
+        if not self.draft.uses_target_features:
+            return jnp.zeros((batch, 0), self.target.model.dtype), kv
+        last = verdict.num_accepted[:, None, None]
+        root_hidden = jnp.take_along_axis(hidden.reshape(batch, width, -1), last, axis=1)[:, 0]
+        return root_hidden, kv
 
     def _features(self, hidden: jax.Array, captured: tuple[jax.Array, ...]) -> jax.Array:
         """What the draft reads of the target per token: f[T, 3H] (EAGLE3) or f[T, H]."""
@@ -474,11 +479,31 @@ def _shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Seq
     return ids
 
 
-def _host_depths(parents: np.ndarray) -> np.ndarray:
-    depths = np.zeros(len(parents), np.int32)
-    for i, parent in enumerate(parents):
-        depths[i] = 0 if parent < 0 else depths[parent] + 1
-    return depths
+def node_sampling(sampling: SamplingBatch, depths: jax.Array, suppress_depth: jax.Array
+                  ) -> SamplingBatch:
+    """One sampling row per tree node (B*N rows) from one per request (B rows) and the node
+    depths i32[B, N]: the request's parameters at the output position of that node's
+    prediction, with EOS suppressed only where min_new_tokens still holds."""
+    n = depths.shape[1]
+    per_node = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), sampling)
+    suppressing = (depths < suppress_depth[:, None]).reshape(-1)
+    return dataclasses.replace(
+        per_node, position=per_node.position + depths.reshape(-1),
+        suppress_ids=jnp.where(suppressing[:, None], per_node.suppress_ids, -1))
+
+
+def _shape_name(shape: TreeShape) -> str:
+    return f"{shape.num_steps}/{shape.topk}/{shape.num_draft_tokens}"
+
+
+def _fastest_seconds(fn, runs: int = 5, budget_s: float = 1.0) -> float:
+    """The fastest of `runs` calls of fn, or of those that fit in `budget_s` (at least 2)."""
+    times: list[float] = []
+    while len(times) < runs and (len(times) < 2 or sum(times) < budget_s):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _dummy_chunks(shape: BatchShape, context_len: int, page_size: int) -> list[SeqChunk]:

@@ -44,3 +44,24 @@ def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "baseline tok/s" in printed and printed.count("\nrandom    chain") == 2
+
+
+def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
+    out_json = tmp_path / "adaptive.json"
+    assert load_bench().main(["--hidden-size", "64", "--num-layers", "2", "--batch-sizes", "2",
+                              "--input-len", "16", "--output-len", "12", "--shapes", "adaptive",
+                              "--output-json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())
+    assert row["shape"] == "adaptive" and row["outputs_differing"] == 0
+    assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/4/8"}
+    assert sum(row["rounds_by_shape"].values()) >= 11  # 12 tokens, at most one per plain round
+
+
+def test_random_word_requests_draw_whole_words_from_the_vocabulary(tmp_path):
+    from sgl_jax.testing.tokenizer import write_tiny_tokenizer
+
+    tokenizer = write_tiny_tokenizer(tmp_path)
+    requests = load_bench().random_word_requests(tokenizer, 3, seed=0)
+    assert len(requests) == 3 and len(set(requests)) == 3
+    words = requests[0].split(": ", 1)[1].split(", ")
+    assert len(words) == 40 and all(w.isalpha() and len(w) >= 4 for w in words)

@@ -8,6 +8,7 @@ request's slot, the state that decoding the accepted path one token at a time le
 captures attention layers' outputs only."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -22,6 +23,7 @@ from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
 from sgl_jax.speculative.spec_runner import RoundRow
+from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 
@@ -170,7 +172,7 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
             runner.forward([SeqChunk([([p[-1]] + f)[depth]], len(p) - 1 + depth, pages[j + 2],
                                      state_slot=slots[j + 2])
                             for j, (p, f) in enumerate(zip(ids, follow, strict=True))])
-        rows, paths_taken = [], []
+        rows, trees, paths_taken = [], [], []
         for j, (p, f) in enumerate(zip(ids, follow, strict=True)):
             if n == 4:  # the chain root, g1, g2, g3
                 tokens, parents, path = [p[-1], *f[:3]], [-1, 0, 1, 2], [0, 1, 2, 3]
@@ -178,14 +180,19 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                 decoy = [(t + 1) % 500 for t in f[:3]]
                 tokens = [p[-1], decoy[0], f[0], decoy[1], f[1], decoy[2], decoy[2], f[2]]
                 parents, path = [-1, 0, 0, 2, 2, 4, 3, 4], [0, 2, 4, 7]
-            rows.append(RoundRow(pages[j], len(p) - 1, np.array(tokens, np.int32),
-                                 np.array(parents, np.int32), 0, slots[j]))
+            root = np.zeros(spec.root_width, np.float32)
+            rows.append(RoundRow(pages[j], len(p) - 1, p[-1], root, 0, slots[j]))
+            trees.append((tokens, parents))
             paths_taken.append(path)
-        arrays = spec.round_arrays(rows, greedy_sampling_batch(len(rows)))
-        assert isinstance(arrays[4], SamplingBatch)
-        kv, verified = jax.jit(spec.verify_step)(
-            runner.model.params, runner.kv_cache, *arrays, np.bool_(False),
-            spec.round_state_slots(rows))
+        page_table, kv_lens, active, _, _, sampling, suppress, state_slots = spec.round_arrays(
+            rows, greedy_sampling_batch(len(rows)))
+        assert isinstance(sampling, SamplingBatch)
+        padding = [(trees[0][0], list(range(-1, n - 1)))] * (len(kv_lens) - len(trees))
+        tree = DraftTree(*(np.array(part, np.int32) for part in zip(*trees, *padding,
+                                                                      strict=True)))
+        verify = jax.jit(functools.partial(spec.verify_step, shape=spec.shape))
+        kv, verified = verify(runner.model.params, runner.kv_cache, page_table, kv_lens,
+                              active, tree, sampling, suppress, np.bool_(False), state_slots)
         runner.kv_cache = kv
         verdict = jax.device_get(verified.verdict)
         for j, f in enumerate(follow):

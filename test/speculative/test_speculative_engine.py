@@ -134,11 +134,11 @@ def test_target_as_its_own_tree_draft_accepts_a_full_path_every_round(checkpoint
         rounds = []
         original = engine._spec.round
 
-        def recording_round(rows, sampling, want_top):
-            output = original(rows, sampling, want_top)
-            rounds.extend((row.tree_tokens, row.tree_parents,
+        def recording_round(rows, sampling, want_top, shape=None):
+            output = original(rows, sampling, want_top, shape)
+            rounds.extend((output.tree_tokens[i], output.tree_parents[i],
                            output.tokens[i, : output.num_accepted[i] + 1])
-                          for i, row in enumerate(rows))
+                          for i in range(len(rows)))
             return output
 
         engine._spec.round = recording_round

@@ -1,0 +1,210 @@
+"""The adaptive speculation policy: before each round, the draft shape (or none) that commits
+the most tokens per second for the batch at hand.
+
+For a batch of requests r in padded batch bucket b, each candidate shape X is scored
+
+    rate(X) = sum_r L_r(X) / T(X, b)
+
+where T(X, b) is the seconds one round of X takes at bucket b, and L_r(X) the tokens request r
+is expected to commit in it: 1 for plain decoding, else
+
+    L_r(X) = 1 + sum_{d=1..depth(X)} prod_{j<=d} q_r(family(X), j)
+
+with q_r(f, j) request r's acceptance at draft depth j given depth j-1 was accepted, for the
+family f of X (a chain, or a tree of topk > 1, whose rates are higher). The round takes the
+argmax. Where the estimates come from:
+
+- q_r: decayed counts of accepted / tried depths over the request's own speculative rounds,
+  shrunk towards the server-wide counts (which the same rounds update, more slowly), so a new
+  request starts from what the server has seen and a request the draft cannot predict soon
+  stops paying for drafts. A family the request has not run yet starts from the server's
+  rates scaled by how the request did against the server in the other family.
+- T: the runner's warm-up timing of every (shape, bucket) program, times a per-bucket drift
+  factor that each observed round updates (context length, machine load), so a shape not
+  run lately keeps its cost relative to those that are.
+
+Plain rounds measure no acceptance, so a policy that chose plain would never see the text
+become predictable: after a run of plain rounds it probes once with the best speculative shape,
+and doubles the run before the next probe (up to MAX_PROBE_INTERVAL) while plain keeps winning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgl_jax.speculative.drafts import TreeShape
+
+PLAIN = TreeShape(num_steps=0, topk=1, num_draft_tokens=1)  # the root alone: one token
+INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
+REQUEST_DECAY = 0.9  # a request's counts fade over about ten rounds
+SERVER_DECAY = 0.995  # the server's over a few hundred request-rounds
+PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
+DRIFT_SMOOTHING = 0.2  # weight of the newest round in a bucket's cost drift
+MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # plain rounds between probes
+
+
+def shape_name(shape: TreeShape) -> str:
+    return "plain" if shape == PLAIN else (
+        f"{shape.num_steps}/{shape.topk}/{shape.num_draft_tokens}")
+
+
+def candidate_shapes(ceiling: TreeShape) -> tuple[TreeShape, ...]:
+    """What an adaptive round may take under the flags' shape: plain decoding, a one-step
+    chain, a chain as deep as the flags, and the flags' shape itself."""
+    chain = TreeShape(ceiling.num_steps, 1, ceiling.num_steps + 1)
+    return tuple(dict.fromkeys([PLAIN, TreeShape(1, 1, 2), chain, ceiling]))
+
+
+def family(shape: TreeShape) -> str:
+    return "tree" if shape.topk > 1 else "chain"
+
+
+@dataclass
+class DepthCounts:
+    """Decayed counts, per draft depth, of rounds that tried the depth and that accepted it."""
+
+    depth: int  # the deepest a shape may draft
+    decay: float
+    tried: np.ndarray = field(init=False)  # f64[depth]
+    accepted: np.ndarray = field(init=False)  # f64[depth]
+
+    def __post_init__(self) -> None:
+        self.tried = np.zeros(self.depth)
+        self.accepted = np.zeros(self.depth)
+
+    def record(self, steps: int, num_accepted: int) -> None:
+        """A round of `steps` draft depths that accepted `num_accepted`: depths 1..a were
+        accepted, depth a+1 (if drafted) was tried and rejected."""
+        self.tried *= self.decay
+        self.accepted *= self.decay
+        self.tried[: min(num_accepted + 1, steps)] += 1
+        self.accepted[:num_accepted] += 1
+
+    def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
+        """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
+        return (self.accepted + weight * prior) / (self.tried + weight)
+
+
+class Acceptance:
+    """One request's (or the server's) depth counts for chains and for trees."""
+
+    def __init__(self, depth: int, decay: float):
+        self.counts = {f: DepthCounts(depth, decay) for f in ("chain", "tree")}
+
+    def record(self, shape: TreeShape, num_accepted: int) -> None:
+        if shape != PLAIN:
+            self.counts[family(shape)].record(shape.num_steps, num_accepted)
+
+    def rates(self, kind: str, server: Acceptance | None) -> np.ndarray:
+        """f64[depth] for the family `kind` ("chain" or "tree"), shrunk towards the server's
+        rates (INITIAL_RATE for the server itself). What a request showed in the other family
+        scales the server's rates first: text that defeats trees defeats chains too."""
+        counts = self.counts[kind]
+        if server is None:
+            return counts.rates(np.full(counts.depth, INITIAL_RATE), PRIOR_WEIGHT)
+        base = server.rates(kind, None)
+        other = "tree" if kind == "chain" else "chain"
+        if self.counts[other].tried.any():
+            typical = server.rates(other, None)
+            mine = self.counts[other].rates(typical, PRIOR_WEIGHT)
+            base = np.clip(base * mine / typical, 0.0, 1.0)
+        return counts.rates(base, PRIOR_WEIGHT)
+
+
+def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
+    """Tokens a round of `shape` commits: the bonus plus each depth reached."""
+    return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
+
+
+@dataclass
+class Choice:
+    """One round's decision and what it was based on."""
+
+    shape: TreeShape
+    batch_bucket: int
+    probe: bool  # chosen to measure acceptance, not on its expected rate
+    accept_lengths: dict[str, float]  # mean expected tokens per request and round, by shape
+    round_ms: dict[str, float]  # believed cost of a round, by shape
+    tokens_per_s: dict[str, float]  # the score, by shape
+
+
+class SpeculationPolicy:
+    """Picks each round's shape among `shapes` (adaptive), or always the flags' shape."""
+
+    def __init__(self, shapes: Sequence[TreeShape], ceiling: TreeShape,
+                 round_seconds: Mapping[tuple[TreeShape, int], float], adaptive: bool):
+        self.adaptive = adaptive and len(shapes) > 1 and bool(round_seconds)
+        self.shapes = tuple(shapes) if self.adaptive else (ceiling,)
+        self.ceiling = ceiling
+        self.depth = max(s.num_steps for s in shapes)
+        self.round_seconds = dict(round_seconds)
+        self.drift: dict[int, float] = {}
+        self.server = Acceptance(self.depth, SERVER_DECAY)
+        self.rounds_by_shape = {shape_name(s): 0 for s in self.shapes}
+        self.probe_interval = MIN_PROBE_INTERVAL
+        self.plain_streak = 0
+        self.last: Choice | None = None
+
+    def new_request(self) -> Acceptance:
+        """The acceptance record a request carries (Req.spec_acceptance)."""
+        return Acceptance(self.depth, REQUEST_DECAY)
+
+    def seconds(self, shape: TreeShape, bucket: int) -> float:
+        return self.round_seconds[shape, bucket] * self.drift.get(bucket, 1.0)
+
+    def choose(self, requests: Sequence[Acceptance], bucket: int) -> TreeShape:
+        if not self.adaptive:
+            return self.ceiling
+        lengths = {s: sum(expected_length(s, r.rates(family(s), self.server)) for r in requests)
+                   for s in self.shapes}
+        rates = {s: lengths[s] / self.seconds(s, bucket) for s in self.shapes}
+        best = max(self.shapes, key=rates.__getitem__)
+        probe = False
+        if best != PLAIN:
+            self.plain_streak, self.probe_interval = 0, MIN_PROBE_INTERVAL
+        else:
+            self.plain_streak += 1
+            if self.plain_streak >= self.probe_interval:
+                speculative = [s for s in self.shapes if s != PLAIN]
+                best, probe = max(speculative, key=rates.__getitem__), True
+                self.plain_streak = 0
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        n = max(len(requests), 1)
+        self.last = Choice(
+            best, bucket, probe,
+            accept_lengths={shape_name(s): lengths[s] / n for s in self.shapes},
+            round_ms={shape_name(s): 1000 * self.seconds(s, bucket) for s in self.shapes},
+            tokens_per_s={shape_name(s): rates[s] for s in self.shapes})
+        return best
+
+    def observe(self, shape: TreeShape, bucket: int, seconds: float,
+                outcomes: Sequence[tuple[Acceptance, int]]) -> None:
+        """A round of `shape` took `seconds`; each request's record and its accepted count."""
+        self.rounds_by_shape[shape_name(shape)] += 1
+        for acceptance, num_accepted in outcomes:
+            acceptance.record(shape, num_accepted)
+            self.server.record(shape, num_accepted)
+        measured = self.round_seconds.get((shape, bucket))
+        if self.adaptive and measured:
+            old = self.drift.get(bucket, 1.0)
+            self.drift[bucket] = (1 - DRIFT_SMOOTHING) * old + DRIFT_SMOOTHING * seconds / measured
+
+    def info(self) -> dict:
+        """What /get_server_info and /metrics show: the shapes chosen and why."""
+        last = self.last
+        return {
+            "spec_adaptive": self.adaptive,
+            "spec_shapes": [shape_name(s) for s in self.shapes],
+            "spec_rounds_by_shape": dict(self.rounds_by_shape),
+            "spec_believed_accept_rates": {
+                kind: [round(float(x), 4) for x in self.server.rates(kind, None)]
+                for kind in ("chain", "tree")},
+            "spec_last_choice": None if last is None else {
+                "shape": shape_name(last.shape), "batch_bucket": last.batch_bucket,
+                "probe": last.probe, "accept_length": last.accept_lengths,
+                "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
+            "spec_probe_interval": self.probe_interval,
+        }

@@ -1,0 +1,127 @@
+"""The adaptive policy in the Engine and the server: greedy output equals plain decoding
+whatever shapes it picks, a draft that predicts everything keeps speculating, a draft that
+predicts nothing falls back to plain rounds, nothing compiles after warm-up, and the choices
+show in /get_server_info and /metrics."""
+
+import json
+import re
+
+import httpx
+import numpy as np
+import pytest
+
+from sgl_jax import Engine
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.server import launch_server
+
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 4],
+            max_prefill_tokens=64, context_length=256, page_size=16)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+MAX_NEW = [40, 33, 48, 25]
+
+
+def greedy(n):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 500, n).tolist() for n in (5, 30, 12, 50)]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    target = write_tiny_checkpoint(root / "llama", "llama")
+    config = json.loads((target / "config.json").read_text())
+    return {"target": target, "self": target,
+            "eagle3": write_tiny_eagle3_draft(root / "eagle3", config)}
+
+
+@pytest.fixture(scope="module")
+def reference(paths):
+    with Engine(model_path=str(paths["target"]), skip_server_warmup=True, **BASE) as engine:
+        return [o["output_ids"] for o in engine.generate(
+            input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
+
+
+def run_adaptive(paths, algorithm, draft, relative_costs=None):
+    with Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
+                speculative_draft_model_path=str(paths[draft]), **TREE, **BASE) as engine:
+        compiled = engine.get_server_info()["num_compilations"]
+        if relative_costs:  # a round of each shape in plain steps, in place of the timings
+            policy = engine._loop.scheduler.policy
+            policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
+                                    for shape, bucket in policy.round_seconds}
+        outputs = engine.generate(input_ids=prompts(),
+                                  sampling_params=[greedy(n) for n in MAX_NEW])
+        one = engine.generate(input_ids=prompts()[0], sampling_params=greedy(MAX_NEW[0]))
+        info = engine.get_server_info()
+    assert info["num_compilations"] == compiled, "a round shape compiled after warm-up"
+    return [o["output_ids"] for o in outputs], one["output_ids"], info
+
+
+def test_a_draft_that_predicts_everything_speculates_deepest_when_rounds_cost_alike(
+        paths, reference):
+    outputs, one, info = run_adaptive(paths, "STANDALONE", "self",
+                                      relative_costs={0: 1, 1: 1, 3: 1})
+    assert outputs == reference and one == reference[0]
+    assert info["spec_adaptive"] and info["spec_shapes"] == ["plain", "1/1/2", "3/1/4", "3/2/6"]
+    rounds = info["spec_rounds_by_shape"]
+    assert rounds["plain"] == rounds["1/1/2"] == 0
+    assert info["spec_accept_rates"] == [1.0, 1.0, 1.0]
+    assert info["spec_believed_accept_rates"]["chain"][0] > 0.9
+    assert info["spec_last_choice"]["accept_length"]["3/1/4"] > 3.5
+
+
+def test_a_draft_that_predicts_everything_stays_lossless_at_measured_costs(paths, reference):
+    outputs, one, info = run_adaptive(paths, "STANDALONE", "self")
+    assert outputs == reference and one == reference[0]
+    last = info["spec_last_choice"]
+    assert last["shape"] == max(last["tokens_per_s"], key=last["tokens_per_s"].get)
+
+
+def test_a_draft_that_predicts_nothing_falls_back_to_plain_rounds(paths, reference):
+    outputs, one, info = run_adaptive(paths, "EAGLE3", "eagle3",
+                                      relative_costs={0: 1, 1: 1.2, 3: 1.5})
+    assert outputs == reference and one == reference[0]
+    rounds = info["spec_rounds_by_shape"]
+    assert rounds["plain"] > 3 * (sum(rounds.values()) - rounds["plain"])
+    last = info["spec_last_choice"]
+    assert last["shape"] == "plain" and last["accept_length"]["3/2/6"] < 1.5
+    assert set(last["round_ms"]) == set(info["spec_shapes"])
+
+
+def test_forcing_the_flags_shape_turns_the_policy_off(paths, reference):
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=str(paths["eagle3"]), speculative_adaptive=False,
+                **TREE, **BASE) as engine:
+        outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                       MAX_NEW])
+        info = engine.get_server_info()
+    assert [o["output_ids"] for o in outputs] == reference
+    assert not info["spec_adaptive"] and list(info["spec_rounds_by_shape"]) == ["3/2/6"]
+
+
+def test_the_server_shows_its_choices(paths):
+    flags = ["--model-path", str(paths["target"]), "--dtype", "float32",
+             "--precompile-token-paddings", "64", "--precompile-bs-paddings", "1",
+             "--max-prefill-tokens", "64", "--context-length", "256", "--enable-metrics",
+             "--served-model-name", "tiny", "--speculative-algorithm", "EAGLE3",
+             "--speculative-draft-model-path", str(paths["eagle3"]),
+             "--speculative-num-steps", "2"]
+    with launch_server(flags) as server:
+        reply = httpx.post(f"{server.base_url}/generate", json={
+            "input_ids": prompts()[1], "sampling_params": greedy(30)}, timeout=120)
+        assert reply.status_code == 200
+        info = httpx.get(f"{server.base_url}/get_server_info").json()
+        assert info["speculative_adaptive"] is True and info["spec_adaptive"] is True
+        assert sum(info["spec_rounds_by_shape"].values()) >= 10
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert re.search(r'^sgl_jax_spec_rounds_by_shape\{model_name="tiny",shape="plain"\} '
+                     r'[1-9][0-9.]*$', metrics, re.M)
+    assert re.search(r'^sgl_jax_spec_believed_round_ms\{model_name="tiny",shape="2/1/3"\} ',
+                     metrics, re.M)
+    assert re.search(r'^sgl_jax_spec_believed_accept_rate\{depth="1",family="chain",'
+                     r'model_name="tiny"\} ', metrics, re.M)

@@ -1,0 +1,172 @@
+"""The adaptive speculation policy on synthetic acceptance and costs: the formula, the choice
+it implies at small and large batches, per-request estimates, cost drift and probing."""
+
+import numpy as np
+import pytest
+
+from sgl_jax.speculative import policy as P
+from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
+
+TREE = TreeShape(3, 4, 8)
+CHAIN1, CHAIN3 = TreeShape(1, 1, 2), TreeShape(3, 1, 4)
+
+
+def costs(plain_ms, per_shape_ms, buckets=(1, 64)):
+    """{(shape, bucket): seconds}: plain at plain_ms[b], the others at per_shape_ms[b][shape]."""
+    table = {}
+    for bucket in buckets:
+        table[PLAIN, bucket] = plain_ms[bucket] / 1000
+        for shape, ms in per_shape_ms[bucket].items():
+            table[shape, bucket] = ms / 1000
+    return table
+
+
+def requests_with(policy, accepted_runs):
+    """One acceptance record per request, fed the given rounds of TREE/CHAIN3 outcomes."""
+    out = []
+    for runs in accepted_runs:
+        record = policy.new_request()
+        for shape, accepted in runs:
+            record.record(shape, accepted)
+            policy.server.record(shape, accepted)
+        out.append(record)
+    return out
+
+
+def test_candidates_stay_under_the_flags():
+    assert candidate_shapes(TREE) == (PLAIN, CHAIN1, CHAIN3, TREE)
+    assert candidate_shapes(TreeShape(5, 1, 6)) == (PLAIN, CHAIN1, TreeShape(5, 1, 6))
+    assert candidate_shapes(TreeShape(1, 1, 2)) == (PLAIN, CHAIN1)
+
+
+def test_expected_length_is_one_plus_the_cumulative_products():
+    rates = np.array([0.8, 0.5, 0.25])
+    assert P.expected_length(PLAIN, rates) == 1.0
+    assert P.expected_length(CHAIN1, rates) == pytest.approx(1.8)
+    assert P.expected_length(CHAIN3, rates) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_depth_counts_record_tried_and_accepted_depths():
+    counts = P.DepthCounts(depth=3, decay=1.0)
+    counts.record(3, 1)  # depth 1 accepted, depth 2 tried and rejected, depth 3 not reached
+    counts.record(3, 3)
+    counts.record(1, 0)  # a one-step chain rejected at depth 1
+    assert counts.tried.tolist() == [3, 2, 1]
+    assert counts.accepted.tolist() == [2, 1, 1]
+    prior = np.full(3, 0.5)
+    np.testing.assert_allclose(counts.rates(prior, 2.0), [(2 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3])
+
+
+def test_decay_lets_recent_rounds_dominate():
+    counts = P.DepthCounts(depth=1, decay=0.5)
+    for _ in range(20):
+        counts.record(1, 1)
+    for _ in range(5):
+        counts.record(1, 0)
+    assert counts.rates(np.array([0.5]), 0.0)[0] < 0.1
+
+
+def test_plain_rounds_record_nothing():
+    record = P.Acceptance(3, 1.0)
+    record.record(PLAIN, 0)
+    assert all(c.tried.sum() == 0 for c in record.counts.values())
+
+
+SMALL_AND_LARGE = costs({1: 10, 64: 40}, {1: {CHAIN1: 12, CHAIN3: 13, TREE: 16},
+                                          64: {CHAIN1: 70, CHAIN3: 160, TREE: 250}})
+
+
+def test_high_acceptance_speculates_at_batch_1_and_not_at_64():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    good = [[(TREE, 3), (CHAIN3, 2), (TREE, 2), (CHAIN3, 3)] * 3]
+    assert policy.choose(requests_with(policy, good), 1) != PLAIN
+    # At 64 a chain round costs 4 plain steps and a tree round 6: no acceptance pays for that.
+    assert policy.choose(requests_with(policy, good * 64), 64) in (PLAIN, CHAIN1)
+    assert policy.last.tokens_per_s["plain"] == pytest.approx(64 / 0.040)
+
+
+def test_the_choice_maximises_expected_tokens_per_second():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    reqs = requests_with(policy, [[(TREE, 1), (CHAIN3, 1), (TREE, 2), (CHAIN3, 0)] * 2] * 3)
+    chosen = policy.choose(reqs, 1)
+    expected = {}
+    for shape in candidate_shapes(TREE):
+        tokens = sum(P.expected_length(shape, r.rates(P.family(shape), policy.server))
+                     for r in reqs)
+        expected[shape] = tokens / SMALL_AND_LARGE[shape, 1]
+    assert chosen == max(expected, key=expected.__getitem__)
+    for shape, rate in expected.items():
+        assert policy.last.tokens_per_s[P.shape_name(shape)] == pytest.approx(rate)
+
+
+def test_an_unpredictable_request_falls_to_plain_while_the_server_estimate_stays_high():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    requests_with(policy, [[(TREE, 3)] * 30])  # the server has seen good text
+    hopeless = requests_with(policy, [[(TREE, 0)] * 12])[0]
+    newcomer = policy.new_request()
+    assert policy.choose([newcomer], 1) != PLAIN  # a new request starts from the server's rates
+    assert policy.choose([hopeless], 1) == PLAIN
+
+
+def test_a_mixed_batch_weighs_every_request():
+    table = costs({8: 10}, {8: {CHAIN1: 14, CHAIN3: 18, TREE: 30}}, buckets=(8,))
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    predictable = requests_with(policy, [[(CHAIN3, 3), (TREE, 3)] * 10] * 4)
+    hopeless = requests_with(policy, [[(CHAIN3, 0), (TREE, 0)] * 10] * 4)
+    assert policy.choose(predictable, 8) != PLAIN
+    assert policy.choose(hopeless, 8) == PLAIN
+    mixed = policy.choose(predictable + hopeless, 8)
+    lengths = policy.last.accept_lengths
+    assert 1.0 < lengths[P.shape_name(mixed)] < 4.0
+
+
+def test_observed_rounds_scale_every_shape_of_their_bucket():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    record = policy.new_request()
+    for _ in range(30):
+        policy.observe(CHAIN3, 1, 2 * SMALL_AND_LARGE[CHAIN3, 1], [(record, 1)])
+    assert policy.seconds(TREE, 1) == pytest.approx(2 * SMALL_AND_LARGE[TREE, 1], rel=0.01)
+    assert policy.seconds(PLAIN, 1) == pytest.approx(2 * SMALL_AND_LARGE[PLAIN, 1], rel=0.01)
+    assert policy.seconds(PLAIN, 64) == SMALL_AND_LARGE[PLAIN, 64]
+    assert policy.rounds_by_shape["3/1/4"] == 30
+    assert record.counts["chain"].tried[0] > 0
+
+
+def test_probes_back_off_while_plain_keeps_winning():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    hopeless = requests_with(policy, [[(TREE, 0), (CHAIN3, 0)] * 20])
+    probes = []
+    for round_index in range(1, 200):
+        shape = policy.choose(hopeless, 1)
+        if shape != PLAIN:
+            assert policy.last.probe
+            probes.append(round_index)
+    # streaks of 4, 8, 16, 32, 64 plain rounds, each followed by one probe
+    assert probes == [4, 12, 28, 60, 124]
+
+
+def test_without_adaptive_every_round_takes_the_flags_shape():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=False)
+    hopeless = requests_with(policy, [[(TREE, 0)] * 20])
+    assert all(policy.choose(hopeless, 1) == TREE for _ in range(10))
+    assert policy.info()["spec_adaptive"] is False
+    assert policy.info()["spec_shapes"] == ["3/4/8"]
+
+
+def test_without_timings_the_policy_is_not_adaptive():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, {}, adaptive=True)
+    assert not policy.adaptive and policy.choose([policy.new_request()], 1) == TREE
+
+
+def test_info_reports_the_last_choice_and_its_reasons():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    policy.choose([policy.new_request()], 64)
+    info = policy.info()
+    assert info["spec_shapes"] == ["plain", "1/1/2", "3/1/4", "3/4/8"]
+    last = info["spec_last_choice"]
+    assert last["batch_bucket"] == 64
+    assert last["round_ms"]["3/4/8"] == pytest.approx(250)
+    assert last["tokens_per_s"]["3/4/8"] == pytest.approx(last["accept_length"]["3/4/8"] / 0.25)
+    assert last["accept_length"]["plain"] == 1.0
+    assert info["spec_believed_accept_rates"]["chain"] == [P.INITIAL_RATE] * 3
