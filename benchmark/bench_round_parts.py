@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-SHAPES = {"chain": "5/1/6", "tree": "3/4/8"}
+# "plain" is the adaptive policy's plain round: the target decodes the root and the draft
+# extends over it, so its cost beside a decode step is what a plain round costs extra.
+SHAPES = {"chain": "5/1/6", "tree": "3/4/8", "plain": "0/1/1"}
 
 
 @dataclass
@@ -56,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-model-path", default="demo",
                    help="EAGLE3 head; default: the demo model's trained head")
     p.add_argument("--shapes", default="chain,tree",
-                   help="comma-separated: chain, tree, or steps/topk/draft-tokens")
+                   help="comma-separated: chain, tree, plain, or steps/topk/draft-tokens")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--context", type=int, default=256, help="committed tokens per request")
     p.add_argument("--dtype", default="auto")
@@ -97,9 +99,12 @@ class Setup:
         from sgl_jax.model_executor.model_runner import ModelRunner
         from sgl_jax.models.loader import load_model
         from sgl_jax.server_args import ServerArgs
+        from sgl_jax.speculative.drafts import TreeShape
         from sgl_jax.speculative.setup import load_draft, make_spec_runner
 
-        steps, topk, tokens = shape
+        self.shape = TreeShape(*shape)
+        plain = shape[0] == 0  # compiled beside a one-step chain, as the adaptive policy does
+        steps, topk, tokens = (1, 1, 2) if plain else shape
         target = str(demo_model_path()) if args.model_path == "demo" else args.model_path
         draft = str(demo_draft_path()) if args.draft_model_path == "demo" else args.draft_model_path
         backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
@@ -107,7 +112,7 @@ class Setup:
             model_path=target, dtype=args.dtype, page_size=args.page_size,
             speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
             speculative_num_steps=steps, speculative_eagle_topk=topk,
-            speculative_num_draft_tokens=tokens, speculative_adaptive=False, **backend)
+            speculative_num_draft_tokens=tokens, speculative_adaptive=plain, **backend)
         self.model = load_model(target, dtype=server_args.dtype, tp=None)
         context_len = args.context + 64
         self.pages_per_seq = -(-context_len // args.page_size)
@@ -120,8 +125,8 @@ class Setup:
                                   num_state_slots=max_batch + 1 if hybrid else 0)
         self.spec = make_spec_runner(server_args, self.runner,
                                      load_draft(server_args, self.model))
-        self.num_tokens = tokens
-        self.tree_parents = _tree_parents(steps, topk, tokens)
+        self.num_tokens = self.shape.num_draft_tokens
+        self.tree_parents = _tree_parents(*shape)
 
     def pages(self, row: int) -> list[int]:
         return list(range(1 + row * self.pages_per_seq, 1 + (row + 1) * self.pages_per_seq))
@@ -168,7 +173,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
                      np.tile(setup.tree_parents, (padded, 1)))
     want_top = np.bool_(False)
-    shape = spec.shape
+    shape = setup.shape
 
     def draft_part(params, kv, root_tokens, root_hidden, page_table, kv_lens, active, slots,
                    verified):
@@ -204,7 +209,8 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
             *device_arrays)
         return out
 
-    ms = median_ms({"decode": decode, "round": lambda: spec.round(rows, sampling, False).tokens,
+    ms = median_ms({"decode": decode,
+                    "round": lambda: spec.round(rows, sampling, False, shape).tokens,
                     "verify": run_verify, "draft": run_draft, "device": run_round_device},
                    repeats)
     return Row(shape_name, batch, ms["decode"], ms["round"], ms["verify"], ms["draft"],

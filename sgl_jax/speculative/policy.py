@@ -75,17 +75,14 @@ class DepthCounts:
         self.tried = np.zeros(self.depth)
         self.accepted = np.zeros(self.depth)
 
-    def record(self, steps: int, num_accepted: int) -> None:
-        """A round of `steps` draft depths that accepted `num_accepted`: depths 1..a were
-        accepted, depth a+1 (if drafted) was tried and rejected."""
-        self.tried *= self.decay
-        self.accepted *= self.decay
-        self.tried[: min(num_accepted + 1, steps)] += 1
-        self.accepted[:num_accepted] += 1
-
-    def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
-        """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
-        return (self.accepted + weight * prior) / (self.tried + weight)
+    def record(self, steps: int, num_accepted: int | Sequence[int]) -> None:
+        """Rounds of `steps` draft depths that accepted `num_accepted` each (one or several
+        requests): depths 1..a were accepted, depth a+1 (if drafted) was tried and rejected."""
+        accepted = np.atleast_1d(np.asarray(num_accepted))[:, None]  # [R, 1]
+        depths = np.arange(self.depth)[None, :]
+        scale = self.decay ** accepted.shape[0]
+        self.tried = self.tried * scale + (depths < np.minimum(accepted + 1, steps)).sum(0)
+        self.accepted = self.accepted * scale + (depths < accepted).sum(0)
 
 
 class Acceptance:
@@ -94,24 +91,37 @@ class Acceptance:
     def __init__(self, depth: int, decay: float):
         self.counts = {f: DepthCounts(depth, decay) for f in ("chain", "tree")}
 
-    def record(self, shape: TreeShape, num_accepted: int) -> None:
+    def record(self, shape: TreeShape, num_accepted: int | Sequence[int]) -> None:
         if shape != PLAIN:
             self.counts[family(shape)].record(shape.num_steps, num_accepted)
 
     def rates(self, kind: str, server: Acceptance | None) -> np.ndarray:
-        """f64[depth] for the family `kind` ("chain" or "tree"), shrunk towards the server's
-        rates (INITIAL_RATE for the server itself). What a request showed in the other family
-        scales the server's rates first: text that defeats trees defeats chains too."""
-        counts = self.counts[kind]
+        """f64[depth] for the family `kind` ("chain" or "tree"); see batch_rates."""
         if server is None:
-            return counts.rates(np.full(counts.depth, INITIAL_RATE), PRIOR_WEIGHT)
-        base = server.rates(kind, None)
-        other = "tree" if kind == "chain" else "chain"
-        if self.counts[other].tried.any():
-            typical = server.rates(other, None)
-            mine = self.counts[other].rates(typical, PRIOR_WEIGHT)
-            base = np.clip(base * mine / typical, 0.0, 1.0)
-        return counts.rates(base, PRIOR_WEIGHT)
+            return shrunk(self.counts[kind], np.full(self.counts[kind].depth, INITIAL_RATE))
+        return batch_rates([self], kind, server)[0]
+
+
+def shrunk(counts: DepthCounts, prior: np.ndarray) -> np.ndarray:
+    """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
+    return (counts.accepted + PRIOR_WEIGHT * prior) / (counts.tried + PRIOR_WEIGHT)
+
+
+def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -> np.ndarray:
+    """f64[R, depth]: each request's rates for the family `kind`, shrunk towards the server's.
+    What a request showed in the other family scales the server's rates first: text that
+    defeats trees defeats chains too. One pass over the batch (this runs every round)."""
+    other = "tree" if kind == "chain" else "chain"
+    typical, typical_other = server.rates(kind, None), server.rates(other, None)
+    own = [r.counts[kind] for r in requests]
+    theirs = [r.counts[other] for r in requests]
+    tried_other = np.stack([c.tried for c in theirs])
+    mine_other = ((np.stack([c.accepted for c in theirs]) + PRIOR_WEIGHT * typical_other)
+                  / (tried_other + PRIOR_WEIGHT))
+    base = np.where(tried_other.any(axis=1, keepdims=True),
+                    np.clip(typical * mine_other / typical_other, 0.0, 1.0), typical)
+    return ((np.stack([c.accepted for c in own]) + PRIOR_WEIGHT * base)
+            / (np.stack([c.tried for c in own]) + PRIOR_WEIGHT))
 
 
 def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
@@ -158,8 +168,7 @@ class SpeculationPolicy:
     def choose(self, requests: Sequence[Acceptance], bucket: int) -> TreeShape:
         if not self.adaptive:
             return self.ceiling
-        lengths = {s: sum(expected_length(s, r.rates(family(s), self.server)) for r in requests)
-                   for s in self.shapes}
+        lengths = self.expected_tokens(requests)
         rates = {s: lengths[s] / self.seconds(s, bucket) for s in self.shapes}
         best = max(self.shapes, key=rates.__getitem__)
         probe = False
@@ -180,13 +189,21 @@ class SpeculationPolicy:
             tokens_per_s={shape_name(s): rates[s] for s in self.shapes})
         return best
 
+    def expected_tokens(self, requests: Sequence[Acceptance]) -> dict[TreeShape, float]:
+        """Per shape, the tokens a round is expected to commit over the whole batch."""
+        cumulative = {kind: np.cumprod(batch_rates(requests, kind, self.server), axis=1)
+                      for kind in ("chain", "tree")} if requests else {}
+        return {s: len(requests) + (float(cumulative[family(s)][:, : s.num_steps].sum())
+                                    if requests else 0.0)
+                for s in self.shapes}
+
     def observe(self, shape: TreeShape, bucket: int, seconds: float,
                 outcomes: Sequence[tuple[Acceptance, int]]) -> None:
         """A round of `shape` took `seconds`; each request's record and its accepted count."""
         self.rounds_by_shape[shape_name(shape)] += 1
         for acceptance, num_accepted in outcomes:
             acceptance.record(shape, num_accepted)
-            self.server.record(shape, num_accepted)
+        self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
         measured = self.round_seconds.get((shape, bucket))
         if self.adaptive and measured:
             old = self.drift.get(bucket, 1.0)

@@ -48,7 +48,7 @@ def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
 
 def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     out_json = tmp_path / "adaptive.json"
-    assert load_bench().main(["--hidden-size", "64", "--num-layers", "2", "--batch-sizes", "2",
+    assert load_bench().main(["--hidden-size", "64", "--num-layers", "4", "--batch-sizes", "2",
                               "--input-len", "16", "--output-len", "12", "--shapes", "adaptive",
                               "--output-json", str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())

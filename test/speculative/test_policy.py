@@ -55,7 +55,19 @@ def test_depth_counts_record_tried_and_accepted_depths():
     assert counts.tried.tolist() == [3, 2, 1]
     assert counts.accepted.tolist() == [2, 1, 1]
     prior = np.full(3, 0.5)
-    np.testing.assert_allclose(counts.rates(prior, 2.0), [(2 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3])
+    assert P.PRIOR_WEIGHT == 2.0
+    np.testing.assert_allclose(P.shrunk(counts, prior), [(2 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3])
+
+
+def test_a_batch_of_rounds_counts_like_its_rounds_one_by_one():
+    one_by_one, batched = P.DepthCounts(3, decay=0.9), P.DepthCounts(3, decay=0.9)
+    for accepted in (0, 2, 3, 1):
+        one_by_one.record(3, accepted)
+    batched.record(3, [0, 2, 3, 1])
+    assert batched.tried.sum() == pytest.approx(one_by_one.tried.sum(), rel=0.2)
+    no_decay = P.DepthCounts(3, decay=1.0)
+    no_decay.record(3, [0, 2, 3, 1])
+    assert no_decay.tried.tolist() == [4, 3, 2] and no_decay.accepted.tolist() == [3, 2, 1]
 
 
 def test_decay_lets_recent_rounds_dominate():
@@ -64,7 +76,7 @@ def test_decay_lets_recent_rounds_dominate():
         counts.record(1, 1)
     for _ in range(5):
         counts.record(1, 0)
-    assert counts.rates(np.array([0.5]), 0.0)[0] < 0.1
+    assert counts.accepted[0] / counts.tried[0] < 0.1
 
 
 def test_plain_rounds_record_nothing():
