@@ -153,7 +153,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     rng = np.random.default_rng(0)
     vocab = setup.runner.config.vocab_size
     runner, spec = setup.runner, setup.spec
-    sampling = greedy_sampling_batch(batch)
+    sampling = greedy_sampling_batch(batch, vocab)
 
     def decode():
         chunks = [SeqChunk([int(rng.integers(vocab))], context, setup.pages(i),

@@ -3,8 +3,8 @@
 For each draft shape and batch size: output tokens per second without and with speculation,
 the speedup, the accept rate (accept length / draft tokens, as the seed model cards report
 it), the accept length (tokens per verify round) and the acceptance rate of each draft
-position (acc_0, acc_1, ...). Prints a table, writes JSON and a PNG of speedup against batch
-size. Each configuration runs once untimed first, so no compilation is timed.
+position (acc_0, acc_1, ...). Prints a table, writes JSON and a PNG of throughput against
+batch size. Each configuration runs once untimed first, so no compilation is timed.
 
 The two shapes of the seed cards are built in: chain (steps 5, topk 1, 6 draft tokens) and
 tree (steps 3, topk 4, 8 draft tokens); `adaptive` lets the policy pick each round's shape
@@ -53,11 +53,10 @@ SHAPES = {
               "speculative_num_draft_tokens": 6, "speculative_adaptive": False},
     "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
              "speculative_num_draft_tokens": 8, "speculative_adaptive": False},
-    # The policy's choice each round, under the seed cards' wide tree (it needs the warm-up's
-    # timing of every shape, so this engine warms up).
+    # The policy's choice each round, under the seed cards' wide tree (it prices each shape
+    # from the warm-up's timings).
     "adaptive": {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
-                 "speculative_num_draft_tokens": 8, "speculative_adaptive": True,
-                 "skip_server_warmup": False},
+                 "speculative_num_draft_tokens": 8, "speculative_adaptive": True},
 }
 
 
@@ -74,7 +73,7 @@ class Row:
     speedup: float
     accept_rate: float  # accept length / draft tokens
     accept_length: float  # tokens per verify round
-    position_rates: list[float] = field(default_factory=list)  # acc_0, acc_1, ...
+    position_rates: list[float | None] = field(default_factory=list)  # acc_0, acc_1, ...
     dataset: str = "random"
     num_prompts: int = 0
     outputs_differing: int = 0  # prompts whose speculative output differs from plain decoding
@@ -106,7 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", help="write the rows here")
-    p.add_argument("--output-png", help="plot speedup against batch size here")
+    p.add_argument("--output-png", help="plot tokens/s against batch size here")
+    p.add_argument("--replot", nargs="+", metavar="JSON",
+                   help="run nothing: plot the rows of these --output-json files into "
+                        "--output-png")
     return p.parse_args(argv)
 
 
@@ -162,7 +164,8 @@ def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[f
                          before["spec_accepted_per_position"])
     drafted = np.subtract(after["spec_drafted_per_position"],
                           before["spec_drafted_per_position"])
-    return 1 + accepted / rounds, (counts / np.maximum(drafted, 1)).tolist()
+    rates = [a / d if d else None for a, d in zip(counts.tolist(), drafted.tolist(), strict=True)]
+    return 1 + accepted / rounds, rates  # None: a depth no round drafted
 
 
 def rounds_since(engine: Any, before: dict[str, Any]) -> dict[str, int]:
@@ -231,7 +234,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     real = args.dataset != "random"
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, algorithm = build_models(args, Path(tmp))
-        common = dict(dtype=args.dtype, page_size=args.page_size, skip_server_warmup=True,
+        # Every engine warms up as a server does, so no timed batch compiles a prefill length.
+        common = dict(dtype=args.dtype, page_size=args.page_size,
                       precompile_bs_paddings=batch_sizes, max_running_requests=max(batch_sizes))
         if not real:
             common["context_length"] = args.input_len + args.output_len + 64
@@ -269,7 +273,7 @@ HEADER = (f"{'dataset':9} {'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec to
 
 
 def print_row(row: Row) -> None:
-    rates = " ".join(f"{r:.2f}" for r in row.position_rates)
+    rates = " ".join("-" if r is None else f"{r:.2f}" for r in row.position_rates)
     print(f"{row.dataset:9} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
           f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
           f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]"
@@ -278,27 +282,44 @@ def print_row(row: Row) -> None:
 
 
 def plot(rows: list[Row], path: str) -> None:
+    """Output tokens/s against batch size, one panel per dataset: plain decoding and each
+    shape of the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for shape in dict.fromkeys(r.shape for r in rows):
-        mine = [r for r in rows if r.shape == shape]
-        ax.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o",
-                label=shape)
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend()
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets, strict=True):
+        mine = sorted((r for r in rows if r.dataset == dataset), key=lambda r: r.batch_size)
+        plain = {r.batch_size: r.baseline_tok_s for r in mine}
+        ax.plot(list(plain), list(plain.values()), marker="s", color="grey", linestyle="--",
+                label="plain")
+        for shape in dict.fromkeys(r.shape for r in mine):
+            points = [r for r in mine if r.shape == shape]
+            ax.plot([r.batch_size for r in points], [r.speculative_tok_s for r in points],
+                    marker="o", label=shape)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(dataset)
+        ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=80)
+
+
+def replot(json_paths: list[str], png: str) -> None:
+    """One figure from the rows of earlier runs (e.g. batch size 1 and larger ones apart)."""
+    rows = [Row(**row) for p in json_paths for row in json.loads(Path(p).read_text())]
+    plot(rows, png)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        replot(args.replot, args.output_png)
+        return 0
     print(HEADER)
     rows = run(args)
     if args.output_json:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+LOGIT_BIAS_RANGE = 100.0  # biases are clamped to [-100, 100], as OpenAI's range
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string in the text
+    # token id -> bias added to its logit before sampling (greedy included)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # At most one grammar: the output must match it (sgl_jax.grammar compiles it).
+    json_schema: str | None = None  # a JSON schema, as a JSON string
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF / EBNF with a `root` rule
 
     def __post_init__(self) -> None:
         for check in _CHECKS:
@@ -37,6 +47,14 @@ class SamplingParams:
             or self.presence_penalty != 0
             or self.repetition_penalty != 1
         )
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -56,7 +74,29 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {params[name]!r}")
             else:
                 params[name] = tuple(params[name])
+        if isinstance(params.get("json_schema"), dict):  # a schema given as an object
+            params["json_schema"] = json.dumps(params["json_schema"])
+        if params.get("logit_bias") is not None:
+            params["logit_bias"] = _logit_bias_pairs(params["logit_bias"])
+        else:
+            params.pop("logit_bias", None)
         return cls(**params)
+
+
+def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """{token id (an int or its decimal string, as JSON keys are): bias} -> sorted pairs, each
+    bias clamped to [-100, 100]."""
+    if isinstance(bias, dict):
+        bias = bias.items()
+    pairs = []
+    for token, value in bias:
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        _require(_is_int(token) and token >= 0, "logit_bias", "a map from token ids to numbers",
+                 token)
+        _require(_is_number(value), "logit_bias", "a map from token ids to numbers", value)
+        pairs.append((token, min(max(float(value), -LOGIT_BIAS_RANGE), LOGIT_BIAS_RANGE)))
+    return tuple(sorted(pairs))
 
 
 def _require(ok: bool, name: str, rule: str, value: Any) -> None:
@@ -106,4 +146,16 @@ def _check_stops(p: SamplingParams) -> None:
              "an integer in [0, 2**32)", p.seed)
 
 
-_CHECKS = (_check_lengths, _check_filters, _check_penalties, _check_stops)
+def _check_bias_and_grammar(p: SamplingParams) -> None:
+    _require(len(p.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+             f"at most {MAX_LOGIT_BIAS} entries", f"{len(p.logit_bias)} entries")
+    _require(len({t for t, _ in p.logit_bias}) == len(p.logit_bias), "logit_bias",
+             "one bias per token id", p.logit_bias)
+    grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
+    _require(len(grammars) <= 1, "json_schema, regex and ebnf", "used one at a time", grammars)
+    for kind in grammars:
+        _require(isinstance(getattr(p, kind), str), kind, "a string", getattr(p, kind))
+
+
+_CHECKS = (_check_lengths, _check_filters, _check_penalties, _check_stops,
+           _check_bias_and_grammar)

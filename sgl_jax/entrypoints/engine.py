@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 from sgl_jax.cache import enable_compilation_cache
 from sgl_jax.demo import DEMO_MODEL_NAME, demo_draft_path, demo_model_path
 from sgl_jax.entrypoints.output_stream import OutputStream
+from sgl_jax.grammar import GrammarCompiler
 from sgl_jax.layers.attention import resolve_attention_backend
 from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_pool_pages
 from sgl_jax.mem_cache.page_allocator import PageAllocator
@@ -95,7 +97,10 @@ class Engine:
                                         trust_remote_code=args.trust_remote_code)
         self.context_length = args.context_length or self.model.config.max_position_embeddings
         self.eos_ids = self._collect_eos_ids()
+        self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                         self.eos_ids)
         self._rng = np.random.default_rng(args.random_seed)
+        self._rng_lock = threading.Lock()  # requests are made on callers' threads
         self._request_ids = itertools.count()
         self.started_at = time.time()
         self._streams: dict[str, tuple[OutputStream, int]] = {}  # rid -> (stream, index)
@@ -243,9 +248,10 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
-        """As generate, awaited; with stream=True the result is an async iterator of chunks."""
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob,
-                                           top_logprobs_num)
+        """As generate, awaited; with stream=True the result is an async iterator of chunks.
+        Tokenizing and compiling grammars run on a worker thread, off the event loop."""
+        reqs, single = await asyncio.to_thread(self._make_requests, prompt, sampling_params,
+                                               input_ids, return_logprob, top_logprobs_num)
         output_stream = self._register(reqs, loop=asyncio.get_running_loop())
         await asyncio.wrap_future(self._require_loop().submit(_add_all(reqs)))
         if stream:
@@ -335,10 +341,16 @@ class Engine:
         reqs = []
         for ids, p in zip(token_batch, params, strict=True):
             self._check_request(ids, p)
-            base_seed = p.seed if p.seed is not None else int(self._rng.integers(2**32))
+            if p.seed is not None:
+                base_seed = p.seed
+            else:
+                with self._rng_lock:
+                    base_seed = int(self._rng.integers(2**32))
             for i in range(p.n):
                 seed = (base_seed + i * _SEED_STRIDE) % 2**32
-                reqs.append(self._new_req(ids, p, seed, return_logprob, top_logprobs_num))
+                req = self._new_req(ids, p, seed, return_logprob, top_logprobs_num)
+                req.grammar = p.grammar and self._grammars.matcher(*p.grammar)
+                reqs.append(req)
         return reqs, single
 
     def _new_req(self, ids, params, seed, return_logprob, top_logprobs_num) -> Req:
@@ -380,6 +392,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < vocab]
         bad += [t for t in params.stop_token_ids if t >= vocab]
+        bad += [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if self._spec is not None and params.uses_penalties:

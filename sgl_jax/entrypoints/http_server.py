@@ -46,7 +46,32 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     _add_openai_routes(app, serving)
     _add_native_routes(app, engine, serving)
     _add_metrics_route(app, metrics)
+    _document_request_bodies(app)
     return app
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    """Routes parse their bodies themselves (for OpenAI-shaped errors), so FastAPI cannot see
+    the schemas: put them into /openapi.json, for client generators and API fuzzers."""
+    bodies = {"/v1/chat/completions": ChatCompletionRequest,
+              "/v1/completions": CompletionRequest, "/generate": GenerateRequest}
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = default_openapi()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            document["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": {
+                    "$ref": f"#/components/schemas/{model.__name__}"}}}}
+        return document
+
+    app.openapi = openapi
 
 
 async def parse_body(request: Request, schema: type[Schema]) -> Schema:

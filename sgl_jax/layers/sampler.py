@@ -8,7 +8,9 @@ Pipeline, in this order (each step is one small function below):
    repetition (HF/CTRL, over prompt and output tokens: logit / rp if logit > 0 else logit * rp),
    then frequency (logit -= fp * count) and presence (logit -= pp * [count > 0]) over output tokens.
    A row with slot < 0 has no state: it is not penalised.
-2. `suppress_ids` -> -inf (min_new_tokens bans EOS and stop ids this way), for greedy rows too.
+2. `logit_bias` added (OpenAI's, sparse: ids and values per row), then tokens the row's grammar
+   forbids (a bit clear in `allowed`) and `suppress_ids` -> -inf (min_new_tokens bans EOS and
+   stop ids this way), for greedy rows too.
 3. Greedy rows (temperature == 0): argmax of the penalised logits.
 4. Sampling rows: divide by temperature, softmax, then on the descending sort
    top-k (exactly k ranks; ties keep the lower token id),
@@ -50,6 +52,9 @@ class SamplingBatch:
     seed: jax.Array  # u32[S]; per-request seed
     position: jax.Array  # i32[S]; index in the request's output of the token being sampled
     suppress_ids: jax.Array  # i32[S, E]; ids banned for this row at this step; -1 = padding
+    bias_ids: jax.Array  # i32[S, M]; logit_bias token ids; -1 = padding
+    bias_values: jax.Array  # f32[S, M]; added to those ids' logits
+    allowed: jax.Array  # i32[S, ceil(V / 32)]; grammar bitmask, bit t of word w = id 32w + t
 
 
 @jax.tree_util.register_dataclass
@@ -147,16 +152,31 @@ def _suppress(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     return logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
 
+def _add_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits f32[S, V], ids i32[S, M], values f32[S, M] -> f32[S, V] with the biases added."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, _drop_negative(ids, logits.shape[1])].add(values, mode="drop")
+
+
+def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
+    """i32[S, W] -> bool[S, vocab]: bit t of word w says whether id 32w + t is allowed."""
+    bits = jnp.right_shift(words[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(jnp.bool_)
+
+
 def penalised_logits(
     logits: jax.Array,  # f32[S, V]
     params: SamplingBatch,
     penalties: PenaltyState | None,  # None: no row has penalties
     slots: jax.Array | None,  # i32[S]
 ) -> jax.Array:  # f32[S, V]
-    """The logits a row's sampling sees: penalised, then with its suppressed ids at -inf."""
+    """The logits a row's sampling sees: penalised, biased, then with the ids its grammar
+    forbids and its suppressed ids at -inf."""
     logits = logits.astype(jnp.float32)
     if penalties is not None:
         logits = _apply_penalties(logits, params, penalties, slots)
+    logits = _add_bias(logits, params.bias_ids, params.bias_values)
+    logits = jnp.where(unpack_bitmask(params.allowed, logits.shape[1]), logits, -jnp.inf)
     return _suppress(logits, params.suppress_ids)
 
 

@@ -41,6 +41,7 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
 )
 from sgl_jax.models.loader import LoadedModel
+from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +251,8 @@ class ModelRunner:
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
         return (self.model.params, self.kv_cache, self.penalties, batch,
-                greedy_sampling_batch(rows), np.full(rows, -1, np.int32), np.zeros(rows, bool),
-                np.bool_(False))
+                greedy_sampling_batch(rows, self.config.vocab_size), np.full(rows, -1, np.int32),
+                np.zeros(rows, bool), np.bool_(False))
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.
@@ -281,8 +282,14 @@ def _pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
     return np.pad(array, pad, constant_values=fill)
 
 
-def greedy_sampling_batch(rows: int) -> SamplingBatch:
-    """Host arrays for `rows` greedy rows without penalties (padding and warm-up)."""
+def bitmask_words(vocab_size: int) -> int:
+    """Width of a row of the grammar bitmask: one bit per token id."""
+    return -(-vocab_size // 32)
+
+
+def greedy_sampling_batch(rows: int, vocab_size: int) -> SamplingBatch:
+    """Host arrays for `rows` greedy rows without penalties, biases or grammars (padding and
+    warm-up)."""
     return SamplingBatch(
         temperature=np.zeros(rows, np.float32),
         top_p=np.ones(rows, np.float32),
@@ -294,4 +301,7 @@ def greedy_sampling_batch(rows: int) -> SamplingBatch:
         seed=np.zeros(rows, np.uint32),
         position=np.zeros(rows, np.int32),
         suppress_ids=np.full((rows, MAX_SUPPRESSED_IDS), -1, np.int32),
+        bias_ids=np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
+        bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+        allowed=np.full((rows, bitmask_words(vocab_size)), -1, np.int32),
     )

@@ -34,6 +34,7 @@ class Req:
     prefix_node: Any = None  # radix-cache handle locked while the request holds its pages
     penalty_slot: int = -1  # row of the device penalty state; -1 = no penalties
     state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
+    grammar: Any = None  # constrained requests: their llguidance matcher (sgl_jax.grammar)
 
     # Speculative decoding: the draft's output at the last token (the next tree's root),
     # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.
@@ -82,7 +83,7 @@ class Req:
             self.output_logprobs.append(logprob)
             self.output_top_logprobs.append(top[: self.top_logprobs_num])
         text = self.detokenizer.push([token])
-        self.finish_reason = self._finish_reason(token)
+        self.finish_reason = self._grammar_rejection(token) or self._finish_reason(token)
         if self.finished:
             text += self.detokenizer.flush()
         return text
@@ -90,11 +91,23 @@ class Req:
     def abort(self, message: str) -> None:
         self.finish_reason = {"type": "abort", "message": message}
 
+    def _grammar_rejection(self, token: int) -> dict[str, Any] | None:
+        """Advance the grammar. A matcher that cannot take the token (it reached a dead end:
+        the step could only end the output) ends the request and says why."""
+        if self.grammar is None:
+            return None
+        if self.grammar.consume_token(token) and not self.grammar.is_error():
+            return None
+        return {"type": "grammar_error",
+                "message": "the grammar allows no token here (a dead end); the output ends"}
+
     def _finish_reason(self, token: int) -> dict[str, Any] | None:
         if token in self.stop_ids() and not self.suppressing_eos:
             return {"type": "stop", "matched": token}
         if self.detokenizer.stopped:
             return {"type": "stop", "matched": self.detokenizer.matched_stop}
+        if self.grammar is not None and self.grammar.is_stopped():
+            return {"type": "stop", "matched": None}  # the grammar is complete
         if len(self.output_ids) >= self.params.max_new_tokens:
             return {"type": "length", "length": self.params.max_new_tokens}
         if len(self.prompt_ids) + len(self.output_ids) >= self.context_len:

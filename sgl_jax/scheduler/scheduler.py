@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_jax.grammar import fill_bitmasks, set_bits
 from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.forward_batch import SeqChunk
-from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, ModelRunner, StepOutput
+from sgl_jax.model_executor.model_runner import ModelRunner, StepOutput, greedy_sampling_batch
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decode_manager import DecodeManager
 from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
@@ -54,6 +55,7 @@ class Scheduler:
         adaptive_speculation: bool = True,
     ):
         self.runner = runner
+        self.vocab_size = runner.config.vocab_size
         self.cache = cache
         self.spec = spec  # speculative decoding: decode steps become verify rounds
         self.spec_stats = None if spec is None else AcceptanceStats(spec.shape.num_steps)
@@ -133,14 +135,15 @@ class Scheduler:
         if self.spec is not None:
             return self._spec_prefill(batch, chunks, emits, want_top)
         slots = np.array([req.penalty_slot for req, _ in batch], np.int32)
-        return self.runner.step(chunks, sampling_batch(batch), slots, emits, want_top)
+        return self.runner.step(chunks, sampling_batch(batch, self.vocab_size), slots, emits,
+                                want_top)
 
     def _spec_prefill(self, batch, chunks, emits, want_top) -> StepOutput:
         """Target and draft extend together; completed prompts get their first draft tree."""
         after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
         next_tokens = [ids[0] if ids else 0 for ids in after]
-        output, roots = self.spec.prefill(chunks, sampling_batch(batch), emits, want_top,
-                                          next_tokens)
+        output, roots = self.spec.prefill(chunks, sampling_batch(batch, self.vocab_size), emits,
+                                          want_top, next_tokens)
         for row, (req, _) in enumerate(batch):
             if emits[row]:
                 req.draft_root = roots[row]
@@ -155,10 +158,11 @@ class Scheduler:
                 for req in reqs]
         want_top = any(req.top_logprobs_num > 0 for req in reqs)
         bucket = self.runner.buckets.batch_padding(len(reqs))
-        shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket)
+        shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket,
+                                   plain_only=any(req.grammar is not None for req in reqs))
         start = time.perf_counter()
-        output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs]), want_top,
-                                 shape)
+        output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs], self.vocab_size),
+                                 want_top, shape)
         accepted = [int(a) for a in output.num_accepted]
         self.policy.observe(shape, bucket, time.perf_counter() - start,
                             [(req.spec_acceptance, a)
@@ -277,14 +281,29 @@ def _top_logprobs(output: StepOutput, row: int) -> list[tuple[int, float]]:
     return list(zip(ids, values, strict=True))
 
 
-def sampling_batch(batch: list[tuple[Req, int]]) -> SamplingBatch:
-    """Host arrays of each row's sampling parameters."""
+def sampling_batch(batch: list[tuple[Req, int]], vocab_size: int) -> SamplingBatch:
+    """Host arrays of each row's sampling parameters; a constrained row's grammar writes the
+    ids it allows next."""
     params = [req.params for req, _ in batch]
-    suppress = np.full((len(batch), MAX_SUPPRESSED_IDS), -1, np.int32)
+    greedy = greedy_sampling_batch(len(batch), vocab_size)
+    suppress, allowed = greedy.suppress_ids, greedy.allowed
+    bias_ids, bias_values = greedy.bias_ids, greedy.bias_values
     for row, (req, _) in enumerate(batch):
         if req.suppressing_eos:
             ids = sorted(req.stop_ids())
             suppress[row, : len(ids)] = ids
+        if req.params.logit_bias:
+            ids, values = zip(*req.params.logit_bias, strict=True)
+            bias_ids[row, : len(ids)], bias_values[row, : len(ids)] = ids, values
+    constrained = [(req.grammar, row) for row, (req, _) in enumerate(batch)
+                   if req.grammar is not None]
+    if constrained:
+        fill_bitmasks(constrained, allowed)
+    for grammar, row in constrained:
+        if grammar.is_stopped():  # complete: it may end now, whatever min_new_tokens says
+            suppress[row] = -1
+        if not allowed[row].any():  # a dead end: end the output with EOS, and say why
+            set_bits(allowed[row], batch[row][0].eos_ids)
     return SamplingBatch(
         temperature=np.array([p.temperature for p in params], np.float32),
         top_p=np.array([p.top_p for p in params], np.float32),
@@ -296,4 +315,7 @@ def sampling_batch(batch: list[tuple[Req, int]]) -> SamplingBatch:
         seed=np.array([req.seed for req, _ in batch], np.uint32),
         position=np.array([len(req.output_ids) for req, _ in batch], np.int32),
         suppress_ids=suppress,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        allowed=allowed,
     )

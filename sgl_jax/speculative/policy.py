@@ -153,7 +153,8 @@ class SpeculationPolicy:
         self.round_seconds = dict(round_seconds)
         self.drift: dict[int, float] = {}
         self.server = Acceptance(self.depth, SERVER_DECAY)
-        self.rounds_by_shape = {shape_name(s): 0 for s in self.shapes}
+        # Plain rounds are counted whatever the menu: grammar-constrained batches take them.
+        self.rounds_by_shape = {shape_name(s): 0 for s in dict.fromkeys((PLAIN, *self.shapes))}
         self.probe_interval = MIN_PROBE_INTERVAL
         self.plain_streak = 0
         self.last: Choice | None = None
@@ -165,7 +166,12 @@ class SpeculationPolicy:
     def seconds(self, shape: TreeShape, bucket: int) -> float:
         return self.round_seconds[shape, bucket] * self.drift.get(bucket, 1.0)
 
-    def choose(self, requests: Sequence[Acceptance], bucket: int) -> TreeShape:
+    def choose(self, requests: Sequence[Acceptance], bucket: int, *,
+               plain_only: bool = False) -> TreeShape:
+        """The shape of the next round. `plain_only`: the batch holds a grammar-constrained
+        request, whose mask the host knows for the root only."""
+        if plain_only:
+            return PLAIN
         if not self.adaptive:
             return self.ceiling
         lengths = self.expected_tokens(requests)

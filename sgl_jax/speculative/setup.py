@@ -24,7 +24,7 @@ from sgl_jax.speculative.drafts import (
     StandaloneDraft,
     TreeShape,
 )
-from sgl_jax.speculative.policy import candidate_shapes
+from sgl_jax.speculative.policy import PLAIN, candidate_shapes
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.verify import AcceptThresholds
 
@@ -83,9 +83,10 @@ def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -
     logger.info("Speculative decoding: %s, steps %d, topk %d, draft tokens %d, capture %s, "
                 "adaptive %s", spec.algorithm, shape.num_steps, shape.topk,
                 shape.num_draft_tokens, capture, "on" if adaptive else "off")
+    # Plain rounds are always on the menu: batches with a grammar-constrained request take them.
     return SpecRunner(runner, draft, shape, thresholds=thresholds, capture_layers=capture,
                       attention_backend=args.attention_backend,
-                      shapes=candidate_shapes(shape) if adaptive else ())
+                      shapes=candidate_shapes(shape) if adaptive else (PLAIN,))
 
 
 def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:

@@ -118,6 +118,7 @@ class SpecRunner:
     ):
         self.target = target
         self.draft = draft
+        self.vocab_size = target.config.vocab_size
         self.shape = shape  # the flags' shape: the widest a round may take
         self.shapes = tuple(dict.fromkeys((*shapes, shape)))  # every shape a round may take
         self.thresholds = thresholds
@@ -209,10 +210,10 @@ class SpecRunner:
             for size in sizes:
                 rows = self._dummy_rows(size)
                 for shape in self.shapes:
-                    self.round(rows, greedy_sampling_batch(size), False, shape)
+                    self.round(rows, greedy_sampling_batch(size, self.vocab_size), False, shape)
                     self.round_seconds[shape, size] = _fastest_seconds(
                         lambda rows=rows, shape=shape, size=size: self.round(
-                            rows, greedy_sampling_batch(size), False, shape))
+                            rows, greedy_sampling_batch(size, self.vocab_size), False, shape))
                     bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
@@ -220,8 +221,8 @@ class SpecRunner:
                 if self.hybrid:
                     chunks = [dataclasses.replace(c, state_slot=slot) for c, slot
                               in zip(chunks, self._dummy_state_slots(count), strict=True)]
-                self.prefill(chunks, greedy_sampling_batch(count), np.zeros(count, bool),
-                             False, [0] * count)
+                self.prefill(chunks, greedy_sampling_batch(count, self.vocab_size),
+                             np.zeros(count, bool), False, [0] * count)
                 bar.update()
 
     # ------------------------------------------------------------------ host helpers

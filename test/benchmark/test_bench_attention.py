@@ -3,24 +3,16 @@ reports their agreement, and counts bytes and FLOPs right."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from sgl_jax.model_executor.forward_batch import SeqChunk
-
-BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_attention.py"
+from sgl_jax.testing.benchmarks import load_benchmark
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_attention")
 
 
 bench = load_bench()

@@ -3,26 +3,18 @@ size whose parts add up, and draft trees that fit their shape."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.benchmarks import load_benchmark
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
-
-BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_round_parts.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_round_parts", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_round_parts"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_round_parts")
 
 
 @pytest.mark.parametrize("steps,topk,tokens", [(5, 1, 6), (3, 4, 8), (2, 2, 7), (3, 2, 9)])

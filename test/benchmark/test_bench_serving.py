@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import importlib.util
 import json
 import math
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,17 +23,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
+from sgl_jax.testing.benchmarks import load_benchmark
+
 MODEL = "stub-model"
 CHUNK_SLEEP_S = 0.002
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_serving")
 
 
 bench = load_bench()

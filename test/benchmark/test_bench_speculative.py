@@ -3,20 +3,13 @@ batch size, acceptance figures consistent with each other, JSON and PNG written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_speculative.py"
+from sgl_jax.testing.benchmarks import load_benchmark
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_speculative"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_speculative")
 
 
 def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
@@ -44,6 +37,10 @@ def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "baseline tok/s" in printed and printed.count("\nrandom    chain") == 2
+    replotted = tmp_path / "again.png"
+    assert bench.main(["--replot", str(out_json), str(out_json), "--output-png",
+                       str(replotted)]) == 0
+    assert replotted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):

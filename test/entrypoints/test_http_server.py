@@ -233,8 +233,12 @@ BAD_CHAT = [
     ({"top_logprobs": 2}, 400, None, "requires logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      "not supported"),
-    ({"logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ({"logit_bias": {"5": "high"}}, 400, "logit_bias.5", "valid number"),
+    ({"response_format": {"type": "xml"}}, 400, "response_format.type", "'json_schema'"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format",
+     "json_schema exactly when"),
+    ({"regex": "(unclosed"}, 400, None, "invalid regex"),
+    ({"regex": "a", "response_format": {"type": "json_object"}}, 400, None, "at most one of"),
     ({"frobnicate": 1}, 400, "frobnicate", "unknown field"),
     ({"model": "gpt-4o"}, 404, "model", "does not exist"),
     ({"messages": []}, 400, "messages", "at least 1 item"),
@@ -289,6 +293,20 @@ def test_other_bad_requests(server, path, content, status, code):
     response = _raw_post(server, path, content)
     assert response.status_code == status
     assert response.json()["error"]["code"] == code
+
+
+def test_openapi_describes_every_request_body(server):
+    document = httpx.get(f"{server.base_url}/openapi.json",
+                         headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    schemas = document["components"]["schemas"]
+    for path, name in [("/v1/chat/completions", "ChatCompletionRequest"),
+                       ("/v1/completions", "CompletionRequest"), ("/generate", "GenerateRequest")]:
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"] == f"#/components/schemas/{name}"
+    fields = set(schemas["ChatCompletionRequest"]["properties"])
+    assert {"messages", "model", "response_format", "logit_bias", "regex"} <= fields
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(document))
+    assert refs and all(ref in schemas for ref in refs)
 
 
 def test_wrong_method_is_405_in_the_error_shape(server):

@@ -12,7 +12,8 @@ import pytest
 from sgl_jax.layers import sampler
 from sgl_jax.layers.sampler import PenaltyState, SamplingBatch
 
-S, V, E, R = 8, 48, 3, 6  # rows, vocabulary, suppress width, penalty slots
+S, V, E, R, M = 8, 48, 3, 6, 4  # rows, vocabulary, suppress width, penalty slots, bias width
+W = -(-V // 32)  # grammar bitmask words
 
 filtered_probs = jax.jit(sampler.filtered_probs)
 sample = jax.jit(sampler.sample, static_argnames="num_top_logprobs")
@@ -37,8 +38,12 @@ def make_params(n: int = S, **fields) -> SamplingBatch:
         name: np.broadcast_to(np.asarray(fields.get(name, value), dtype), (n,)).copy()
         for name, (value, dtype) in defaults.items()
     }
-    suppress = np.asarray(fields.get("suppress_ids", np.full((n, E), -1)), np.int32)
-    return SamplingBatch(**arrays, suppress_ids=suppress)
+    wide = {name: np.asarray(fields.get(name, np.full((n, width), fill)), dtype)
+            for name, width, fill, dtype in (("suppress_ids", E, -1, np.int32),
+                                             ("bias_ids", M, -1, np.int32),
+                                             ("bias_values", M, 0.0, np.float32),
+                                             ("allowed", W, -1, np.int32))}
+    return SamplingBatch(**arrays, **wide)
 
 
 def empty_state() -> PenaltyState:
@@ -52,13 +57,21 @@ NO_SLOTS = np.full(S, -1, np.int32)
 
 
 def ref_penalised(logits, p: SamplingBatch, state: PenaltyState, slots, s):
-    """Row s of the logits after penalties and suppression, in float64."""
+    """Row s of the logits after penalties, logit bias, the grammar mask and suppression, in
+    float64."""
     x = logits[s].astype(np.float64)
     if slots[s] >= 0:
         counts, seen = state.output_counts[slots[s]], state.seen[slots[s]]
         rp = float(p.repetition_penalty[s])
         x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
         x = x - float(p.frequency_penalty[s]) * counts - float(p.presence_penalty[s]) * (counts > 0)
+    for token, bias in zip(p.bias_ids[s], p.bias_values[s], strict=True):
+        if token >= 0:
+            x[token] += float(bias)
+    for token in range(V):
+        word = int(p.allowed[s][token // 32]) & 0xFFFFFFFF
+        if not word >> (token % 32) & 1:
+            x[token] = -np.inf
     for token in p.suppress_ids[s]:
         if token >= 0:
             x[token] = -np.inf
@@ -179,9 +192,22 @@ def random_knob(rng, knob):
         "presence_penalty": lambda: rng.uniform(-1.0, 2.0, S),
         "repetition_penalty": lambda: rng.uniform(0.5, 2.5, S),
         "suppress_ids": lambda: rng.integers(-1, V, (S, E)),
+        "logit_bias": lambda: (rng.integers(-1, V, (S, M)), rng.uniform(-100, 100, (S, M))),
+        "allowed": lambda: random_bitmask(rng),
     }
     chosen = draws if knob == "combined" else {knob: draws[knob]}
-    return make_params(**{name: draw() for name, draw in chosen.items()})
+    fields = {name: draw() for name, draw in chosen.items()}
+    if "logit_bias" in fields:
+        fields["bias_ids"], fields["bias_values"] = fields.pop("logit_bias")
+    return make_params(**fields)
+
+
+def random_bitmask(rng):
+    """i32[S, W] allowing about half the ids, and always the first of each row's choice."""
+    allowed = rng.random((S, W * 32)) < 0.5
+    allowed[np.arange(S), rng.integers(0, V, S)] = True
+    bits = (allowed.reshape(S, W, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return bits.astype(np.uint32).view(np.int32)
 
 
 def random_state(rng):
@@ -201,6 +227,8 @@ def random_state(rng):
         "presence_penalty",
         "repetition_penalty",
         "suppress_ids",
+        "logit_bias",
+        "allowed",
         "combined",
     ],
 )

@@ -101,7 +101,8 @@ def test_forcing_the_flags_shape_turns_the_policy_off(paths, reference):
                                                                        MAX_NEW])
         info = engine.get_server_info()
     assert [o["output_ids"] for o in outputs] == reference
-    assert not info["spec_adaptive"] and list(info["spec_rounds_by_shape"]) == ["3/2/6"]
+    assert not info["spec_adaptive"] and info["spec_shapes"] == ["3/2/6"]
+    assert info["spec_rounds_by_shape"]["plain"] == 0  # only grammar batches go plain
 
 
 def test_the_server_shows_its_choices(paths):

@@ -185,7 +185,7 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
             trees.append((tokens, parents))
             paths_taken.append(path)
         page_table, kv_lens, active, _, _, sampling, suppress, state_slots = spec.round_arrays(
-            rows, greedy_sampling_batch(len(rows)))
+            rows, greedy_sampling_batch(len(rows), spec.vocab_size))
         assert isinstance(sampling, SamplingBatch)
         padding = [(trees[0][0], list(range(-1, n - 1)))] * (len(kv_lens) - len(trees))
         tree = DraftTree(*(np.array(part, np.int32) for part in zip(*trees, *padding,

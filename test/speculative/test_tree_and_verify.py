@@ -1,13 +1,15 @@
 """Draft trees and verification against plain-Python references, and the lossless test:
 tokens emitted by tree verification follow the target distribution exactly."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.layers.sampler import SamplingBatch, sample
-from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS
+from sgl_jax.layers.sampler import sample
+from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
 from sgl_jax.speculative.verify import AcceptThresholds, verify_tree
 
@@ -69,16 +71,14 @@ def test_select_tree_keeps_the_best_candidates_closed_under_ancestors(k, steps, 
         assert got_parents[i] < i
 
 
-def sampling_rows(rows, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None,
+def sampling_rows(rows, vocab, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None,
                   positions=None):
     seeds = np.arange(rows, dtype=np.uint32) if seeds is None else seeds
-    return SamplingBatch(
+    return dataclasses.replace(
+        greedy_sampling_batch(rows, vocab),
         temperature=np.full(rows, temperature, np.float32), top_p=np.full(rows, top_p, np.float32),
-        top_k=np.full(rows, top_k, np.int32), min_p=np.full(rows, min_p, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32), presence_penalty=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32), seed=seeds,
+        top_k=np.full(rows, top_k, np.int32), min_p=np.full(rows, min_p, np.float32), seed=seeds,
         position=np.zeros(rows, np.int32) if positions is None else positions,
-        suppress_ids=np.full((rows, MAX_SUPPRESSED_IDS), -1, np.int32),
     )
 
 
@@ -100,7 +100,7 @@ def test_greedy_verification_matches_a_reference_walk():
     logits = rng.normal(size=(batch, n, vocab)).astype(np.float32)
     tree = DraftTree(np.tile(np.array(TOKENS, np.int32) % vocab, (batch, 1)),
                      np.tile(np.array(PARENTS, np.int32), (batch, 1)))
-    verdict = verify(tree, logits.reshape(batch * n, vocab), sampling_rows(batch * n),
+    verdict = verify(tree, logits.reshape(batch * n, vocab), sampling_rows(batch * n, vocab),
                      num_steps=steps, thresholds=AcceptThresholds())
     accepted = np.asarray(verdict.num_accepted)
     for b in range(batch):
@@ -154,8 +154,8 @@ def test_tree_sampling_emits_the_target_distribution(thresholds, lossless):
                                                            (samples, 1)))
     seeds = np.repeat(np.arange(samples, dtype=np.uint32), n)
     depths = np.asarray(node_depths(tree.parents))
-    sampling = sampling_rows(samples * n, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seeds=seeds, positions=depths.reshape(-1))
+    sampling = sampling_rows(samples * n, vocab, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seeds=seeds, positions=depths.reshape(-1))
     logits = np.tile(node_logits, (samples, 1))
     verdict = jax.device_get(verify(tree, logits, sampling, num_steps=3, thresholds=thresholds))
     first = verdict.tokens[:, 0]
@@ -167,7 +167,8 @@ def test_tree_sampling_emits_the_target_distribution(thresholds, lossless):
         stats.append(chi_square(np.bincount(verdict.tokens[rows, 1], minlength=vocab),
                                 probs[child]))
     plain = jax.jit(sample)(jnp.tile(node_logits[:1], (samples, 1)),
-                   sampling_rows(samples, temperature=temperature, top_k=top_k, top_p=top_p),
+                   sampling_rows(samples, vocab, temperature=temperature, top_k=top_k,
+                                 top_p=top_p),
                    None, None)
     plain_stat = chi_square(np.bincount(np.asarray(plain.tokens), minlength=vocab), probs[0])
     assert plain_stat < CHI2_LIMIT

@@ -3,11 +3,14 @@ an OpenAI field this server does not implement is refused by name, never silentl
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sgl_jax.grammar import ANY_JSON_OBJECT
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS
+from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
 # OpenAI fields we know but do not implement, with the values that mean "not used".
 _UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -16,8 +19,6 @@ _UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -85,6 +86,33 @@ class ChatMessage(_Strict):
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format needs json_schema exactly when its type is "
+                             "'json_schema'")
+        return self
+
+    def grammar(self) -> dict[str, str]:
+        """The engine's grammar field for this format ({} for plain text)."""
+        if self.type == "json_object":
+            return {"json_schema": ANY_JSON_OBJECT}
+        if self.type == "json_schema":
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        return {}
+
+
 class _SamplingFields(_Strict):
     """Fields shared by chat and text completions (OpenAI's, then SGLang/vLLM extensions)."""
 
@@ -107,6 +135,11 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, or SGLang's regex and ebnf (one of them).
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -119,7 +152,17 @@ class _SamplingFields(_Strict):
             raise ValueError("top_k must be -1 (off) or >= 1")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if len(self.grammar()) > 1:
+            raise ValueError("pass at most one of response_format (json_object or "
+                             "json_schema), regex and ebnf")
         return self
+
+    def grammar(self) -> dict[str, str]:
+        """The engine's grammar field(s) the request names."""
+        chosen = {} if self.response_format is None else self.response_format.grammar()
+        chosen.update({k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf))
+                       if v is not None})
+        return chosen
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The engine's sampling parameters; an OpenAI seed of any size maps to 32 bits."""
@@ -133,6 +176,7 @@ class _SamplingFields(_Strict):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "n": self.n,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": self.logit_bias, **self.grammar(),
         }
 
     @property

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 # Accepted in place of the served name, as SGLang does (clients written for it send "default").
 DEFAULT_MODEL_ALIAS = "default"
-_FINISH_REASONS = {"stop": "stop", "length": "length"}
+# A grammar that no token could continue ends the output as a stop; /generate says why.
+_FINISH_REASONS = {"stop": "stop", "length": "length", "grammar_error": "stop"}
 
 
 def sse(payload: dict[str, Any] | str) -> str:

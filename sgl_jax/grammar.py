@@ -1,0 +1,125 @@
+"""Grammar-constrained decoding with llguidance: JSON schemas, regular expressions and EBNF.
+
+A constrained request holds a matcher on the host. Before each step that samples its next
+token, the matcher writes the bitmask of the ids its grammar allows (a row of
+`SamplingBatch.allowed`); the device sets every other logit to -inf before sampling; the token
+drawn then advances the matcher. Grammars compile on the caller's thread, never the engine's,
+and compiled grammars are cached: a request copies a cached matcher instead of compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+ANY_JSON_OBJECT = '{"type": "object"}'
+CACHE_SIZE = 128  # compiled grammars kept
+# JSON is written as Python's json.dumps writes it, one space after ',' and ':' and no other
+# whitespace: free whitespace lets a small model pad forever (xgrammar's default is the same).
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile; the message names the field and the problem."""
+
+
+class GrammarCompiler:
+    """Compiles (kind, text) grammars against one tokenizer and hands out fresh matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_ids = sorted(eos_ids)
+        self._tokenizer = None  # llguidance's view of the vocabulary, built on first use
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, kind: str, text: str) -> Any:
+        """A matcher at the grammar's start (an llguidance LLMatcher); GrammarError if the
+        grammar is invalid."""
+        key = (kind, text)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled.deep_copy()
+        compiled = self._compile(kind, text)  # outside the lock: it may take a while
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()
+
+    def _compile(self, kind: str, text: str) -> Any:
+        import llguidance
+
+        grammar = _llguidance_grammar(kind, text)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._llguidance_tokenizer())
+        if failed:
+            raise GrammarError(f"invalid {kind}: {messages[0].strip()}")
+        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {kind}: {matcher.get_error()}")
+        return matcher
+
+    def _llguidance_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_ids)
+            return self._tokenizer
+
+
+def _llguidance_grammar(kind: str, text: str) -> str:
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if not isinstance(text, str) or not text:
+        raise GrammarError(f"{kind} must be a non-empty string")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError("json_schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind == "ebnf":
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+        except Exception as exc:  # the converter raises bare Exceptions on bad input
+            raise GrammarError(f"invalid ebnf: {exc}") from None
+    raise GrammarError(f"unknown grammar kind {kind!r}; choose from {GRAMMAR_KINDS}")
+
+
+_executor = None  # llguidance's thread pool for filling many masks at once
+
+
+def fill_bitmasks(rows: list[tuple[Any, int]], out: np.ndarray) -> None:
+    """For each (matcher, row), write the ids the matcher allows next into out[row]
+    (out: i32[B, ceil(V / 32)], contiguous); the rows are filled in parallel."""
+    global _executor
+    import llguidance
+    import llguidance.numpy
+
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    llguidance.numpy.fill_next_token_bitmask_par(_executor, rows, out)
+
+
+def set_bits(row: np.ndarray, ids: Iterable[int]) -> None:
+    """Allow `ids` in a bitmask row (i32[ceil(V / 32)])."""
+    words = row.view(np.uint32)
+    for i in ids:
+        words[i // 32] |= np.uint32(1 << (i % 32))

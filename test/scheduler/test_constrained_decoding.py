@@ -1,0 +1,151 @@
+"""Grammars and logit_bias in the Engine, on a tiny random model that would never write the
+constrained text by itself: greedy and sampled outputs match their regex or JSON schema
+(checked with `re` and `jsonschema`), speculative decoding with a draft that agrees with the
+unconstrained target gives exactly the tokens of plain decoding, a grammar's dead end finishes
+the request with `grammar_error` and the engine goes on, and bad input is a ValueError that
+names the problem."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from sgl_jax import Engine
+from sgl_jax.grammar import GrammarCompiler
+from sgl_jax.sampling_params import SamplingParams
+from sgl_jax.scheduler.req import Req
+from sgl_jax.scheduler.scheduler import sampling_batch
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.tokenizer import ENDOFTEXT_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer
+from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
+
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 4],
+            max_prefill_tokens=64, context_length=256, page_size=16, skip_server_warmup=True)
+# The target as its own draft: every unconstrained draft token is the target's argmax, so a
+# round that ignored the grammar (or the bias) below the root would commit different tokens.
+SELF_DRAFT = dict(speculative_algorithm="STANDALONE", speculative_num_steps=3,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+REGEXES = [r"\d{4}-\d{2}-\d{2}", r"(red|green|blue) (cat|dog)s?", r"[a-z]{3,8}@[a-z]{3,6}\.com"]
+SCHEMA = {"type": "object",
+          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "tag": {"enum": ["alpha", "beta"]},
+                         "ok": {"type": "boolean"}},
+          "required": ["id", "tag", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("constrained") / "llama", "llama"))
+
+
+@pytest.fixture(scope="module")
+def engines(target):
+    with Engine(model_path=target, **BASE) as plain, Engine(
+            model_path=target, speculative_draft_model_path=target, **SELF_DRAFT,
+            **BASE) as spec:
+        yield plain, spec
+
+
+def prompts(count):
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, 500, n).tolist() for n in (9, 23, 14, 31)[:count]]
+
+
+def constrained(temperature=0.0, **grammar):
+    return {"temperature": temperature, "max_new_tokens": 48, "seed": 5, **grammar}
+
+
+def run(engine, params):
+    return engine.generate(input_ids=prompts(len(params)), sampling_params=params)
+
+
+def test_regex_outputs_match_and_speculation_commits_the_same_tokens(engines):
+    plain, spec = engines
+    params = [constrained(regex=r) for r in REGEXES] + [constrained(1.0, regex=REGEXES[2])]
+    expected = run(plain, params)
+    for out, p in zip(expected, params, strict=True):
+        assert re.fullmatch(p["regex"], out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
+    got = run(spec, params)
+    assert [o["output_ids"] for o in got[:3]] == [o["output_ids"] for o in expected[:3]]
+    assert re.fullmatch(REGEXES[2], got[3]["text"])  # sampled: exact in law, not in tokens
+    assert spec.get_server_info()["spec_rounds_by_shape"]["plain"] > 0
+
+
+def test_json_schema_outputs_validate_and_speculation_commits_the_same_tokens(engines):
+    plain, spec = engines
+    params = [constrained(json_schema=json.dumps(SCHEMA)), constrained(1.0, json_schema=SCHEMA)]
+    expected = run(plain, params)
+    for out in expected:
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert run(spec, params[:1])[0]["output_ids"] == expected[0]["output_ids"]
+
+
+def test_ebnf_output_is_in_the_language(engines):
+    plain, _ = engines
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
+    out = run(plain, [constrained(ebnf=grammar)])[0]
+    assert re.fullmatch(r"\((\d|x)(,(\d|x))*\)", out["text"]), out["text"]
+
+
+def test_logit_bias_moves_greedy_choices_and_speculation_follows(engines):
+    plain, spec = engines
+    free = run(plain, [{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}])[0]
+    first = free["output_ids"][0]
+    params = [{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, **bias}
+              for bias in ({"logit_bias": {str(first): -100}}, {"logit_bias": {"77": 100}},
+                           {"logit_bias": {str(t): -5.0 for t in free["output_ids"][:6]}})]
+    biased = run(plain, params)
+    assert biased[0]["output_ids"][0] != first
+    assert biased[1]["output_ids"] == [77] * 12
+    assert biased[2]["output_ids"] != free["output_ids"]
+    assert [o["output_ids"] for o in run(spec, params)] == [o["output_ids"] for o in biased]
+
+
+def test_a_completed_grammar_ends_the_output_even_before_min_new_tokens(engines):
+    plain, _ = engines
+    out = run(plain, [{**constrained(regex="yes|no"), "min_new_tokens": 8}])[0]
+    assert out["text"] in ("yes", "no")
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
+
+
+def test_a_dead_end_allows_only_eos_and_finishes_with_grammar_error(tmp_path):
+    tokenizer = write_tiny_tokenizer(tmp_path)
+    grammars = GrammarCompiler(tokenizer, TINY_VOCAB_SIZE, [ENDOFTEXT_ID])
+    params = SamplingParams(regex="yes", max_new_tokens=8)
+    req = Req("r", [5], params, 0, frozenset([ENDOFTEXT_ID]), 64,
+              IncrementalDetokenizer(tokenizer, prompt_ids=[5]),
+              grammar=grammars.matcher(*params.grammar))
+    no = tokenizer.encode("no", add_special_tokens=False)[0]
+    assert not req.grammar.consume_token(no)  # the matcher is now at a dead end
+    (row,) = sampling_batch([(req, 1)], TINY_VOCAB_SIZE).allowed.view(np.uint32)
+    allowed = [i for i in range(TINY_VOCAB_SIZE) if row[i // 32] >> (i % 32) & 1]
+    assert allowed == [ENDOFTEXT_ID]
+    req.append_token(ENDOFTEXT_ID, 0.0, [])
+    assert req.finish_reason["type"] == "grammar_error"
+    assert "dead end" in req.finish_reason["message"]
+
+
+def test_the_engine_goes_on_after_a_bad_grammar(engines):
+    plain, _ = engines
+    with pytest.raises(ValueError):
+        plain.generate(input_ids=prompts(1)[0], sampling_params={"regex": "(unclosed"})
+    assert re.fullmatch(REGEXES[0], run(plain, [constrained(regex=REGEXES[0])])[0]["text"])
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"regex": "[a-"}, "invalid regex"),
+    ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+    ({"json_schema": '{"type": "nonsense"}'}, "invalid json_schema"),
+    ({"ebnf": "root ::= missing"}, "invalid ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "one at a time"),
+    ({"logit_bias": {"600": 1.0}}, "outside the vocabulary"),
+    ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "at most 300"),
+    ({"logit_bias": {"a": 1.0}}, "logit_bias"),
+])
+def test_bad_grammars_and_biases_are_named(engines, params, message):
+    plain, _ = engines
+    with pytest.raises(ValueError, match=message):
+        plain.generate(input_ids=prompts(1)[0], sampling_params=params)
