@@ -19,13 +19,16 @@ argmax. Where the estimates come from:
   request starts from what the server has seen and a request the draft cannot predict soon
   stops paying for drafts. A family the request has not run yet starts from the server's
   rates scaled by how the request did against the server in the other family.
-- T: the runner's warm-up timing of every (shape, bucket) program, times a per-bucket drift
-  factor that each observed round updates (context length, machine load), so a shape not
-  run lately keeps its cost relative to those that are.
+- T: the runner's warm-up timing of every (shape, bucket) program, times a factor learnt from
+  the rounds served: a shape's own (a moving average of measured / warm-up seconds) once it
+  has run at that bucket, else the bucket's (the same over every shape run there: context
+  length, machine load). A warm-up timing that misjudged a shape is corrected by its own
+  rounds, and the shapes it is compared with are measured by probes.
 
-Plain rounds measure no acceptance, so a policy that chose plain would never see the text
-become predictable: after a run of plain rounds it probes once with the best speculative shape,
-and doubles the run before the next probe (up to MAX_PROBE_INTERVAL) while plain keeps winning.
+Probes: plain rounds measure no acceptance, and a policy that keeps speculating never times
+plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
+round on the other (the best speculative shape, or plain), and doubles the run before the next
+probe (up to MAX_PROBE_INTERVAL) while the same side keeps winning.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ REQUEST_DECAY = 0.9  # a request's counts fade over about ten rounds
 SERVER_DECAY = 0.995  # the server's over a few hundred request-rounds
 PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
 DRIFT_SMOOTHING = 0.2  # weight of the newest round in a bucket's cost drift
-MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # plain rounds between probes
+MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
 
 
 def shape_name(shape: TreeShape) -> str:
@@ -124,6 +127,10 @@ def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -
             / (np.stack([c.tried for c in own]) + PRIOR_WEIGHT))
 
 
+def _smooth(average: float, new: float) -> float:
+    return (1 - DRIFT_SMOOTHING) * average + DRIFT_SMOOTHING * new
+
+
 def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
     """Tokens a round of `shape` commits: the bonus plus each depth reached."""
     return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
@@ -135,7 +142,7 @@ class Choice:
 
     shape: TreeShape
     batch_bucket: int
-    probe: bool  # chosen to measure acceptance, not on its expected rate
+    probe: bool  # chosen to measure the other side (acceptance or cost), not on its rate
     accept_lengths: dict[str, float]  # mean expected tokens per request and round, by shape
     round_ms: dict[str, float]  # believed cost of a round, by shape
     tokens_per_s: dict[str, float]  # the score, by shape
@@ -151,12 +158,14 @@ class SpeculationPolicy:
         self.ceiling = ceiling
         self.depth = max(s.num_steps for s in shapes)
         self.round_seconds = dict(round_seconds)
-        self.drift: dict[int, float] = {}
+        self.drift: dict[int, float] = {}  # bucket -> measured / warm-up seconds, any shape
+        self.own_drift: dict[tuple[TreeShape, int], float] = {}  # the same, per shape
         self.server = Acceptance(self.depth, SERVER_DECAY)
         # Plain rounds are counted whatever the menu: grammar-constrained batches take them.
         self.rounds_by_shape = {shape_name(s): 0 for s in dict.fromkeys((PLAIN, *self.shapes))}
         self.probe_interval = MIN_PROBE_INTERVAL
-        self.plain_streak = 0
+        self.streak = 0  # rounds in a row whose best shape was on the same side
+        self.streak_plain = True  # that side: plain, or speculating
         self.last: Choice | None = None
 
     def new_request(self) -> Acceptance:
@@ -164,7 +173,8 @@ class SpeculationPolicy:
         return Acceptance(self.depth, REQUEST_DECAY)
 
     def seconds(self, shape: TreeShape, bucket: int) -> float:
-        return self.round_seconds[shape, bucket] * self.drift.get(bucket, 1.0)
+        factor = self.own_drift.get((shape, bucket), self.drift.get(bucket, 1.0))
+        return self.round_seconds[shape, bucket] * factor
 
     def choose(self, requests: Sequence[Acceptance], bucket: int, *,
                plain_only: bool = False) -> TreeShape:
@@ -177,23 +187,29 @@ class SpeculationPolicy:
         lengths = self.expected_tokens(requests)
         rates = {s: lengths[s] / self.seconds(s, bucket) for s in self.shapes}
         best = max(self.shapes, key=rates.__getitem__)
-        probe = False
-        if best != PLAIN:
-            self.plain_streak, self.probe_interval = 0, MIN_PROBE_INTERVAL
-        else:
-            self.plain_streak += 1
-            if self.plain_streak >= self.probe_interval:
-                speculative = [s for s in self.shapes if s != PLAIN]
-                best, probe = max(speculative, key=rates.__getitem__), True
-                self.plain_streak = 0
-                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        probe = self._probe(best, rates)
+        chosen = best if probe is None else probe
         n = max(len(requests), 1)
         self.last = Choice(
-            best, bucket, probe,
+            chosen, bucket, probe is not None,
             accept_lengths={shape_name(s): lengths[s] / n for s in self.shapes},
             round_ms={shape_name(s): 1000 * self.seconds(s, bucket) for s in self.shapes},
             tokens_per_s={shape_name(s): rates[s] for s in self.shapes})
-        return best
+        return chosen
+
+    def _probe(self, best: TreeShape, rates: dict[TreeShape, float]) -> TreeShape | None:
+        """The other side's shape when this round should probe it, else None."""
+        plain = best == PLAIN
+        if plain != self.streak_plain:
+            self.streak, self.streak_plain, self.probe_interval = 0, plain, MIN_PROBE_INTERVAL
+        self.streak += 1
+        if self.streak < self.probe_interval:
+            return None
+        self.streak = 0
+        self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        if not plain:
+            return PLAIN
+        return max((s for s in self.shapes if s != PLAIN), key=rates.__getitem__)
 
     def expected_tokens(self, requests: Sequence[Acceptance]) -> dict[TreeShape, float]:
         """Per shape, the tokens a round is expected to commit over the whole batch."""
@@ -212,8 +228,11 @@ class SpeculationPolicy:
         self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
         measured = self.round_seconds.get((shape, bucket))
         if self.adaptive and measured:
-            old = self.drift.get(bucket, 1.0)
-            self.drift[bucket] = (1 - DRIFT_SMOOTHING) * old + DRIFT_SMOOTHING * seconds / measured
+            ratio = seconds / measured
+            bucket_drift = self.drift.get(bucket, 1.0)
+            own = self.own_drift.get((shape, bucket), bucket_drift)
+            self.own_drift[shape, bucket] = _smooth(own, ratio)
+            self.drift[bucket] = _smooth(bucket_drift, ratio)
 
     def info(self) -> dict:
         """What /get_server_info and /metrics show: the shapes chosen and why."""

@@ -87,15 +87,16 @@ REGEXES = [("What is today's date?", r"\d{4}-\d{2}-\d{2}"),
 
 @pytest.fixture(scope="module")
 def servers():
-    try:
-        from sgl_jax.demo import demo_model_path
+    from sgl_jax.demo import demo_draft_path, demo_model_path
 
+    try:
         demo_model_path()
     except FileNotFoundError as e:
         pytest.skip(f"demo model not installed: {e}")
     with contextlib.ExitStack() as stack:
         plain = stack.enter_context(launch_server(FLAGS))
-        spec = stack.enter_context(launch_server([*FLAGS, *SPEC_FLAGS]))
+        spec = stack.enter_context(launch_server([
+            *FLAGS, *SPEC_FLAGS, "--speculative-draft-model-path", str(demo_draft_path())]))
         yield {"plain": plain, "spec": spec}
 
 
@@ -103,11 +104,12 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
-def ask(server, question: str, **extra) -> str:
+def ask(server, question: str, *, complete: bool = True, **extra) -> str:
+    """The greedy answer; `complete`: it must end by itself (the grammar or EOS)."""
     reply = client(server).chat.completions.create(
         model="demo", messages=[{"role": "user", "content": question}], temperature=0,
         max_tokens=200, **extra)
-    assert reply.choices[0].finish_reason == "stop", reply
+    assert not complete or reply.choices[0].finish_reason == "stop", reply
     return reply.choices[0].message.content
 
 
@@ -137,15 +139,22 @@ def test_regexes_match(servers, kind):
 
 def test_streams_equal_whole_answers(servers):
     server = servers["spec"]
+    question = "Describe a cat as JSON."
     for extra in ({"response_format": {"type": "json_object"}},
                   {"extra_body": {"regex": REGEXES[1][1]}}):
-        whole = ask(server, "Describe a cat as JSON.", **extra)
+        whole = ask(server, question, complete=False, **extra)
         stream = client(server).chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+            model="demo", messages=[{"role": "user", "content": question}],
             temperature=0, max_tokens=200, stream=True, **extra)
         assert "".join(c.choices[0].delta.content or "" for c in stream) == whole
-    assert isinstance(json.loads(ask(server, "Describe a cat as JSON.",
-                                     response_format={"type": "json_object"})), dict)
+        assert whole.startswith("{") if "response_format" in extra else re.fullmatch(
+            REGEXES[1][1], whole)
+
+
+def test_json_object_is_an_object(servers):
+    answer = ask(servers["plain"], "Give the name and age of a person as a JSON object.",
+                 response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer), dict)
 
 
 def test_completions_and_generate_take_grammars(servers):

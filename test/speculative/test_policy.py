@@ -158,6 +158,32 @@ def test_probes_back_off_while_plain_keeps_winning():
     assert probes == [4, 12, 28, 60, 124]
 
 
+def test_a_speculating_policy_probes_plain_rounds_with_the_same_back_off():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    good = requests_with(policy, [[(TREE, 3), (CHAIN3, 3)] * 20])
+    plain_rounds = [i for i in range(1, 200) if policy.choose(good, 1) == PLAIN]
+    assert plain_rounds == [4, 12, 28, 60, 124]
+
+
+def test_a_shape_dearer_than_its_warm_up_timing_gives_way_once_plain_is_probed():
+    """The warm-up timed CHAIN1 at 1.2 plain steps at bucket 1, but served rounds take 3: its
+    own rounds and the plain probes correct the costs, and plain wins."""
+    table = costs({1: 10}, {1: {CHAIN1: 12, CHAIN3: 40, TREE: 60}}, buckets=(1,))
+    true_ms = {PLAIN: 10, CHAIN1: 30, CHAIN3: 40, TREE: 60}
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    record = requests_with(policy, [[(CHAIN1, 1)] * 4])[0]
+    chosen = []
+    for _ in range(60):
+        shape = policy.choose([record], 1)
+        chosen.append((shape, policy.last.probe))
+        policy.observe(shape, 1, true_ms[shape] / 1000,
+                       [(record, 0 if shape == PLAIN else 1)])
+    assert chosen[0] == (CHAIN1, False)
+    assert all(shape == PLAIN or probe for shape, probe in chosen[-30:]), chosen
+    assert policy.seconds(CHAIN1, 1) == pytest.approx(0.030, rel=0.1)
+    assert policy.seconds(PLAIN, 1) == pytest.approx(0.010, rel=0.1)
+
+
 def test_without_adaptive_every_round_takes_the_flags_shape():
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=False)
     hopeless = requests_with(policy, [[(TREE, 0)] * 20])
