@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from sgl_jax.grammar import GRAMMAR_KINDS
+
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 LOGIT_BIAS_RANGE = 100.0  # biases are clamped to [-100, 100], as OpenAI's range
 
@@ -51,10 +53,8 @@ class SamplingParams:
     @property
     def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the request's grammar, or None."""
-        for kind in ("json_schema", "regex", "ebnf"):
-            if getattr(self, kind) is not None:
-                return kind, getattr(self, kind)
-        return None
+        named = _grammars(self)
+        return (named[0], getattr(self, named[0])) if named else None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -146,12 +146,17 @@ def _check_stops(p: SamplingParams) -> None:
              "an integer in [0, 2**32)", p.seed)
 
 
+def _grammars(p: SamplingParams) -> list[str]:
+    """The grammar fields the request sets."""
+    return [kind for kind in GRAMMAR_KINDS if getattr(p, kind) is not None]
+
+
 def _check_bias_and_grammar(p: SamplingParams) -> None:
     _require(len(p.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
              f"at most {MAX_LOGIT_BIAS} entries", f"{len(p.logit_bias)} entries")
     _require(len({t for t, _ in p.logit_bias}) == len(p.logit_bias), "logit_bias",
              "one bias per token id", p.logit_bias)
-    grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
+    grammars = _grammars(p)
     _require(len(grammars) <= 1, "json_schema, regex and ebnf", "used one at a time", grammars)
     for kind in grammars:
         _require(isinstance(getattr(p, kind), str), kind, "a string", getattr(p, kind))

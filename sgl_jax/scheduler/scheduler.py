@@ -7,6 +7,7 @@ the engine loop's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -304,7 +305,8 @@ def sampling_batch(batch: list[tuple[Req, int]], vocab_size: int) -> SamplingBat
             suppress[row] = -1
         if not allowed[row].any():  # a dead end: end the output with EOS, and say why
             set_bits(allowed[row], batch[row][0].eos_ids)
-    return SamplingBatch(
+    return dataclasses.replace(  # suppress, bias and grammar arrays filled in place above
+        greedy,
         temperature=np.array([p.temperature for p in params], np.float32),
         top_p=np.array([p.top_p for p in params], np.float32),
         top_k=np.array([p.top_k for p in params], np.int32),
@@ -314,8 +316,4 @@ def sampling_batch(batch: list[tuple[Req, int]], vocab_size: int) -> SamplingBat
         repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
         seed=np.array([req.seed for req, _ in batch], np.uint32),
         position=np.array([len(req.output_ids) for req, _ in batch], np.int32),
-        suppress_ids=suppress,
-        bias_ids=bias_ids,
-        bias_values=bias_values,
-        allowed=allowed,
     )

@@ -107,7 +107,12 @@ class Acceptance:
 
 def shrunk(counts: DepthCounts, prior: np.ndarray) -> np.ndarray:
     """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
-    return (counts.accepted + PRIOR_WEIGHT * prior) / (counts.tried + PRIOR_WEIGHT)
+    return _shrink(counts.accepted, counts.tried, prior)
+
+
+def _shrink(accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """Accepted over tried, with `prior` counted as PRIOR_WEIGHT tries (any leading shape)."""
+    return (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
 
 
 def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -> np.ndarray:
@@ -116,15 +121,15 @@ def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -
     defeats trees defeats chains too. One pass over the batch (this runs every round)."""
     other = "tree" if kind == "chain" else "chain"
     typical, typical_other = server.rates(kind, None), server.rates(other, None)
-    own = [r.counts[kind] for r in requests]
-    theirs = [r.counts[other] for r in requests]
-    tried_other = np.stack([c.tried for c in theirs])
-    mine_other = ((np.stack([c.accepted for c in theirs]) + PRIOR_WEIGHT * typical_other)
-                  / (tried_other + PRIOR_WEIGHT))
+    def stacked(family_kind: str) -> tuple[np.ndarray, np.ndarray]:  # accepted, tried [R, D]
+        counts = [r.counts[family_kind] for r in requests]
+        return np.stack([c.accepted for c in counts]), np.stack([c.tried for c in counts])
+
+    accepted_other, tried_other = stacked(other)
+    mine_other = _shrink(accepted_other, tried_other, typical_other)
     base = np.where(tried_other.any(axis=1, keepdims=True),
                     np.clip(typical * mine_other / typical_other, 0.0, 1.0), typical)
-    return ((np.stack([c.accepted for c in own]) + PRIOR_WEIGHT * base)
-            / (np.stack([c.tried for c in own]) + PRIOR_WEIGHT))
+    return _shrink(*stacked(kind), base)
 
 
 def _smooth(average: float, new: float) -> float:
@@ -213,10 +218,11 @@ class SpeculationPolicy:
 
     def expected_tokens(self, requests: Sequence[Acceptance]) -> dict[TreeShape, float]:
         """Per shape, the tokens a round is expected to commit over the whole batch."""
+        if not requests:
+            return dict.fromkeys(self.shapes, 0.0)
         cumulative = {kind: np.cumprod(batch_rates(requests, kind, self.server), axis=1)
-                      for kind in ("chain", "tree")} if requests else {}
-        return {s: len(requests) + (float(cumulative[family(s)][:, : s.num_steps].sum())
-                                    if requests else 0.0)
+                      for kind in ("chain", "tree")}
+        return {s: len(requests) + float(cumulative[family(s)][:, : s.num_steps].sum())
                 for s in self.shapes}
 
     def observe(self, shape: TreeShape, bucket: int, seconds: float,
