@@ -19,11 +19,14 @@ argmax. Where the estimates come from:
   request starts from what the server has seen and a request the draft cannot predict soon
   stops paying for drafts. A family the request has not run yet starts from the server's
   rates scaled by how the request did against the server in the other family.
-- T: the runner's warm-up timing of every (shape, bucket) program, times a factor learnt from
-  the rounds served: a shape's own (a moving average of measured / warm-up seconds) once it
-  has run at that bucket, else the bucket's (the same over every shape run there: context
-  length, machine load). A warm-up timing that misjudged a shape is corrected by its own
-  rounds, and the shapes it is compared with are measured by probes.
+- T: the runner's warm-up timing of every (shape, bucket) program, times two factors learnt
+  from the rounds served: the bucket's load (how much slower than at warm-up every shape runs
+  now: machine load, longer contexts) and the shape's own correction (a warm-up timing that
+  misjudged it). Each round moves both by its log residual log(measured / believed), the
+  load faster (LOAD_RATE) than the shape (SHAPE_RATE). So a burst of slow rounds, which slows
+  every shape alike, mostly moves the load and leaves the comparison between shapes alone,
+  while a shape whose rounds stay dearer than its warm-up timing against the rounds of other
+  shapes around them (probes included) accumulates its own correction.
 
 Probes: plain rounds measure no acceptance, and a policy that keeps speculating never times
 plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
@@ -33,6 +36,7 @@ probe (up to MAX_PROBE_INTERVAL) while the same side keeps winning.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +49,8 @@ INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before a
 REQUEST_DECAY = 0.9  # a request's counts fade over about ten rounds
 SERVER_DECAY = 0.995  # the server's over a few hundred request-rounds
 PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
-DRIFT_SMOOTHING = 0.2  # weight of the newest round in a bucket's cost drift
+# Shares of a round's log cost residual taken by its bucket's load and by its shape's factor.
+LOAD_RATE, SHAPE_RATE = 0.5, 0.2
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
 
 
@@ -132,10 +137,6 @@ def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -
     return _shrink(*stacked(kind), base)
 
 
-def _smooth(average: float, new: float) -> float:
-    return (1 - DRIFT_SMOOTHING) * average + DRIFT_SMOOTHING * new
-
-
 def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
     """Tokens a round of `shape` commits: the bonus plus each depth reached."""
     return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
@@ -163,8 +164,8 @@ class SpeculationPolicy:
         self.ceiling = ceiling
         self.depth = max(s.num_steps for s in shapes)
         self.round_seconds = dict(round_seconds)
-        self.drift: dict[int, float] = {}  # bucket -> measured / warm-up seconds, any shape
-        self.own_drift: dict[tuple[TreeShape, int], float] = {}  # the same, per shape
+        self.load: dict[int, float] = {}  # bucket -> slowdown against warm-up, every shape
+        self.correction: dict[tuple[TreeShape, int], float] = {}  # a shape's own, beyond load
         self.server = Acceptance(self.depth, SERVER_DECAY)
         # Plain rounds are counted whatever the menu: grammar-constrained batches take them.
         self.rounds_by_shape = {shape_name(s): 0 for s in dict.fromkeys((PLAIN, *self.shapes))}
@@ -178,8 +179,8 @@ class SpeculationPolicy:
         return Acceptance(self.depth, REQUEST_DECAY)
 
     def seconds(self, shape: TreeShape, bucket: int) -> float:
-        factor = self.own_drift.get((shape, bucket), self.drift.get(bucket, 1.0))
-        return self.round_seconds[shape, bucket] * factor
+        return (self.round_seconds[shape, bucket] * self.load.get(bucket, 1.0)
+                * self.correction.get((shape, bucket), 1.0))
 
     def choose(self, requests: Sequence[Acceptance], bucket: int, *,
                plain_only: bool = False) -> TreeShape:
@@ -232,13 +233,11 @@ class SpeculationPolicy:
         for acceptance, num_accepted in outcomes:
             acceptance.record(shape, num_accepted)
         self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
-        measured = self.round_seconds.get((shape, bucket))
-        if self.adaptive and measured:
-            ratio = seconds / measured
-            bucket_drift = self.drift.get(bucket, 1.0)
-            own = self.own_drift.get((shape, bucket), bucket_drift)
-            self.own_drift[shape, bucket] = _smooth(own, ratio)
-            self.drift[bucket] = _smooth(bucket_drift, ratio)
+        if self.adaptive and (shape, bucket) in self.round_seconds:
+            residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))
+            self.load[bucket] = self.load.get(bucket, 1.0) * math.exp(LOAD_RATE * residual)
+            key = (shape, bucket)
+            self.correction[key] = self.correction.get(key, 1.0) * math.exp(SHAPE_RATE * residual)
 
     def info(self) -> dict:
         """What /get_server_info and /metrics show: the shapes chosen and why."""

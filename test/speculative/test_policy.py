@@ -133,16 +133,36 @@ def test_a_mixed_batch_weighs_every_request():
     assert 1.0 < lengths[P.shape_name(mixed)] < 4.0
 
 
-def test_observed_rounds_scale_every_shape_of_their_bucket():
+def test_a_bucket_whose_rounds_all_slow_down_prices_every_shape_higher():
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
     record = policy.new_request()
     for _ in range(30):
-        policy.observe(CHAIN3, 1, 2 * SMALL_AND_LARGE[CHAIN3, 1], [(record, 1)])
-    assert policy.seconds(TREE, 1) == pytest.approx(2 * SMALL_AND_LARGE[TREE, 1], rel=0.01)
-    assert policy.seconds(PLAIN, 1) == pytest.approx(2 * SMALL_AND_LARGE[PLAIN, 1], rel=0.01)
+        for shape in (CHAIN3, PLAIN):
+            policy.observe(shape, 1, 2 * SMALL_AND_LARGE[shape, 1], [(record, 1)])
+    for shape in (CHAIN3, PLAIN):  # the shapes served: their measured cost
+        assert policy.seconds(shape, 1) == pytest.approx(2 * SMALL_AND_LARGE[shape, 1],
+                                                         rel=0.01)
+    # a shape not served takes the bucket's load, most of the slowdown
+    assert 1.7 < policy.seconds(TREE, 1) / SMALL_AND_LARGE[TREE, 1] < 2.0
     assert policy.seconds(PLAIN, 64) == SMALL_AND_LARGE[PLAIN, 64]
     assert policy.rounds_by_shape["3/1/4"] == 30
     assert record.counts["chain"].tried[0] > 0
+
+
+def test_a_burst_of_slow_plain_rounds_does_not_make_speculation_look_cheap():
+    """At batch 64 a one-step chain costs 1.75 plain steps and commits 1.42 tokens: plain
+    wins. Five plain rounds slowed 1.45x by the machine (every shape would be) move the
+    bucket's load, not plain's price against the chain's, so plain still wins on its rate."""
+    table = costs({64: 290}, {64: {CHAIN1: 508, CHAIN3: 900, TREE: 1700}}, buckets=(64,))
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    batch = requests_with(policy, [[(CHAIN1, 1), (CHAIN1, 0)] * 10] * 64)
+    for _ in range(2):  # (a fourth plain round in a row would be followed by a probe)
+        assert policy.choose(batch, 64) == PLAIN and not policy.last.probe
+        policy.observe(PLAIN, 64, 0.290, [(r, 0) for r in batch])
+    for _ in range(5):
+        policy.observe(PLAIN, 64, 1.45 * 0.290, [(r, 0) for r in batch])
+    assert policy.choose(batch, 64) == PLAIN and not policy.last.probe
+    assert policy.seconds(CHAIN1, 64) / policy.seconds(PLAIN, 64) > 1.5
 
 
 def test_probes_back_off_while_plain_keeps_winning():
