@@ -12,7 +12,10 @@ is expected to commit in it: 1 for plain decoding, else
 
 with q_r(f, j) request r's acceptance at draft depth j given depth j-1 was accepted, for the
 family f of X (a chain, or a tree of topk > 1, whose rates are higher). The round takes the
-argmax. Where the estimates come from:
+argmax, except that a speculative shape must beat plain decoding by SPECULATION_MARGIN: its
+estimates carry errors of a few percent, and a near tie gains nothing on average while
+speculation's costs outside the round (longer emits, a draft to keep) are not in T. Where the
+estimates come from:
 
 - q_r: decayed counts of accepted / tried depths over the request's own speculative rounds,
   shrunk towards the server-wide counts (which the same rounds update, more slowly), so a new
@@ -52,6 +55,7 @@ PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this ma
 # Shares of a round's log cost residual taken by its bucket's load and by its shape's factor.
 LOAD_RATE, SHAPE_RATE = 0.5, 0.2
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
+SPECULATION_MARGIN = 1.05  # a speculative shape's rate must exceed plain's by this factor
 
 
 def shape_name(shape: TreeShape) -> str:
@@ -192,7 +196,8 @@ class SpeculationPolicy:
             return self.ceiling
         lengths = self.expected_tokens(requests)
         rates = {s: lengths[s] / self.seconds(s, bucket) for s in self.shapes}
-        best = max(self.shapes, key=rates.__getitem__)
+        best = max(self.shapes, key=lambda s: rates[s] / (1.0 if s == PLAIN
+                                                             else SPECULATION_MARGIN))
         probe = self._probe(best, rates)
         chosen = best if probe is None else probe
         n = max(len(requests), 1)

@@ -112,6 +112,22 @@ def test_the_choice_maximises_expected_tokens_per_second():
         assert policy.last.tokens_per_s[P.shape_name(shape)] == pytest.approx(rate)
 
 
+@pytest.mark.parametrize("advantage, expected", [(1.03, PLAIN), (1.10, CHAIN1)])
+def test_speculation_must_beat_plain_by_the_margin(advantage, expected):
+    """A one-step chain whose expected rate is `advantage` times plain's: a near tie stays
+    plain (SPECULATION_MARGIN is 5%), a clear win speculates."""
+    probe = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    reqs = requests_with(probe, [[(CHAIN1, 1), (CHAIN1, 0)] * 4])
+    length = probe.expected_tokens(reqs)[CHAIN1]
+    table = costs({1: 10}, {1: {CHAIN1: 10 * length / advantage, CHAIN3: 1000, TREE: 1000}},
+                  buckets=(1,))
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    policy.server = probe.server
+    assert policy.choose(reqs, 1) == expected and not policy.last.probe
+    rates = policy.last.tokens_per_s
+    assert rates["1/1/2"] / rates["plain"] == pytest.approx(advantage)
+
+
 def test_an_unpredictable_request_falls_to_plain_while_the_server_estimate_stays_high():
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
     requests_with(policy, [[(TREE, 3)] * 30])  # the server has seen good text
