@@ -18,6 +18,8 @@ DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+# SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
+TOOL_CALL_PARSERS = ("qwen25", "llama3", "hermes", "llama3_json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -45,6 +47,7 @@ class HttpConfig:
     enable_metrics: bool
     chat_template: str | None  # a file, a template name, or None for the tokenizer's own
     reasoning_parser: str | None
+    tool_call_parser: str | None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class ServerArgs:
     served_model_name: str | None = None  # default: model_path
     chat_template: str | None = None
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     enable_metrics: bool = False
     # Misc
     random_seed: int | None = None
@@ -125,7 +129,8 @@ class ServerArgs:
             "dtype": DTYPE_CHOICES, "device": (None, *DEVICE_CHOICES),
             "attention_backend": (None, *ATTENTION_BACKEND_CHOICES),
             "speculative_algorithm": (None, *SPECULATIVE_ALGORITHMS),
-            "reasoning_parser": (None, *REASONING_PARSERS), "log_level": LOG_LEVELS,
+            "reasoning_parser": (None, *REASONING_PARSERS),
+            "tool_call_parser": (None, *TOOL_CALL_PARSERS), "log_level": LOG_LEVELS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -237,7 +242,7 @@ class ServerArgs:
             host=self.host, port=self.port, api_key=self.api_key,
             served_model_name=self.served_model_name or self.model_path or "default",
             enable_metrics=self.enable_metrics, chat_template=self.chat_template,
-            reasoning_parser=self.reasoning_parser,
+            reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser,
         )
 
     def to_dict(self) -> dict:
@@ -400,6 +405,10 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
                             "default: the tokenizer's own")
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split <think> blocks into reasoning_content in chat responses")
+    group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="the format the model writes tool calls in (qwen25 / hermes: "
+                            "<tool_call> blocks; llama3 / llama3_json: Llama 3.1 JSON); "
+                            "needed for chat requests with tools")
 
 
 def _add_logging_args(group: argparse._ArgumentGroup) -> None:

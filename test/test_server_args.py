@@ -146,7 +146,7 @@ def test_help_groups_and_documents_every_flag():
     assert every_seed_flag <= flags
     issue_flags = {"--served-model-name", "--api-key", "--context-length",
                    "--chunked-prefill-size", "--disable-radix-cache", "--enable-metrics",
-                   "--log-level", "--random-seed", "--reasoning-parser"}
+                   "--log-level", "--random-seed", "--reasoning-parser", "--tool-call-parser"}
     assert issue_flags <= flags
     # Every flag is a ServerArgs field: nothing parsed is dropped.
     assert {a.dest for a in parser._actions if a.dest != "help"} <= set(
