@@ -232,7 +232,8 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "less than or equal"),
     ({"top_logprobs": 2}, 400, None, "requires logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "not supported"),
+     "without --tool-call-parser"),
+    ({"functions": [{"name": "f"}]}, 400, "functions", "not supported"),
     ({"logit_bias": {"5": "high"}}, 400, "logit_bias.5", "valid number"),
     ({"response_format": {"type": "xml"}}, 400, "response_format.type", "'json_schema'"),
     ({"response_format": {"type": "json_schema"}}, 400, "response_format",
@@ -242,7 +243,8 @@ BAD_CHAT = [
     ({"frobnicate": 1}, 400, "frobnicate", "unknown field"),
     ({"model": "gpt-4o"}, 404, "model", "does not exist"),
     ({"messages": []}, 400, "messages", "at least 1 item"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "'user'"),
+    ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages.0.role", "'tool'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0", "tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0", "'image_url' are not supported"),
     ({"max_tokens": CONTEXT}, 400, "max_tokens", f"context length is {CONTEXT} tokens"),
@@ -304,7 +306,8 @@ def test_openapi_describes_every_request_body(server):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"] == f"#/components/schemas/{name}"
     fields = set(schemas["ChatCompletionRequest"]["properties"])
-    assert {"messages", "model", "response_format", "logit_bias", "regex"} <= fields
+    assert {"messages", "model", "response_format", "logit_bias", "regex", "tools",
+            "tool_choice"} <= fields
     refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(document))
     assert refs and all(ref in schemas for ref in refs)
 

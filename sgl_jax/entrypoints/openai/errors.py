@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sgl_jax.entrypoints.openai.protocol import UnsupportedFieldError
+from sgl_jax.entrypoints.openai.protocol import FieldError, UnsupportedFieldError
 
 
 class APIError(Exception):
@@ -37,6 +37,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, UnsupportedFieldError):
         return APIError(400, str(cause), param=cause.field, code="unsupported_parameter")
+    if isinstance(cause, FieldError):
+        return APIError(400, str(cause), param=cause.field, code="invalid_value")
     param = ".".join(str(part) for part in error["loc"] if not _is_union_tag(part)) or None
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":

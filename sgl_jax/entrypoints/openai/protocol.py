@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from sgl_jax.grammar import ANY_JSON_OBJECT
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS
@@ -14,11 +22,8 @@ from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
 # OpenAI fields we know but do not implement, with the values that mean "not used".
 _UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # deprecated by OpenAI for tools
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -33,10 +38,18 @@ _UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
-class UnsupportedFieldError(ValueError):
-    def __init__(self, field: str):
-        super().__init__(f"'{field}' is not supported by this server")
+class FieldError(ValueError):
+    """A problem that a check across fields found, naming the field the error is about (its
+    path would otherwise be the request's root)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
         self.field = field
+
+
+class UnsupportedFieldError(FieldError):
+    def __init__(self, field: str):
+        super().__init__(field, f"'{field}' is not supported by this server")
 
 
 def _refuse_unimplemented(data: Any) -> Any:
@@ -61,10 +74,41 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object (as a string)")
+        return arguments
+
+
+class ToolCallMessage(_Strict):
+    """A call an assistant turn made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        """Arguments as a dict: chat templates (Qwen's, Llama's) write them with `tojson`."""
+        function = {"name": self.function.name, "arguments": json.loads(self.function.arguments)}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(_Strict):
-    # "developer" is OpenAI's newer name for the system role.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for the system role; "tool" carries a call's result.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only on an assistant turn with calls
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
     @model_validator(mode="before")
     @classmethod
@@ -77,10 +121,65 @@ class ChatMessage(_Strict):
                                  "only 'text'")
         return data
 
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs a tool_call_id, and only it has one")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (it may be null only on an assistant "
+                             "message with tool_calls)")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # required and named calls follow the schema, strict or not
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# Tagged by JSON type, so an error names what was wrong with the form that was sent.
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")]
+    | Annotated[NamedToolChoice, Tag("dict")],
+    Discriminator(lambda value: "dict" if isinstance(value, dict | NamedToolChoice) else "str"),
+]
 
 
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
@@ -190,6 +289,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, "none" without.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # with --reasoning-parser: split out reasoning_content
 
@@ -201,9 +304,53 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("pass max_tokens or max_completion_tokens, not both")
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise FieldError("tools", f"function names must be unique; "
+                                      f"{', '.join(repeated)} appear more than once")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise FieldError("tool_choice", "tool_choice other than 'none' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names {choice.function.name!r}, "
+                                            f"which is not among the tools {names}")
+        if self.forced_tools and self.grammar():
+            raise FieldError("tool_choice", "tool_choice 'required' or a named function is "
+                                            "enforced with a grammar, so it cannot be "
+                                            "combined with response_format, regex or ebnf")
+        return self
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is told about, as OpenAI tool dicts: none with tool_choice
+        'none', so it answers in prose as asked."""
+        if self.tool_choice == "none":
+            return []
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    @property
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The tools one of which the output must call: all of them with tool_choice
+        'required', the named one with a named choice; none otherwise."""
+        if self.tool_choice == "required":
+            return self.offered_tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            return [t for t in self.offered_tools if t["function"]["name"] == name]
+        return []
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        """At most one call when parallel calls are off or a function is named."""
+        named = isinstance(self.tool_choice, NamedToolChoice)
+        return None if self.parallel_tool_calls and not named else 1
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

@@ -1,5 +1,5 @@
-"""OpenAI chat and text completions on top of the Engine: prompt building, limits, responses
-and server-sent-event streams."""
+"""OpenAI chat and text completions on top of the Engine: prompt building, tools, limits,
+responses and server-sent-event streams."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ from contextlib import aclosing
 from typing import Any
 
 from sgl_jax.entrypoints.engine import Engine
+from sgl_jax.entrypoints.openai.chat_output import ChatOutput
 from sgl_jax.entrypoints.openai.errors import APIError, bad_request
 from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sgl_jax.grammar import GrammarError
 from sgl_jax.server_args import HttpConfig
 from sgl_jax.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sgl_jax.tokenizer.reasoning import ReasoningParser
 from sgl_jax.tokenizer.token_bytes import TokenBytes
+from sgl_jax.tokenizer.tool_calls import tool_call_format
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class OpenAIServing:
         self.context_length = engine.context_length
         self._token_texts: dict[int, str] = {}
         self._token_bytes = TokenBytes(engine.tokenizer)
+        self.tool_format = (None if config.tool_call_parser is None
+                            else tool_call_format(config.tool_call_parser))
 
     # ------------------------------------------------------------------ models
 
@@ -61,48 +66,70 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(request.model)
+        self._check_tool_parser(request)
         prompt_ids = self._chat_prompt(request)
         max_tokens = self._max_tokens([len(prompt_ids)], request.requested_max_tokens,
                                       "max_tokens", "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         _log_request(rid, request.user, len(prompt_ids))
         result = await self._generate(
-            input_ids=prompt_ids, sampling_params=request.sampling_params(max_tokens),
+            input_ids=prompt_ids,
+            sampling_params={**request.sampling_params(max_tokens), **self._tool_grammar(request)},
             stream=request.stream, return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
+            grammar_field="tools" if request.forced_tools else None,
         )
         head = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
         if request.stream:
             return self._chat_stream(head, request, result)
         return self._chat_response(head, request, _as_list(result))
 
+    def _check_tool_parser(self, request: ChatCompletionRequest) -> None:
+        if request.offered_tools and self.tool_format is None:
+            raise bad_request("this server was started without --tool-call-parser, so it "
+                              "cannot read tool calls; send tool_choice 'none', or start it "
+                              "with --tool-call-parser", "tools")
+
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in request.messages]
+        messages = [m.template_dict() for m in request.messages]
         try:
-            return self.chat_template.encode(messages,
-                                             template_kwargs=request.chat_template_kwargs)
+            return self.chat_template.encode(
+                messages, tools=request.offered_tools, tool_format=self.tool_format,
+                template_kwargs=request.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
 
-    def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
-        if self.config.reasoning_parser is None or not request.separate_reasoning:
-            return None
-        return ReasoningParser(self.config.reasoning_parser)
+    def _tool_grammar(self, request: ChatCompletionRequest) -> dict[str, str]:
+        """tool_choice 'required' or a named function: a grammar for calls in the parser's
+        format (one call, or several with parallel_tool_calls), each to one of the forced
+        tools with arguments valid against its parameters."""
+        forced = request.forced_tools
+        if not forced:
+            return {}
+        parallel = request.max_tool_calls is None
+        return {"ebnf": self.tool_format.grammar(forced, parallel=parallel)}
+
+    def _chat_output(self, request: ChatCompletionRequest) -> ChatOutput:
+        """A fresh splitter for one choice."""
+        reasoning = None
+        if self.config.reasoning_parser is not None and request.separate_reasoning:
+            reasoning = ReasoningParser(self.config.reasoning_parser)
+        tools = None
+        if request.offered_tools:
+            names = [tool["function"]["name"] for tool in request.offered_tools]
+            tools = self.tool_format.parser(names, request.max_tool_calls)
+        return ChatOutput(reasoning, tools)
 
     def _chat_response(self, head: dict, request: ChatCompletionRequest,
                        outputs: list[dict[str, Any]]) -> dict[str, Any]:
         choices = []
         for index, out in enumerate(outputs):
             meta = out["meta_info"]
-            message = {"role": "assistant", "content": out["text"]}
-            parser = self._reasoning_parser(request)
-            if parser is not None:
-                message["reasoning_content"], message["content"] = parser.parse(out["text"])
+            output = self._chat_output(request)
             choices.append({
-                "index": index, "message": message,
+                "index": index, "message": output.message(out["text"]),
                 "logprobs": self._chat_logprobs(meta) if request.logprobs else None,
-                "finish_reason": _finish_reason(meta),
+                "finish_reason": output.finish_reason(_finish_reason(meta)),
             })
         return {**head, "object": "chat.completion", "choices": choices,
                 "usage": _usage([o["meta_info"] for o in outputs], request.n)}
@@ -110,23 +137,25 @@ class OpenAIServing:
     async def _chat_stream(self, head: dict, request: ChatCompletionRequest,
                            chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
-        parsers: dict[int, ReasoningParser | None] = {}
+        outputs: dict[int, ChatOutput] = {}
         finals: dict[int, dict[str, Any]] = {}  # index -> final meta_info
         async with aclosing(chunks):
             async for chunk in chunks:
                 index, meta = chunk["index"], chunk["meta_info"]
-                if index not in parsers:
-                    parsers[index] = self._reasoning_parser(request)
+                if index not in outputs:
+                    outputs[index] = self._chat_output(request)
                     yield sse(_chat_chunk(head, index, {"role": "assistant", "content": ""}))
-                if "finish_reason" in meta:
+                finished = "finish_reason" in meta
+                if finished:
                     finals[index] = meta
                     _raise_if_aborted(meta)
-                delta = _delta(parsers[index], chunk["text"], final="finish_reason" in meta)
+                delta = outputs[index].delta(chunk["text"], final=finished)
                 logprobs = self._chat_logprobs(meta) if request.logprobs else None
                 if delta or (logprobs and logprobs["content"]):
                     yield sse(_chat_chunk(head, index, delta, logprobs=logprobs))
-                if "finish_reason" in meta:
-                    yield sse(_chat_chunk(head, index, {}, finish=_finish_reason(meta)))
+                if finished:
+                    finish = outputs[index].finish_reason(_finish_reason(meta))
+                    yield sse(_chat_chunk(head, index, {}, finish=finish))
         if request.include_usage:
             yield sse({**head, "choices": [], "usage": _usage(_in_order(finals), request.n)})
         yield sse("[DONE]")
@@ -243,9 +272,14 @@ class OpenAIServing:
             )
         return requested
 
-    async def _generate(self, **kwargs: Any) -> Any:
+    async def _generate(self, *, grammar_field: str | None = None, **kwargs: Any) -> Any:
+        """`grammar_field`: the request field a grammar was built from, named by its errors."""
         try:
             return await self.engine.async_generate(**kwargs)
+        except GrammarError as exc:
+            message = str(exc) if grammar_field is None else (
+                f"{grammar_field} cannot be enforced: {exc}")
+            raise bad_request(message, grammar_field) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
         except RuntimeError as exc:  # the engine is shutting down
@@ -285,21 +319,6 @@ def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
-
-
-def _delta(parser: ReasoningParser | None, text: str, final: bool) -> dict[str, str]:
-    if parser is None:
-        return {"content": text} if text else {}
-    reasoning, content = parser.feed(text)
-    if final:
-        rest_reasoning, rest_content = parser.finish()
-        reasoning, content = reasoning + rest_reasoning, content + rest_content
-    delta = {}
-    if reasoning:
-        delta["reasoning_content"] = reasoning
-    if content:
-        delta["content"] = content
-    return delta
 
 
 def _chat_chunk(head: dict, index: int, delta: dict, *, logprobs: dict | None = None,
