@@ -118,6 +118,34 @@ def fill_bitmasks(rows: list[tuple[Any, int]], out: np.ndarray) -> None:
     llguidance.numpy.fill_next_token_bitmask_par(_executor, rows, out)
 
 
+def fill_tree_bitmasks(matcher: Any, tokens: np.ndarray, parents: np.ndarray,
+                       out: np.ndarray) -> None:
+    """For one draft tree (tokens, parents: i32[N], node 0 the root, whose token the matcher
+    has consumed), write into out[i] (i32[N, W]) the ids the grammar allows after node i's
+    path. The matcher is walked down each path and rolled back, so it ends where it started.
+    A node whose path the grammar forbids gets every id: verification never reaches it (its
+    token has no mass at a masked parent), and its row stays a finite distribution."""
+    import llguidance.numpy
+
+    for node in range(len(tokens)):
+        path = _path_tokens(tokens, parents, node)
+        if matcher.validate_tokens(path) < len(path):
+            out[node] = -1
+            continue
+        matcher.consume_tokens(path)
+        llguidance.numpy.fill_next_token_bitmask(matcher, out, node)
+        matcher.rollback(len(path))
+
+
+def _path_tokens(tokens: np.ndarray, parents: np.ndarray, node: int) -> list[int]:
+    """The tokens from the root's child down to `node` (empty for the root)."""
+    path = []
+    while node > 0:
+        path.append(int(tokens[node]))
+        node = int(parents[node])
+    return path[::-1]
+
+
 def set_bits(row: np.ndarray, ids: Iterable[int]) -> None:
     """Allow `ids` in a bitmask row (i32[ceil(V / 32)])."""
     words = row.view(np.uint32)

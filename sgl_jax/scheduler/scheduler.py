@@ -15,15 +15,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_jax.grammar import fill_bitmasks, set_bits
+from sgl_jax.grammar import fill_bitmasks, fill_tree_bitmasks, set_bits
 from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.forward_batch import SeqChunk
-from sgl_jax.model_executor.model_runner import ModelRunner, StepOutput, greedy_sampling_batch
+from sgl_jax.model_executor.model_runner import (
+    ModelRunner,
+    StepOutput,
+    bitmask_words,
+    greedy_sampling_batch,
+)
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decode_manager import DecodeManager
 from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.policy import SpeculationPolicy
+from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
 from sgl_jax.speculative.spec_runner import RoundOutput, RoundRow, SpecRunner
 from sgl_jax.speculative.stats import AcceptanceStats
 
@@ -152,22 +158,30 @@ class Scheduler:
 
     def _verify_round(self, reqs: list[Req]) -> None:
         """One speculative round for every decoding request, in the shape the policy picks:
-        draft, verify, emit, extend the draft."""
+        draft, verify, emit, extend the draft. A batch holding a grammar-constrained request
+        takes a plain round or the flags' shape with every tree node masked by the grammar."""
         rows = [RoundRow(req.page_ids, req.kv_len, req.token_slice(req.kv_len, req.kv_len + 1)[0],
                          req.draft_root, max(req.params.min_new_tokens - len(req.output_ids), 0),
                          req.state_slot)
                 for req in reqs]
         want_top = any(req.top_logprobs_num > 0 for req in reqs)
         bucket = self.runner.buckets.batch_padding(len(reqs))
+        constrained = [row for row, req in enumerate(reqs) if req.grammar is not None]
         shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket,
-                                   plain_only=any(req.grammar is not None for req in reqs))
+                                   menu=self._constrained_menu(reqs) if constrained else None)
+        sampling = sampling_batch([(req, 1) for req in reqs], self.vocab_size)
         start = time.perf_counter()
-        output = self.spec.round(rows, sampling_batch([(req, 1) for req in reqs], self.vocab_size),
-                                 want_top, shape)
+        if constrained and shape != PLAIN:
+            output = self.spec.masked_round(
+                rows, sampling, want_top,
+                lambda tokens, parents: self._tree_masks(reqs, constrained, tokens, parents))
+        else:
+            output = self.spec.round(rows, sampling, want_top, shape)
         accepted = [int(a) for a in output.num_accepted]
         self.policy.observe(shape, bucket, time.perf_counter() - start,
                             [(req.spec_acceptance, a)
-                             for req, a in zip(reqs, accepted, strict=True)])
+                             for req, a in zip(reqs, accepted, strict=True)],
+                            masked=bool(constrained) and shape != PLAIN)
         emitted = 0
         for row, req in enumerate(reqs):
             self.spec_stats.record(accepted[row], shape.num_steps)
@@ -181,6 +195,26 @@ class Scheduler:
                 self._finish(req)
             self.on_output(req, text, tokens)
         self._log_decode(emitted)
+
+    def _constrained_menu(self, reqs: list[Req]) -> tuple[TreeShape, ...]:
+        """Shapes a batch with grammar-constrained requests may take. Masked trees need the
+        matcher's view of every node, which min_new_tokens' EOS suppression below the root
+        would contradict, so such a request keeps its batch on plain rounds until it is past
+        min_new_tokens."""
+        if any(req.grammar is not None and req.suppressing_eos for req in reqs):
+            return (PLAIN,)
+        return (PLAIN, self.spec.shape)
+
+    def _tree_masks(self, reqs: list[Req], constrained: list[int], tokens: np.ndarray,
+                    parents: np.ndarray) -> np.ndarray:
+        """i32[B, N, W] over the padded batch: every id for free rows; for a constrained row
+        the ids its grammar allows after each node's path (EOS alone at a dead end)."""
+        masks = np.full((*tokens.shape, bitmask_words(self.vocab_size)), -1, np.int32)
+        for row in constrained:
+            fill_tree_bitmasks(reqs[row].grammar, tokens[row], parents[row], masks[row])
+            for node in np.flatnonzero(~masks[row].any(axis=1)):
+                set_bits(masks[row, node], reqs[row].eos_ids)
+        return masks
 
     @staticmethod
     def _emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, list[int]]:

@@ -173,6 +173,7 @@ class SpeculationPolicy:
         self.server = Acceptance(self.depth, SERVER_DECAY)
         # Plain rounds are counted whatever the menu: grammar-constrained batches take them.
         self.rounds_by_shape = {shape_name(s): 0 for s in dict.fromkeys((PLAIN, *self.shapes))}
+        self.masked_rounds = 0  # rounds whose trees a grammar masked
         self.probe_interval = MIN_PROBE_INTERVAL
         self.streak = 0  # rounds in a row whose best shape was on the same side
         self.streak_plain = True  # that side: plain, or speculating
@@ -187,25 +188,28 @@ class SpeculationPolicy:
                 * self.correction.get((shape, bucket), 1.0))
 
     def choose(self, requests: Sequence[Acceptance], bucket: int, *,
-               plain_only: bool = False) -> TreeShape:
-        """The shape of the next round. `plain_only`: the batch holds a grammar-constrained
-        request, whose mask the host knows for the root only."""
-        if plain_only:
-            return PLAIN
+               menu: Sequence[TreeShape] | None = None) -> TreeShape:
+        """The shape of the next round, among `menu` when given (plain always allowed): a
+        batch holding a grammar-constrained request may take only plain rounds and the
+        flags' shape, whose trees the host masks."""
+        shapes = self.shapes if menu is None else tuple(
+            s for s in self.shapes if s in menu or s == PLAIN)
         if not self.adaptive:
-            return self.ceiling
+            return shapes[0] if shapes else PLAIN
+        if shapes == (PLAIN,):
+            return PLAIN
         lengths = self.expected_tokens(requests)
-        rates = {s: lengths[s] / self.seconds(s, bucket) for s in self.shapes}
-        best = max(self.shapes, key=lambda s: rates[s] / (1.0 if s == PLAIN
-                                                             else SPECULATION_MARGIN))
+        rates = {s: lengths[s] / self.seconds(s, bucket) for s in shapes}
+        best = max(shapes, key=lambda s: rates[s] / (1.0 if s == PLAIN
+                                                     else SPECULATION_MARGIN))
         probe = self._probe(best, rates)
         chosen = best if probe is None else probe
         n = max(len(requests), 1)
         self.last = Choice(
             chosen, bucket, probe is not None,
-            accept_lengths={shape_name(s): lengths[s] / n for s in self.shapes},
-            round_ms={shape_name(s): 1000 * self.seconds(s, bucket) for s in self.shapes},
-            tokens_per_s={shape_name(s): rates[s] for s in self.shapes})
+            accept_lengths={shape_name(s): lengths[s] / n for s in shapes},
+            round_ms={shape_name(s): 1000 * self.seconds(s, bucket) for s in shapes},
+            tokens_per_s={shape_name(s): rates[s] for s in shapes})
         return chosen
 
     def _probe(self, best: TreeShape, rates: dict[TreeShape, float]) -> TreeShape | None:
@@ -220,7 +224,7 @@ class SpeculationPolicy:
         self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
         if not plain:
             return PLAIN
-        return max((s for s in self.shapes if s != PLAIN), key=rates.__getitem__)
+        return max((s for s in rates if s != PLAIN), key=rates.__getitem__)
 
     def expected_tokens(self, requests: Sequence[Acceptance]) -> dict[TreeShape, float]:
         """Per shape, the tokens a round is expected to commit over the whole batch."""
@@ -232,13 +236,16 @@ class SpeculationPolicy:
                 for s in self.shapes}
 
     def observe(self, shape: TreeShape, bucket: int, seconds: float,
-                outcomes: Sequence[tuple[Acceptance, int]]) -> None:
-        """A round of `shape` took `seconds`; each request's record and its accepted count."""
+                outcomes: Sequence[tuple[Acceptance, int]], *, masked: bool = False) -> None:
+        """A round of `shape` took `seconds`; each request's record and its accepted count.
+        `masked`: a grammar masked its trees (counted apart, and its cost not learnt: the
+        host's masks make it dearer than the same shape free)."""
         self.rounds_by_shape[shape_name(shape)] += 1
+        self.masked_rounds += masked
         for acceptance, num_accepted in outcomes:
             acceptance.record(shape, num_accepted)
         self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
-        if self.adaptive and (shape, bucket) in self.round_seconds:
+        if self.adaptive and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))
             self.load[bucket] = self.load.get(bucket, 1.0) * math.exp(LOAD_RATE * residual)
             key = (shape, bucket)
@@ -251,6 +258,7 @@ class SpeculationPolicy:
             "spec_adaptive": self.adaptive,
             "spec_shapes": [shape_name(s) for s in self.shapes],
             "spec_rounds_by_shape": dict(self.rounds_by_shape),
+            "spec_masked_rounds": self.masked_rounds,
             "spec_believed_accept_rates": {
                 kind: [round(float(x), 4) for x in self.server.rates(kind, None)]
                 for kind in ("chain", "tree")},

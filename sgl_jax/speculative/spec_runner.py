@@ -10,6 +10,10 @@ Two steps, each one compiled function per bucket:
   target forward with the tree mask, the accepted path, its nodes' target KV moved to
   consecutive slots), then `extend_step` (the draft extended over the accepted tokens, which
   gives the next root). The parts are public so that a benchmark can time them apart.
+- `masked_round`, the flags' shape as two programs: the draft's trees come back to the host,
+  which writes the ids a grammar allows at every node (each node's path walked in the
+  request's matcher), then verify and extend run with those masks on the target's
+  distributions. A grammar-constrained batch takes it (or a plain round).
 
 Trees are grown at the start of the round that verifies them, so each round may take another
 shape (the adaptive policy's choice) without a program per pair of shapes; what passes from
@@ -29,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -56,6 +60,7 @@ from sgl_jax.model_executor.model_runner import (
     _no_top_logprobs,
     _pad_rows,
     _top_logprobs,
+    bitmask_words,
     greedy_sampling_batch,
 )
 from sgl_jax.models import qwen3_next
@@ -64,6 +69,10 @@ from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
 
 logger = logging.getLogger(__name__)
+
+
+# (tree tokens i32[B, N], parents i32[B, N]) -> i32[B, N, W]: the ids allowed at each node.
+NodeMasks = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,10 @@ class SpecRunner:
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
         self._rounds = {s: jax.jit(functools.partial(self._round_impl, shape=s),
                                    donate_argnums=(2, 3)) for s in self.shapes}
+        self._draft_trees = jax.jit(functools.partial(self.draft_step, shape=shape),
+                                    donate_argnums=(1,))
+        self._masked_verify = jax.jit(functools.partial(self._masked_verify_impl, shape=shape),
+                                      donate_argnums=(2, 3))
         self.hybrid = config.is_hybrid
         # Seconds of one round by (shape, padded batch size), measured by warmup().
         self.round_seconds: dict[tuple[TreeShape, int], float] = {}
@@ -187,25 +200,35 @@ class SpecRunner:
               shape: TreeShape | None = None) -> RoundOutput:
         """Draft, verify and extend every row with trees of `shape` (default: the flags');
         `sampling` has one host row per request."""
-        n = len(rows)
         self.target.kv_cache, self.draft_kv, result = self._rounds[shape or self.shape](
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             *self.round_arrays(rows, sampling), np.bool_(want_top_logprobs),
         )
-        verdict, logprobs, top, root_hidden, tree = jax.device_get(result)
-        return RoundOutput(
-            tokens=verdict.tokens[:n], num_accepted=verdict.num_accepted[:n],
-            logprobs=logprobs[:n], top_logprob_ids=top[0][:n], top_logprobs=top[1][:n],
-            root_hidden=root_hidden[:n], tree_tokens=tree.tokens[:n],
-            tree_parents=tree.parents[:n],
-        )
+        return _round_output(jax.device_get(result), len(rows))
+
+    def masked_round(self, rows: Sequence[RoundRow], sampling: SamplingBatch,
+                     want_top_logprobs: bool, node_masks: NodeMasks) -> RoundOutput:
+        """A round of the flags' shape whose every tree node's target distribution is masked:
+        node_masks(tree tokens i32[B, N], parents i32[B, N]) -> i32[B, N, W] bitmasks over
+        the padded batch (W = ceil(V / 32)); they replace `sampling.allowed`."""
+        (page_table, kv_lens, active, root_tokens, root_hidden, sampling, suppress_depth,
+         state_slots) = self.round_arrays(rows, sampling)
+        tree, self.draft_kv = self._draft_trees(
+            self.draft.params, self.draft_kv, root_tokens, root_hidden, page_table, kv_lens,
+            active, state_slots)
+        allowed = node_masks(*jax.device_get((tree.tokens, tree.parents)))
+        self.target.kv_cache, self.draft_kv, result = self._masked_verify(
+            self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
+            page_table, kv_lens, active, tree, sampling, suppress_depth, state_slots,
+            np.bool_(want_top_logprobs), allowed)
+        return _round_output(jax.device_get(result), len(rows))
 
     def warmup(self) -> None:
         """Compile every round shape and prefill bucket now, and time each round program for
         the adaptive policy (the fastest of a few runs after the compiling one: the others
         met some other load)."""
         sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
-        with tqdm(total=len(sizes) * len(self.shapes) + len(shapes),
+        with tqdm(total=len(sizes) * (len(self.shapes) + 1) + len(shapes),
                   desc="Compiling speculative buckets", unit="bucket") as bar:
             for size in sizes:
                 rows = self._dummy_rows(size)
@@ -215,6 +238,9 @@ class SpecRunner:
                         lambda rows=rows, shape=shape, size=size: self.round(
                             rows, greedy_sampling_batch(size, self.vocab_size), False, shape))
                     bar.update()
+                self.masked_round(rows, greedy_sampling_batch(size, self.vocab_size), False,
+                                  allow_every_id(self.vocab_size))
+                bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
                 count = len(chunks)
@@ -322,6 +348,19 @@ class SpecRunner:
         return target_kv, draft_kv, self.tp.constrain_replicated(
             (verified.verdict, verified.logprobs, verified.top, root_hidden, tree))
 
+    def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
+                            kv_lens, active, tree, sampling, suppress_depth, state_slots,
+                            want_top, node_allowed, *, shape: TreeShape):
+        self._count_compilation("masked verify", tree.tokens.shape[0])
+        target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
+                                               active, tree, sampling, suppress_depth,
+                                               want_top, state_slots, shape=shape,
+                                               node_allowed=node_allowed)
+        root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
+                                                 page_table, kv_lens, active, state_slots)
+        return target_kv, draft_kv, self.tp.constrain_replicated(
+            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree))
+
     def draft_step(self, params, kv: list[LayerKV],
                    root_tokens: jax.Array,  # i32[B]: each request's last token
                    root_hidden: jax.Array,  # f[B, H]: the draft's output at the root
@@ -353,9 +392,12 @@ class SpecRunner:
                     suppress_depth: jax.Array,  # i32[B]: nodes shallower still suppress EOS
                     want_top: jax.Array,  # bool[]
                     state_slots: jax.Array,  # i32[B]: hybrid targets' slots
-                    *, shape: TreeShape) -> tuple[list[LayerKV], Verified]:
+                    *, shape: TreeShape,
+                    node_allowed: jax.Array | None = None,  # i32[B, N, W]: grammar bitmasks
+                    ) -> tuple[list[LayerKV], Verified]:
         """The round's second part (pure, jittable): the target's forward over every tree with
         the tree mask, the acceptance walk, and the accepted nodes' K/V moved into place.
+        `node_allowed` masks each node's distribution (else each request's row applies).
         A hybrid target's linear layers run the trees from each request's committed state
         without writing the pools; the state after the last accepted node is then committed
         to the request's slot (padding rows write nothing)."""
@@ -378,8 +420,11 @@ class SpecRunner:
                 metadata, None)
         logits = self.target.model.impl.compute_logits(target_params, hidden,
                                                        self.target.config)  # f32[B*N, V]
-        verdict = verify_tree(tree, logits, node_sampling(sampling, depths, suppress_depth),
-                              num_steps=shape.num_steps, thresholds=self.thresholds)
+        per_node = node_sampling(sampling, depths, suppress_depth)
+        if node_allowed is not None:
+            per_node = dataclasses.replace(per_node, allowed=node_allowed.reshape(batch * n, -1))
+        verdict = verify_tree(tree, logits, per_node, num_steps=shape.num_steps,
+                              thresholds=self.thresholds)
         if self.hybrid:
             last = jnp.take_along_axis(verdict.path, verdict.num_accepted[:, None], axis=1)[:, 0]
             target_kv = [
@@ -491,6 +536,23 @@ def node_sampling(sampling: SamplingBatch, depths: jax.Array, suppress_depth: ja
     return dataclasses.replace(
         per_node, position=per_node.position + depths.reshape(-1),
         suppress_ids=jnp.where(suppressing[:, None], per_node.suppress_ids, -1))
+
+
+def allow_every_id(vocab_size: int) -> NodeMasks:
+    """NodeMasks that allow every id at every node."""
+    return lambda tokens, parents: np.full((*tokens.shape, bitmask_words(vocab_size)), -1,
+                                           np.int32)
+
+
+def _round_output(result: tuple, n: int) -> RoundOutput:
+    """The first n rows of a round's host results."""
+    verdict, logprobs, top, root_hidden, tree = result
+    return RoundOutput(
+        tokens=verdict.tokens[:n], num_accepted=verdict.num_accepted[:n],
+        logprobs=logprobs[:n], top_logprob_ids=top[0][:n], top_logprobs=top[1][:n],
+        root_hidden=root_hidden[:n], tree_tokens=tree.tokens[:n],
+        tree_parents=tree.parents[:n],
+    )
 
 
 def _shape_name(shape: TreeShape) -> str:

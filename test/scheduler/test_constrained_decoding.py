@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.grammar import GrammarCompiler
+from sgl_jax.grammar import GrammarCompiler, fill_bitmasks, fill_tree_bitmasks
 from sgl_jax.sampling_params import SamplingParams
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.scheduler import sampling_batch
@@ -27,6 +27,8 @@ BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_p
 # round that ignored the grammar (or the bias) below the root would commit different tokens.
 SELF_DRAFT = dict(speculative_algorithm="STANDALONE", speculative_num_steps=3,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+SELF_DRAFT_TREE = {**SELF_DRAFT, "speculative_num_steps": 2, "speculative_eagle_topk": 2,
+                   "speculative_num_draft_tokens": 5}
 REGEXES = [r"\d{4}-\d{2}-\d{2}", r"(red|green|blue) (cat|dog)s?", r"[a-z]{3,8}@[a-z]{3,6}\.com"]
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -71,7 +73,7 @@ def test_regex_outputs_match_and_speculation_commits_the_same_tokens(engines):
     got = run(spec, params)
     assert [o["output_ids"] for o in got[:3]] == [o["output_ids"] for o in expected[:3]]
     assert re.fullmatch(REGEXES[2], got[3]["text"])  # sampled: exact in law, not in tokens
-    assert spec.get_server_info()["spec_rounds_by_shape"]["plain"] > 0
+    assert spec.get_server_info()["spec_masked_rounds"] > 0
 
 
 def test_json_schema_outputs_validate_and_speculation_commits_the_same_tokens(engines):
@@ -81,6 +83,44 @@ def test_json_schema_outputs_validate_and_speculation_commits_the_same_tokens(en
     for out in expected:
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
     assert run(spec, params[:1])[0]["output_ids"] == expected[0]["output_ids"]
+
+
+def test_a_tree_masked_node_by_node_commits_the_tokens_of_plain_decoding(target, engines):
+    """Trees branch: each node's mask must follow its own path, not its neighbour's."""
+    plain, _ = engines
+    params = [constrained(regex=REGEXES[1]), constrained(json_schema=json.dumps(SCHEMA))]
+    expected = run(plain, params)
+    with Engine(model_path=target, speculative_draft_model_path=target, **SELF_DRAFT_TREE,
+                **BASE) as tree:
+        assert [o["output_ids"] for o in run(tree, params)] == \
+            [o["output_ids"] for o in expected]
+        assert tree.get_server_info()["spec_masked_rounds"] > 0
+
+
+def test_tree_bitmasks_equal_a_fresh_matcher_walked_down_each_path(tmp_path):
+    tokenizer = write_tiny_tokenizer(tmp_path)
+    grammars = GrammarCompiler(tokenizer, TINY_VOCAB_SIZE, [ENDOFTEXT_ID])
+    grammar = ("regex", "[ab][cd]x")
+    matcher = grammars.matcher(*grammar)
+    a, b, c, d, x = (tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abcdx")
+    # root -> a -> c, root -> b, root -> x (forbidden) -> c
+    tokens = np.array([0, a, b, x, c, c], np.int32)
+    parents = np.array([-1, 0, 0, 0, 1, 3], np.int32)
+    words = -(-TINY_VOCAB_SIZE // 32)
+    got = np.zeros((6, words), np.int32)
+    fill_tree_bitmasks(matcher, tokens, parents, got)
+    for node, path in enumerate([[], [a], [b], None, [a, c], None]):
+        if path is None:  # the grammar forbids the path: every id, never reached
+            assert (got[node] == -1).all()
+            continue
+        fresh = grammars.matcher(*grammar)
+        assert all(fresh.consume_token(t) for t in path)
+        expected = np.zeros((1, words), np.int32)
+        fill_bitmasks([(fresh, 0)], expected)
+        assert (got[node] == expected[0]).all(), node
+    after = np.zeros((1, words), np.int32)
+    fill_bitmasks([(matcher, 0)], after)  # the matcher was rolled back to the root
+    assert (after[0] == got[0]).all()
 
 
 def test_ebnf_output_is_in_the_language(engines):
