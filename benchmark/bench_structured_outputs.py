@@ -3,9 +3,11 @@ and with speculative decoding, offline (Engine API).
 
 For each engine (plain, or with the draft) and batch size: output tokens per second of free
 answers and of schema-constrained answers, their ratio, and whether every constrained answer
-validated. Grammars compile before the timed run (a compiled grammar is cached), so the
-figures are the per-step cost: the host computing each row's token bitmask, and the mask on
-the device. With speculation a constrained batch runs plain rounds (docs/server.md).
+validated; with speculation also the accept length of the free and of the constrained
+rounds, whose trees the grammar masks node by node (docs/server.md). Grammars compile before
+the timed run (a compiled grammar is cached), so the figures are the per-step cost: the host
+computing each row's token bitmask (each tree node's, with speculation), and the mask on the
+device. The prefix cache is emptied after each warm-up, so both runs prefill every prompt.
 
     python benchmark/bench_structured_outputs.py                      # the demo pair
     python benchmark/bench_structured_outputs.py --batch-sizes 1,16 --num-prompts 32
@@ -42,6 +44,8 @@ class Row:
     ratio: float
     valid: int  # constrained answers that parse and validate
     num_prompts: int
+    free_accept_length: float | None = None  # tokens per speculative round; None: plain
+    schema_accept_length: float | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,13 +71,29 @@ def prompts(engine: Any, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def timed(engine: Any, ids: list[list[int]], params: dict, batch: int) -> tuple[float, list]:
+def timed(engine: Any, ids: list[list[int]], params: dict, batch: int
+          ) -> tuple[float, list, float | None]:
+    """Output tokens/s over every prompt, the outputs, and the accept length (None without
+    speculation)."""
     engine.generate(input_ids=ids[:batch], sampling_params={**params, "max_new_tokens": 4})
+    if not engine.flush_cache():
+        raise RuntimeError("the prefix cache could not be emptied after the warm-up")
+    before = engine.get_server_info()
     outputs, start = [], time.perf_counter()
     for first in range(0, len(ids), batch):
         outputs += engine.generate(input_ids=ids[first: first + batch], sampling_params=params)
     elapsed = time.perf_counter() - start
-    return sum(len(o["output_ids"]) for o in outputs) / elapsed, outputs
+    return (sum(len(o["output_ids"]) for o in outputs) / elapsed, outputs,
+            accept_length_since(engine, before))
+
+
+def accept_length_since(engine: Any, before: dict) -> float | None:
+    after = engine.get_server_info()
+    if "spec_verify_rounds" not in after:
+        return None
+    rounds = after["spec_verify_rounds"] - before["spec_verify_rounds"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return 1 + accepted / max(rounds, 1)
 
 
 def valid_count(outputs: list[dict]) -> int:
@@ -108,17 +128,20 @@ def run(args: argparse.Namespace) -> list[Row]:
                     **spec) as engine:
             ids = prompts(engine, args.num_prompts)
             for batch in batch_sizes:
-                free_tok_s, _ = timed(engine, ids, free, batch)
-                schema_tok_s, outputs = timed(engine, ids, constrained, batch)
+                free_tok_s, _, free_length = timed(engine, ids, free, batch)
+                schema_tok_s, outputs, schema_length = timed(engine, ids, constrained, batch)
                 rows.append(Row(name, batch, free_tok_s, schema_tok_s,
-                                schema_tok_s / free_tok_s, valid_count(outputs), len(ids)))
+                                schema_tok_s / free_tok_s, valid_count(outputs), len(ids),
+                                free_length, schema_length))
                 print_row(rows[-1])
     return rows
 
 
 def print_row(row: Row) -> None:
+    lengths = "" if row.free_accept_length is None else (
+        f"   accept len free {row.free_accept_length:.2f}, schema {row.schema_accept_length:.2f}")
     print(f"{row.engine:7} {row.batch_size:>3} {row.free_tok_s:>10.1f} {row.schema_tok_s:>12.1f}"
-          f" {row.ratio:>6.2f}x {row.valid:>4}/{row.num_prompts}", flush=True)
+          f" {row.ratio:>6.2f}x {row.valid:>4}/{row.num_prompts}{lengths}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

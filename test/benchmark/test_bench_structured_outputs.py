@@ -29,3 +29,7 @@ def test_bench_structured_outputs_reports_both_engines(tmp_path):
         assert row["free_tok_s"] > 0 and row["schema_tok_s"] > 0
         assert abs(row["ratio"] - row["schema_tok_s"] / row["free_tok_s"]) < 1e-9
         assert 0 <= row["valid"] <= row["num_prompts"] == 2
+        speculative = row["engine"] == "eagle3"
+        for length in (row["free_accept_length"], row["schema_accept_length"]):
+            assert (length is not None) == speculative
+            assert length is None or 1.0 <= length <= 4.0  # 3 draft steps

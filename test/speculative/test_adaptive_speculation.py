@@ -55,8 +55,8 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None):
             policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
                                     for shape, bucket in policy.round_seconds}
             observe = policy.observe
-            policy.observe = lambda shape, bucket, _, outcomes: observe(
-                shape, bucket, policy.round_seconds[shape, bucket], outcomes)
+            policy.observe = lambda shape, bucket, _, outcomes, **kw: observe(
+                shape, bucket, policy.round_seconds[shape, bucket], outcomes, **kw)
         outputs = engine.generate(input_ids=prompts(),
                                   sampling_params=[greedy(n) for n in MAX_NEW])
         one = engine.generate(input_ids=prompts()[0], sampling_params=greedy(MAX_NEW[0]))
