@@ -4,7 +4,10 @@ For each draft shape and batch size: output tokens per second without and with s
 the speedup, the accept rate (accept length / draft tokens, as the seed model cards report
 it), the accept length (tokens per verify round) and the acceptance rate of each draft
 position (acc_0, acc_1, ...). Prints a table, writes JSON and a PNG of throughput against
-batch size. Each configuration runs once untimed first, so no compilation is timed.
+batch size. Each configuration runs once untimed first, so no compilation is timed. The plain
+engine stays loaded beside each speculative one and the two take turns batch by batch, so
+each row's ratio compares runs interleaved in time (a shared VM's speed drifts by 10-20%
+over minutes).
 
 The two shapes of the seed cards are built in: chain (steps 5, topk 1, 6 draft tokens) and
 tree (steps 3, topk 4, 8 draft tokens); `adaptive` lets the policy pick each round's shape
@@ -138,26 +141,38 @@ def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
         "EAGLE3"
 
 
-def timed_generate(engine: Any, prompts: list[list[int]], output_len: int, batch_size: int,
-                   *, ignore_eos: bool) -> tuple[float, list[list[int]]]:
-    """Output tokens per second over all prompts, run batch_size at a time, and the outputs.
-    The first batch runs once untimed (short), so its shapes are compiled; the prefix cache is
-    then emptied, so every engine prefills every timed prompt in full (a speculative engine
-    reuses one page less of a cached prompt than a plain one, as its draft's last cached slot
-    depends on the next token, so warm prompts would favour the plain engine)."""
-    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
+def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
+    """Compile the batch's shapes with a short untimed run, then empty the prefix cache, so
+    every timed prompt is prefilled in full (a speculative engine reuses one page less of a
+    cached prompt than a plain one, as its draft's last cached slot depends on the next
+    token, so warm prompts would favour the plain engine)."""
     engine.generate(input_ids=prompts[:batch_size],
-                    sampling_params={**params, "max_new_tokens": 8})
+                    sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     if not engine.flush_cache():
         raise RuntimeError("the prefix cache could not be emptied after the warm-up")
-    outputs = []
-    start = time.perf_counter()
+
+
+def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: int,
+                    batch_size: int, *, ignore_eos: bool) -> list[tuple[float, list[list[int]]]]:
+    """Per engine, output tokens per second over all prompts, run batch_size at a time, and
+    the outputs. The engines take turns wave by wave, so a machine whose speed drifts over
+    minutes (a shared VM's memory bandwidth does) weighs on each alike."""
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
+    for engine in engines:
+        warm_up(engine, prompts, batch_size)
+    seconds = [0.0] * len(engines)
+    outputs: list[list[dict]] = [[] for _ in engines]
     for first in range(0, len(prompts), batch_size):
-        outputs += engine.generate(input_ids=prompts[first: first + batch_size],
-                                   sampling_params=params)
-    elapsed = time.perf_counter() - start
-    tokens = [o["output_ids"] for o in outputs]
-    return sum(map(len, tokens)) / elapsed, tokens
+        for i, engine in enumerate(engines):
+            start = time.perf_counter()
+            outputs[i] += engine.generate(input_ids=prompts[first: first + batch_size],
+                                          sampling_params=params)
+            seconds[i] += time.perf_counter() - start
+    results = []
+    for elapsed, outs in zip(seconds, outputs, strict=True):
+        tokens = [o["output_ids"] for o in outs]
+        results.append((sum(map(len, tokens)) / elapsed, tokens))
+    return results
 
 
 def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[float]]:
@@ -244,31 +259,28 @@ def run(args: argparse.Namespace) -> list[Row]:
                       precompile_bs_paddings=batch_sizes, max_running_requests=max(batch_sizes))
         if not real:
             common["context_length"] = args.input_len + args.output_len + 64
-        with Engine(model_path=target, **common) as engine:
-            prompts = load_prompts(args, target, engine.tokenizer, batch_sizes)
-            baseline = {b: timed_generate(engine, prompts if real else prompts[:b],
-                                          args.output_len, b, ignore_eos=not real)
-                        for b in batch_sizes}
-        rows = []
-        for shape in shapes:
-            with Engine(model_path=target, speculative_algorithm=algorithm,
-                        speculative_draft_model_path=draft, **{**common, **SHAPES[shape]}
-                        ) as engine:
-                for b in batch_sizes:
-                    chosen = prompts if real else prompts[:b]
-                    timed_generate(engine, chosen[:b], 8, b, ignore_eos=True)  # compile first
-                    before = engine.get_server_info()
-                    tok_s, outputs = timed_generate(engine, chosen, args.output_len, b,
-                                                    ignore_eos=not real)
-                    length, rates = acceptance_since(engine, before)
-                    draft_tokens = SHAPES[shape]["speculative_num_draft_tokens"]
-                    base_tok_s, base_outputs = baseline[b]
-                    differing = sum(a != c for a, c in zip(outputs, base_outputs, strict=True))
-                    rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
-                                    length / draft_tokens, length, rates, args.dataset,
-                                    len(chosen), differing,
-                                    rounds_since(engine, before)))
-                    print_row(rows[-1])
+        with Engine(model_path=target, **common) as plain:
+            prompts = load_prompts(args, target, plain.tokenizer, batch_sizes)
+            rows = []
+            for shape in shapes:
+                with Engine(model_path=target, speculative_algorithm=algorithm,
+                            speculative_draft_model_path=draft, **{**common, **SHAPES[shape]}
+                            ) as engine:
+                    for b in batch_sizes:
+                        chosen = prompts if real else prompts[:b]
+                        warm_up(engine, chosen, b)  # the policy's first rounds: not timed
+                        before = engine.get_server_info()
+                        (base_tok_s, base_outputs), (tok_s, outputs) = paired_generate(
+                            [plain, engine], chosen, args.output_len, b, ignore_eos=not real)
+                        length, rates = acceptance_since(engine, before)
+                        draft_tokens = SHAPES[shape]["speculative_num_draft_tokens"]
+                        differing = sum(a != c for a, c in zip(outputs, base_outputs,
+                                                               strict=True))
+                        rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
+                                        length / draft_tokens, length, rates, args.dataset,
+                                        len(chosen), differing,
+                                        rounds_since(engine, before)))
+                        print_row(rows[-1])
     return rows
 
 
@@ -298,7 +310,8 @@ def plot(rows: list[Row], path: str) -> None:
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
     for ax, dataset in zip(axes[0], datasets, strict=True):
         mine = sorted((r for r in rows if r.dataset == dataset), key=lambda r: r.batch_size)
-        plain = {r.batch_size: r.baseline_tok_s for r in mine}
+        plain = {b: float(np.mean([r.baseline_tok_s for r in mine if r.batch_size == b]))
+                 for b in dict.fromkeys(r.batch_size for r in mine)}
         ax.plot(list(plain), list(plain.values()), marker="s", color="grey", linestyle="--",
                 label="plain")
         for shape in dict.fromkeys(r.shape for r in mine):
