@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -53,6 +54,40 @@ def launch_server(args: list[str], *, timeout_s: float = 300,
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+# The demo pair's servers in the slow OpenAI tests: small limits, the seed cards' tree.
+DEMO_FLAGS = ["--skip-server-warmup", "--max-running-requests", "16", "--context-length", "1024",
+              "--served-model-name", "demo"]
+DEMO_SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                   "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+
+
+@contextlib.contextmanager
+def demo_servers(extra_flags: list[str] = ()) -> Iterator[dict[str, ServerProcess]]:
+    """{"plain": the demo model's server, "spec": the same with its EAGLE3 head}, both with
+    DEMO_FLAGS and `extra_flags`; the test is skipped when the demo model is not installed."""
+    import pytest
+
+    from sgl_jax.demo import demo_draft_path, demo_model_path
+
+    try:
+        demo_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"demo model not installed: {e}")
+    flags = [*DEMO_FLAGS, *extra_flags]
+    with contextlib.ExitStack() as stack:
+        plain = stack.enter_context(launch_server(flags))
+        spec = stack.enter_context(launch_server([
+            *flags, *DEMO_SPEC_FLAGS, "--speculative-draft-model-path", str(demo_draft_path())]))
+        yield {"plain": plain, "spec": spec}
+
+
+def openai_client(server: ServerProcess) -> Any:
+    """The official openai client for `server`, without retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
 def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:

@@ -6,7 +6,6 @@ bad schema or regex is a 400 that names it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -16,14 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from sgl_jax.testing.server import launch_server
+from sgl_jax.testing.server import demo_servers, openai_client
 
 pytestmark = pytest.mark.slow
-
-FLAGS = ["--skip-server-warmup", "--max-running-requests", "16", "--context-length", "1024",
-         "--served-model-name", "demo"]
-SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
-              "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
 
 
 def text(max_length):
@@ -87,21 +81,12 @@ REGEXES = [("What is today's date?", r"\d{4}-\d{2}-\d{2}"),
 
 @pytest.fixture(scope="module")
 def servers():
-    from sgl_jax.demo import demo_draft_path, demo_model_path
-
-    try:
-        demo_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"demo model not installed: {e}")
-    with contextlib.ExitStack() as stack:
-        plain = stack.enter_context(launch_server(FLAGS))
-        spec = stack.enter_context(launch_server([
-            *FLAGS, *SPEC_FLAGS, "--speculative-draft-model-path", str(demo_draft_path())]))
-        yield {"plain": plain, "spec": spec}
+    with demo_servers() as both:
+        yield both
 
 
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def ask(server, question: str, *, complete: bool = True, **extra) -> str:
