@@ -146,6 +146,14 @@ def _path_tokens(tokens: np.ndarray, parents: np.ndarray, node: int) -> list[int
     return path[::-1]
 
 
+def allow_eos_at_dead_ends(masks: np.ndarray, eos_ids: Iterable[int]) -> None:
+    """Masks (one i32[W] row, or rows i32[N, W]) that allow no id belong to a grammar at a
+    dead end: let EOS end the output there (the request then finishes with grammar_error)."""
+    words = np.atleast_2d(masks)  # a view, so the bits land in `masks`
+    for row in np.flatnonzero(~words.any(axis=1)):
+        set_bits(words[row], eos_ids)
+
+
 def set_bits(row: np.ndarray, ids: Iterable[int]) -> None:
     """Allow `ids` in a bitmask row (i32[ceil(V / 32)])."""
     words = row.view(np.uint32)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_jax.grammar import fill_bitmasks, fill_tree_bitmasks, set_bits
+from sgl_jax.grammar import allow_eos_at_dead_ends, fill_bitmasks, fill_tree_bitmasks
 from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import (
@@ -170,8 +170,9 @@ class Scheduler:
         shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket,
                                    menu=self._constrained_menu(reqs) if constrained else None)
         sampling = sampling_batch([(req, 1) for req in reqs], self.vocab_size)
+        masked = bool(constrained) and shape != PLAIN
         start = time.perf_counter()
-        if constrained and shape != PLAIN:
+        if masked:
             output = self.spec.masked_round(
                 rows, sampling, want_top,
                 lambda tokens, parents: self._tree_masks(reqs, constrained, tokens, parents))
@@ -180,8 +181,7 @@ class Scheduler:
         accepted = [int(a) for a in output.num_accepted]
         self.policy.observe(shape, bucket, time.perf_counter() - start,
                             [(req.spec_acceptance, a)
-                             for req, a in zip(reqs, accepted, strict=True)],
-                            masked=bool(constrained) and shape != PLAIN)
+                             for req, a in zip(reqs, accepted, strict=True)], masked=masked)
         emitted = 0
         for row, req in enumerate(reqs):
             self.spec_stats.record(accepted[row], shape.num_steps)
@@ -212,8 +212,7 @@ class Scheduler:
         masks = np.full((*tokens.shape, bitmask_words(self.vocab_size)), -1, np.int32)
         for row in constrained:
             fill_tree_bitmasks(reqs[row].grammar, tokens[row], parents[row], masks[row])
-            for node in np.flatnonzero(~masks[row].any(axis=1)):
-                set_bits(masks[row, node], reqs[row].eos_ids)
+            allow_eos_at_dead_ends(masks[row], reqs[row].eos_ids)
         return masks
 
     @staticmethod
@@ -337,8 +336,7 @@ def sampling_batch(batch: list[tuple[Req, int]], vocab_size: int) -> SamplingBat
     for grammar, row in constrained:
         if grammar.is_stopped():  # complete: it may end now, whatever min_new_tokens says
             suppress[row] = -1
-        if not allowed[row].any():  # a dead end: end the output with EOS, and say why
-            set_bits(allowed[row], batch[row][0].eos_ids)
+        allow_eos_at_dead_ends(allowed[row], batch[row][0].eos_ids)
     return dataclasses.replace(  # suppress, bias and grammar arrays filled in place above
         greedy,
         temperature=np.array([p.temperature for p in params], np.float32),
