@@ -18,9 +18,11 @@ class CacheManager:
         # release (finish, abort, retraction). A state cannot be rebuilt from cached KV pages,
         # so such models run without the radix cache.
         self.states = states
-        # EAGLE3's draft KV at slot j depends on token j + 1 as well: a cached prefix's last
-        # page is then not reusable by a request that continues differently.
+        # EAGLE3's draft KV at slot j depends on token j + 1 as well, so a cached page's last
+        # slot holds what the draft computed with the token after the page of the request that
+        # cached it: recorded per page, a request reuses a page only if it continues alike.
         self.last_slot_needs_next_token = last_slot_needs_next_token
+        self._next_token_of_page: dict[int, int] = {}
         self.radix = radix
         self.page_size = page_size
         self.cache_hit_tokens = 0
@@ -47,8 +49,8 @@ class CacheManager:
         self.radix.lock(match.node)
         req.prefix_node = match.node
         pages = list(match.page_ids)
-        if self.last_slot_needs_next_token and pages:
-            pages.pop()
+        if self.last_slot_needs_next_token:
+            pages = pages[: self._pages_whose_next_token_matches(pages, req.all_ids)]
         req.page_ids = pages
         req.kv_len = req.cached_tokens = len(pages) * self.page_size
         self.cache_hit_tokens += req.cached_tokens
@@ -78,10 +80,33 @@ class CacheManager:
             return
         duplicates = self.radix.insert(req.all_ids[: req.kv_len], pages)
         full_pages = req.kv_len // self.page_size
+        if self.last_slot_needs_next_token:
+            self._record_next_tokens(req.all_ids, pages[:full_pages], set(duplicates))
         self.allocator.free(duplicates + pages[full_pages:])
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
             req.prefix_node = None
+
+    def _pages_whose_next_token_matches(self, pages: list[int], token_ids: list[int]) -> int:
+        """How many leading cached pages a request continuing with token_ids may reuse: up to
+        the first whose last draft slot was computed with another next token."""
+        for i, page in enumerate(pages):
+            if self._next_token_of_page.get(page) != token_ids[(i + 1) * self.page_size]:
+                return i
+        return len(pages)
+
+    def _record_next_tokens(self, token_ids: list[int], full_pages: list[int],
+                            duplicates: set[int]) -> None:
+        """The next token of every page of a request the tree now holds (for the pages it
+        matched, the same token as recorded: it reused only those)."""
+        for i, page in enumerate(full_pages):
+            if page in duplicates:
+                continue
+            after = (i + 1) * self.page_size
+            if after < len(token_ids):
+                self._next_token_of_page[page] = token_ids[after]
+            else:  # never the case while the last token stays out of the cache; be safe
+                self._next_token_of_page.pop(page, None)
 
     @property
     def available_pages(self) -> int:

@@ -172,18 +172,35 @@ def test_stops_inside_an_accepted_run_are_honoured(self_draft, references):
     assert pages_all_free(self_draft)
 
 
+def cached_draft_keys(engine, token_ids: list[int]) -> np.ndarray:
+    """f32[T, heads, dim]: the draft's first-layer keys the prefix cache holds for token_ids
+    (the full pages it matches)."""
+    match = engine._loop.scheduler.cache.radix.match_prefix(token_ids)
+    keys = np.asarray(engine._spec.draft_kv[0][0])[match.page_ids]  # [pages, heads, page, dim]
+    return keys.transpose(0, 2, 1, 3).reshape(match.num_tokens, *keys.shape[1::2])
+
+
 def test_prefix_cache_and_logprobs_with_speculation(checkpoints):
     paths = checkpoints["llama"]
-    shared = prompts(5)[3]
+    shared = prompts(5)[3]  # 130 tokens: 8 full pages, and shared[128] follows the last
     first, second = shared + [7, 8, 9], shared + [11, 12]
     params = dict(input_ids=second, sampling_params=greedy(10), return_logprob=True)
     with Engine(model_path=str(paths["target"]), page_size=16, **BASE) as plain:
         reference = plain.generate(**params)
+    with spec_engine(paths, "EAGLE3", "eagle3", TREE, page_size=16) as fresh:
+        fresh.generate(**params)
+        expected_keys = cached_draft_keys(fresh, second)
     with spec_engine(paths, "EAGLE3", "eagle3", TREE, page_size=16) as eng:
         eng.generate(input_ids=first, sampling_params=greedy(4))
         out = eng.generate(**params)
-        # the last cached page is recomputed: EAGLE3's draft KV there depends on the next token
-        assert out["meta_info"]["cached_tokens"] == (len(shared) // 16 - 1) * 16
+        # EAGLE3's draft KV at a page's last slot depends on the token after the page: every
+        # shared page is reused because the two prompts go on alike past each of them
+        assert out["meta_info"]["cached_tokens"] == 128
+        np.testing.assert_allclose(cached_draft_keys(eng, second), expected_keys, atol=1e-5)
+        # one that goes on otherwise right after a page recomputes that page
+        diverging = shared[:112] + [13, 14, 15]
+        again = eng.generate(input_ids=diverging, sampling_params=greedy(4))
+        assert again["meta_info"]["cached_tokens"] == 96
         assert pages_all_free(eng)
     assert out["output_ids"] == reference["output_ids"]
     got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
