@@ -7,7 +7,9 @@ For each draft shape and batch size, with every request `--context` tokens deep:
 - verify: SpecRunner.verify_step alone on the device (target forward over the trees with the
   tree mask, logits, acceptance walk, accepted K/V moved);
 - draft: SpecRunner.draft_step and extend_step on the device (the tree's draft steps, the
-  draft's extend over the accepted path);
+  draft's extend over the accepted path); for a plain round, which leaves the draft behind,
+  the share of one catch-up (SpecRunner.catch_up over CATCH_UP_WIDTH pending tokens) that
+  falls to each plain round, counted in the break-even too;
 - round on device: all three as the one program a round compiles to; host = round - that.
 
 A round emits `accept length` tokens where a decode step emits one, so speculation pays when
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 
 # "plain" is the adaptive policy's plain round: the target decodes the root and the draft
-# extends over it, so its cost beside a decode step is what a plain round costs extra.
+# catches up later, so its cost beside a decode step is what a plain round costs extra.
 SHAPES = {"chain": "5/1/6", "tree": "3/4/8", "plain": "0/1/1"}
 
 
@@ -147,7 +149,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     from sgl_jax.model_executor.forward_batch import SeqChunk
     from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-    from sgl_jax.speculative.spec_runner import RoundRow
+    from sgl_jax.speculative.spec_runner import CATCH_UP_WIDTH, CatchUpRow, RoundRow
     from sgl_jax.speculative.tree import DraftTree
 
     rng = np.random.default_rng(0)
@@ -209,12 +211,20 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
             *device_arrays)
         return out
 
+    catch_up_rows = [CatchUpRow(
+        setup.pages(i), context - CATCH_UP_WIDTH, rng.integers(vocab, size=CATCH_UP_WIDTH),
+        rng.standard_normal((CATCH_UP_WIDTH, spec.feature_width)).astype(dtype))
+        for i in range(batch)]
+    deferred = shape.num_draft_tokens == 1 and spec.defers_draft
     ms = median_ms({"decode": decode,
                     "round": lambda: spec.round(rows, sampling, False, shape).tokens,
-                    "verify": run_verify, "draft": run_draft, "device": run_round_device},
+                    "verify": run_verify, "device": run_round_device,
+                    "draft": (lambda: spec.catch_up(catch_up_rows)) if deferred else run_draft},
                    repeats)
-    return Row(shape_name, batch, ms["decode"], ms["round"], ms["verify"], ms["draft"],
-               ms["device"], ms["round"] - ms["device"], ms["round"] / ms["decode"])
+    draft_ms = ms["draft"] / CATCH_UP_WIDTH if deferred else ms["draft"]
+    round_ms = ms["round"] + (draft_ms if deferred else 0.0)
+    return Row(shape_name, batch, ms["decode"], ms["round"], ms["verify"], draft_ms,
+               ms["device"], ms["round"] - ms["device"], round_ms / ms["decode"])
 
 
 HEADER = (f"{'shape':7} {'bs':>3} {'decode ms':>10} {'round ms':>9} {'verify ms':>10} "

@@ -81,7 +81,8 @@ class CacheManager:
         duplicates = self.radix.insert(req.all_ids[: req.kv_len], pages)
         full_pages = req.kv_len // self.page_size
         if self.last_slot_needs_next_token:
-            self._record_next_tokens(req.all_ids, pages[:full_pages], set(duplicates))
+            self._record_next_tokens(req.all_ids, pages[:full_pages], set(duplicates),
+                                     req.draft_len)
         self.allocator.free(duplicates + pages[full_pages:])
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
@@ -96,16 +97,17 @@ class CacheManager:
         return len(pages)
 
     def _record_next_tokens(self, token_ids: list[int], full_pages: list[int],
-                            duplicates: set[int]) -> None:
+                            duplicates: set[int], draft_len: int) -> None:
         """The next token of every page of a request the tree now holds (for the pages it
-        matched, the same token as recorded: it reused only those)."""
+        matched, the same token as recorded: it reused only those). A page the draft had not
+        filled yet (plain rounds left it behind) gets no record: no request reuses it."""
         for i, page in enumerate(full_pages):
             if page in duplicates:
                 continue
             after = (i + 1) * self.page_size
-            if after < len(token_ids):
+            if after <= draft_len:
                 self._next_token_of_page[page] = token_ids[after]
-            else:  # never the case while the last token stays out of the cache; be safe
+            else:
                 self._next_token_of_page.pop(page, None)
 
     @property

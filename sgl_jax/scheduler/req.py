@@ -39,12 +39,20 @@ class Req:
     # Speculative decoding: the draft's output at the last token (the next tree's root),
     # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.
     draft_root: Any = None  # np.ndarray f[H] (SpecRunner.root_width)
+    # Plain rounds that left the draft behind: the target's features f[F] at each position
+    # the draft's cache lacks (the last len() before kv_len), oldest first.
+    draft_pending: list = field(default_factory=list)
     spec_stats: Any = None  # AcceptanceStats, set by a speculative scheduler
     spec_acceptance: Any = None  # policy.Acceptance
 
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    @property
+    def draft_len(self) -> int:
+        """Leading tokens whose draft K/V are in the cache (speculative decoding)."""
+        return self.kv_len - len(self.draft_pending)
 
     @property
     def all_ids(self) -> list[int]:

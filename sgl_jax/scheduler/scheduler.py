@@ -30,7 +30,13 @@ from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.drafts import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
-from sgl_jax.speculative.spec_runner import RoundOutput, RoundRow, SpecRunner
+from sgl_jax.speculative.spec_runner import (
+    CATCH_UP_WIDTH,
+    CatchUpRow,
+    RoundOutput,
+    RoundRow,
+    SpecRunner,
+)
 from sgl_jax.speculative.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -158,17 +164,20 @@ class Scheduler:
 
     def _verify_round(self, reqs: list[Req]) -> None:
         """One speculative round for every decoding request, in the shape the policy picks:
-        draft, verify, emit, extend the draft. A batch holding a grammar-constrained request
-        takes a plain round or the flags' shape with every tree node masked by the grammar."""
-        rows = [RoundRow(req.page_ids, req.kv_len, req.token_slice(req.kv_len, req.kv_len + 1)[0],
-                         req.draft_root, max(req.params.min_new_tokens - len(req.output_ids), 0),
-                         req.state_slot)
-                for req in reqs]
+        draft, verify, emit, extend the draft (a plain round may leave that to a catch-up).
+        A batch holding a grammar-constrained request takes a plain round or the flags'
+        shape with every tree node masked by the grammar."""
         want_top = any(req.top_logprobs_num > 0 for req in reqs)
         bucket = self.runner.buckets.batch_padding(len(reqs))
         constrained = [row for row, req in enumerate(reqs) if req.grammar is not None]
         shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket,
                                    menu=self._constrained_menu(reqs) if constrained else None)
+        if shape != PLAIN:
+            self._catch_up_drafts(reqs)
+        rows = [RoundRow(req.page_ids, req.kv_len, req.token_slice(req.kv_len, req.kv_len + 1)[0],
+                         req.draft_root, max(req.params.min_new_tokens - len(req.output_ids), 0),
+                         req.state_slot)
+                for req in reqs]
         sampling = sampling_batch([(req, 1) for req in reqs], self.vocab_size)
         masked = bool(constrained) and shape != PLAIN
         start = time.perf_counter()
@@ -189,12 +198,31 @@ class Scheduler:
             text, tokens = self._emit_run(req, output, row, accepted[row] + 1)
             emitted += len(tokens)
             req.kv_len += len(tokens)  # the root and the accepted nodes are now in the cache
-            req.draft_root = output.root_hidden[row]
+            if output.features is None:
+                req.draft_root = output.root_hidden[row]
+            else:  # the draft is one more token behind
+                req.draft_pending.append(output.features[row])
             if req.finished:
                 self.running.remove(req)
                 self._finish(req)
             self.on_output(req, text, tokens)
+        if any(len(req.draft_pending) >= CATCH_UP_WIDTH for req in self.running):
+            self._catch_up_drafts(self.running)
         self._log_decode(emitted)
+
+    def _catch_up_drafts(self, reqs: list[Req]) -> None:
+        """Extend the drafts that plain rounds left behind over their pending tokens."""
+        behind = [req for req in reqs if req.draft_pending]
+        if not behind:
+            return
+        rows = [CatchUpRow(req.page_ids, req.draft_len,
+                           req.token_slice(req.draft_len + 1, req.kv_len + 1),
+                           np.stack(req.draft_pending))
+                for req in behind]
+        roots = self.spec.catch_up(rows)
+        for req, root in zip(behind, roots, strict=True):
+            req.draft_root = root
+            req.draft_pending.clear()
 
     def _constrained_menu(self, reqs: list[Req]) -> tuple[TreeShape, ...]:
         """Shapes a batch with grammar-constrained requests may take. Masked trees need the
@@ -262,6 +290,7 @@ class Scheduler:
         readmitted."""
         self.cache.release(req)
         req.kv_len = 0
+        req.draft_pending.clear()  # the prompt's recomputation extends the draft too
         self.prefill.requeue(req)
         logger.info("Retracted request %s (KV cache full): %d tokens to recompute", req.rid,
                     len(req.all_ids))

@@ -10,6 +10,8 @@ Two steps, each one compiled function per bucket:
   target forward with the tree mask, the accepted path, its nodes' target KV moved to
   consecutive slots), then `extend_step` (the draft extended over the accepted tokens, which
   gives the next root). The parts are public so that a benchmark can time them apart.
+- `catch_up`: the draft extended over the tokens that plain rounds committed without it (see
+  below), from the target features those rounds returned.
 - `masked_round`, the flags' shape as two programs: the draft's trees come back to the host,
   which writes the ids a grammar allows at every node (each node's path walked in the
   request's matcher), then verify and extend run with those masks on the target's
@@ -19,9 +21,13 @@ Trees are grown at the start of the round that verifies them, so each round may 
 shape (the adaptive policy's choice) without a program per pair of shapes; what passes from
 one round to the next is the root's draft output, kept on the host with the request.
 
-Invariant between steps: a request's target and draft caches both hold its first kv_len
-tokens (kv_len = all tokens but the last), so the radix cache can share draft pages exactly
-as it shares target pages. Slots past kv_len are scratch that every round rewrites.
+Invariant between steps: a request's target cache holds its first kv_len tokens (kv_len =
+all tokens but the last) and its draft cache the same, except that with an adaptive policy a
+plain round leaves the draft behind (`defers_draft`): it returns the target's features of the
+committed token instead of extending the draft, and the host keeps them until the draft is
+caught up (before the request's next speculative round, or once CATCH_UP_WIDTH are pending),
+so a run of plain rounds costs what plain decode steps cost. The radix cache shares draft
+pages where the draft is complete. Slots past kv_len are scratch that every round rewrites.
 A hybrid target's (and a hybrid STANDALONE draft's) state slot holds the state after those
 kv_len tokens: verify runs the tree's nodes from it without writing it, then commits the
 state after the last accepted node.
@@ -70,6 +76,9 @@ from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
 
 logger = logging.getLogger(__name__)
 
+# Pending tokens one catch-up program extends the draft over, per request.
+CATCH_UP_WIDTH = 8
+
 
 # (tree tokens i32[B, N], parents i32[B, N]) -> i32[B, N, W]: the ids allowed at each node.
 NodeMasks = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -88,6 +97,16 @@ class RoundRow:
 
 
 @dataclass(frozen=True)
+class CatchUpRow:
+    """A request whose draft is behind its target by the tokens of some plain rounds."""
+
+    page_ids: Sequence[int]
+    draft_len: int  # tokens the draft's cache holds (kv_len minus the pending ones)
+    next_tokens: Sequence[int]  # per pending position p, the token at p + 1 (CATCH_UP_WIDTH)
+    features: np.ndarray  # f[len(next_tokens), F]: the target's features at those positions
+
+
+@dataclass(frozen=True)
 class RoundOutput:
     """Host copies of one round's results, one row per request."""
 
@@ -99,6 +118,9 @@ class RoundOutput:
     root_hidden: np.ndarray  # f[B, H]: the draft's output at the new root (the next round's)
     tree_tokens: np.ndarray  # i32[B, N]: the tree this round verified (node 0 = the root)
     tree_parents: np.ndarray  # i32[B, N]
+    # f[B, F]: a plain round that left the draft behind: the target's features at the root,
+    # for the catch-up (root_hidden is then the rows' own, unchanged); else None.
+    features: np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -152,6 +174,11 @@ class SpecRunner:
                                     donate_argnums=(1,))
         self._masked_verify = jax.jit(functools.partial(self._masked_verify_impl, shape=shape),
                                       donate_argnums=(2, 3))
+        self._catch_up = jax.jit(self._catch_up_impl, donate_argnums=(1,))
+        # Plain rounds leave the draft behind when the policy may take them (a recurrent
+        # draft's state would need its own catch-up: it keeps extending).
+        self.defers_draft = (any(s.num_draft_tokens == 1 for s in self.shapes)
+                             and draft.uses_target_features and not draft.recurrent)
         self.hybrid = config.is_hybrid
         # Seconds of one round by (shape, padded batch size), measured by warmup().
         self.round_seconds: dict[tuple[TreeShape, int], float] = {}
@@ -223,6 +250,31 @@ class SpecRunner:
             np.bool_(want_top_logprobs), allowed)
         return _round_output(jax.device_get(result), len(rows))
 
+    def catch_up(self, rows: Sequence[CatchUpRow]) -> np.ndarray:
+        """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); returns
+        the draft's output at each row's last one, the next round's root (f[n, root_width])."""
+        padded = self.target.buckets.batch_padding(len(rows))
+        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
+        ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
+        tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
+        features = np.zeros((padded, CATCH_UP_WIDTH, self.feature_width),
+                            self.target.model.dtype)
+        for i, row in enumerate(rows):
+            count = len(row.next_tokens)
+            page_table[i, : len(row.page_ids)] = row.page_ids
+            ints[:, i] = row.draft_len, count
+            tokens[i, :count] = row.next_tokens
+            features[i, :count] = row.features
+        root_hidden, self.draft_kv = self._catch_up(
+            self.draft.params, self.draft_kv, tokens, features, page_table, *ints)
+        return np.asarray(root_hidden)[: len(rows)]
+
+    @property
+    def feature_width(self) -> int:
+        """F: the target features the draft reads per token (EAGLE3: the captured layers)."""
+        hidden = self.target.config.hidden_size
+        return hidden * len(self.capture_layers) if self.draft.feature_source == "aux" else hidden
+
     def warmup(self) -> None:
         """Compile every round shape and prefill bucket now, and time each round program for
         the adaptive policy (the fastest of a few runs after the compiling one: the others
@@ -240,6 +292,9 @@ class SpecRunner:
                     bar.update()
                 self.masked_round(rows, greedy_sampling_batch(size, self.vocab_size), False,
                                   allow_every_id(self.vocab_size))
+                if self.defers_draft:
+                    self.catch_up([CatchUpRow([0], 0, [], np.zeros((0, self.feature_width)))
+                                   for _ in range(size)])
                 bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
@@ -343,10 +398,14 @@ class SpecRunner:
         target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
                                                active, tree, sampling, suppress_depth,
                                                want_top, state_slots, shape=shape)
-        root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
-                                                 page_table, kv_lens, active, state_slots)
+        features = None
+        if shape.num_draft_tokens == 1 and self.defers_draft:
+            features = verified.features  # f[B, F]: the root's, for a later catch-up
+        else:
+            root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
+                                                     page_table, kv_lens, active, state_slots)
         return target_kv, draft_kv, self.tp.constrain_replicated(
-            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree))
+            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree, features))
 
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
                             kv_lens, active, tree, sampling, suppress_depth, state_slots,
@@ -359,7 +418,16 @@ class SpecRunner:
         root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
                                                  page_table, kv_lens, active, state_slots)
         return target_kv, draft_kv, self.tp.constrain_replicated(
-            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree))
+            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree, None))
+
+    def _catch_up_impl(self, draft_params, draft_kv, tokens, features, page_table, draft_lens,
+                       counts):
+        self._count_compilation("catch-up", tokens.shape[0])
+        batch, width = tokens.shape
+        root_hidden, draft_kv = self.extend_draft(
+            draft_params, draft_kv, tokens, features.reshape(batch * width, -1), page_table,
+            draft_lens, counts, jnp.zeros(batch, jnp.int32))
+        return self.tp.constrain_replicated(root_hidden), draft_kv
 
     def draft_step(self, params, kv: list[LayerKV],
                    root_tokens: jax.Array,  # i32[B]: each request's last token
@@ -448,27 +516,41 @@ class SpecRunner:
         draft runs the path as a chain from each request's committed state and commits the
         state after its last token."""
         verdict = verified.verdict
-        batch, width = verdict.tokens.shape  # width = S + 1
-        valid = jnp.where(active, verdict.num_accepted + 1, 0)
-        metadata = window_metadata(page_table, kv_lens, valid, width, self.page_size)
-        positions = (kv_lens[:, None] + jnp.arange(width)).reshape(-1)
         if self.draft.uses_target_features:  # pairs (features of node, the token after it)
             tokens = verdict.tokens
         else:  # the accepted path's own tokens, root first
             tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)
+        valid = jnp.where(active, verdict.num_accepted + 1, 0)
+        return self.extend_draft(params, kv, tokens, verified.features, page_table, kv_lens,
+                                 valid, jnp.where(active, state_slots, 0))
+
+    def extend_draft(self, params, kv: list[LayerKV],
+                     tokens: jax.Array,  # i32[B, W]: the draft's input per position
+                     features: jax.Array | None,  # f[B*W, F]: the target's, per position
+                     page_table: jax.Array,  # i32[B, P]
+                     start: jax.Array,  # i32[B]: tokens the draft's cache holds
+                     valid: jax.Array,  # i32[B]: real positions per row (0: nothing written)
+                     state_slots: jax.Array,  # i32[B]: a recurrent draft's slots (0: none)
+                     ) -> tuple[jax.Array, list[LayerKV]]:
+        """Run the draft over `valid` new positions per row from `start`; returns its output
+        at each row's last one (f[B, H]; f[B, 0] for a draft that reads no target features).
+        A recurrent draft runs them as a chain from each row's committed state and commits
+        the state after the last."""
+        batch, width = tokens.shape
+        metadata = window_metadata(page_table, start, valid, width, self.page_size)
+        positions = (start[:, None] + jnp.arange(width)).reshape(-1)
+        last = jnp.maximum(valid - 1, 0)
         extra = {}
         if self.draft.recurrent:
-            slots = jnp.where(active, state_slots, 0)
             chain = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32) - 1, (batch, width))
             extra = dict(tree=gated_delta_net.TreeLayout(
-                slots, chain, jnp.arange(width)[None, :] < valid[:, None]),
-                commit=verdict.num_accepted)
+                state_slots, chain, jnp.arange(width)[None, :] < valid[:, None]), commit=last)
         hidden, kv = self.draft.forward(params, kv, tokens.reshape(-1), positions,
-                                        verified.features, metadata, from_target=True, **extra)
+                                        features, metadata, from_target=True, **extra)
         if not self.draft.uses_target_features:
             return jnp.zeros((batch, 0), self.target.model.dtype), kv
-        last = verdict.num_accepted[:, None, None]
-        root_hidden = jnp.take_along_axis(hidden.reshape(batch, width, -1), last, axis=1)[:, 0]
+        root_hidden = jnp.take_along_axis(hidden.reshape(batch, width, -1),
+                                          last[:, None, None], axis=1)[:, 0]
         return root_hidden, kv
 
     def _features(self, hidden: jax.Array, captured: tuple[jax.Array, ...]) -> jax.Array:
@@ -546,12 +628,12 @@ def allow_every_id(vocab_size: int) -> NodeMasks:
 
 def _round_output(result: tuple, n: int) -> RoundOutput:
     """The first n rows of a round's host results."""
-    verdict, logprobs, top, root_hidden, tree = result
+    verdict, logprobs, top, root_hidden, tree, features = result
     return RoundOutput(
         tokens=verdict.tokens[:n], num_accepted=verdict.num_accepted[:n],
         logprobs=logprobs[:n], top_logprob_ids=top[0][:n], top_logprobs=top[1][:n],
         root_hidden=root_hidden[:n], tree_tokens=tree.tokens[:n],
-        tree_parents=tree.parents[:n],
+        tree_parents=tree.parents[:n], features=None if features is None else features[:n],
     )
 
 

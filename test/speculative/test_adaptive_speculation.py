@@ -1,7 +1,8 @@
 """The adaptive policy in the Engine and the server: greedy output equals plain decoding
 whatever shapes it picks, a draft that predicts everything keeps speculating, a draft that
-predicts nothing falls back to plain rounds, nothing compiles after warm-up, and the choices
-show in /get_server_info and /metrics."""
+predicts nothing falls back to plain rounds, a draft that plain rounds leave behind catches
+up exactly, nothing compiles after warm-up, and the choices show in /get_server_info and
+/metrics."""
 
 import json
 import re
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
+from sgl_jax.speculative.policy import PLAIN
+from sgl_jax.speculative.spec_runner import CATCH_UP_WIDTH
 from sgl_jax.testing import write_tiny_checkpoint
-from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.eagle3 import cached_draft_keys, write_tiny_eagle3_draft
 from sgl_jax.testing.server import launch_server
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 4],
@@ -95,6 +98,42 @@ def test_a_draft_that_predicts_nothing_falls_back_to_plain_rounds(paths, referen
     last = info["spec_last_choice"]
     assert last["shape"] == "plain" and last["accept_length"]["3/2/6"] < 1.5
     assert set(last["round_ms"]) == set(info["spec_shapes"])
+
+
+def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference):
+    """Plain streaks (one longer than a catch-up's width) between speculative rounds: the
+    draft's cache afterwards holds what a draft kept in step by every round holds."""
+    def run(adaptive):
+        with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
+                    speculative_draft_model_path=str(paths["eagle3"]),
+                    speculative_adaptive=adaptive, **TREE, **BASE) as engine:
+            compiled = engine.get_server_info()["num_compilations"]
+            scheduler, spec = engine._loop.scheduler, engine._spec
+            if adaptive:  # else the flags' shape every round: the draft kept in step
+                script = iter(([PLAIN] * 3 + [spec.shape] * 2 + [PLAIN] * (CATCH_UP_WIDTH + 2)
+                               + [scheduler.policy.shapes[1]]) * 100)
+                scheduler.policy.choose = lambda requests, bucket, **_: next(script)
+            widths = []
+            catch_up = spec.catch_up
+            spec.catch_up = lambda rows: (widths.extend(len(r.next_tokens) for r in rows),
+                                          catch_up(rows))[1]
+            outputs = [o["output_ids"] for o in engine.generate(
+                input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
+            keys = [cached_draft_keys(engine, p + o) for p, o in zip(prompts(), outputs,
+                                                                     strict=True)]
+            assert engine.get_server_info()["num_compilations"] == compiled
+        return outputs, keys, widths
+
+    outputs, keys, widths = run(adaptive=True)
+    in_step_outputs, in_step_keys, no_widths = run(adaptive=False)
+    assert outputs == reference == in_step_outputs
+    assert not no_widths and max(widths) == CATCH_UP_WIDTH and min(widths) < CATCH_UP_WIDTH
+    for prompt, output, got, want in zip(prompts(), outputs, keys, in_step_keys, strict=True):
+        # by the finish every token but the last CATCH_UP_WIDTH + 1 has been caught up; the
+        # cache holds full pages
+        caught_up = min(len(prompt) + len(output) - 1 - CATCH_UP_WIDTH, len(got))
+        assert len(got) == len(want) and caught_up > len(prompt)
+        np.testing.assert_allclose(got[:caught_up], want[:caught_up], atol=1e-5)
 
 
 def test_forcing_the_flags_shape_turns_the_policy_off(paths, reference):

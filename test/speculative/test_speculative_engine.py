@@ -9,7 +9,11 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
-from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft, write_tiny_eagle_draft
+from sgl_jax.testing.eagle3 import (
+    cached_draft_keys,
+    write_tiny_eagle3_draft,
+    write_tiny_eagle_draft,
+)
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
             precompile_bs_paddings=[1, 8], max_prefill_tokens=256, chunked_prefill_size=48,
@@ -170,14 +174,6 @@ def test_stops_inside_an_accepted_run_are_honoured(self_draft, references):
         out = self_draft.generate(input_ids=prompt, sampling_params=greedy(17, stop=[stop]))
         assert out["text"] == text[: text.index(stop)]
     assert pages_all_free(self_draft)
-
-
-def cached_draft_keys(engine, token_ids: list[int]) -> np.ndarray:
-    """f32[T, heads, dim]: the draft's first-layer keys the prefix cache holds for token_ids
-    (the full pages it matches)."""
-    match = engine._loop.scheduler.cache.radix.match_prefix(token_ids)
-    keys = np.asarray(engine._spec.draft_kv[0][0])[match.page_ids]  # [pages, heads, page, dim]
-    return keys.transpose(0, 2, 1, 3).reshape(match.num_tokens, *keys.shape[1::2])
 
 
 def test_prefix_cache_and_logprobs_with_speculation(checkpoints):
