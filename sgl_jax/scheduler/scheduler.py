@@ -182,9 +182,10 @@ class Scheduler:
         masked = bool(constrained) and shape != PLAIN
         start = time.perf_counter()
         if masked:
-            output = self.spec.masked_round(
-                rows, sampling, want_top,
-                lambda tokens, parents: self._tree_masks(reqs, constrained, tokens, parents))
+            tree = self.spec.draft_trees(rows, sampling)
+            output = self.spec.masked_verify(
+                rows, sampling, want_top, tree,
+                self._tree_masks(reqs, constrained, tree.tokens, tree.parents))
         else:
             output = self.spec.round(rows, sampling, want_top, shape)
         accepted = [int(a) for a in output.num_accepted]

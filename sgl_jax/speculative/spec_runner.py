@@ -12,10 +12,11 @@ Two steps, each one compiled function per bucket:
   gives the next root). The parts are public so that a benchmark can time them apart.
 - `catch_up`: the draft extended over the tokens that plain rounds committed without it (see
   below), from the target features those rounds returned.
-- `masked_round`, the flags' shape as two programs: the draft's trees come back to the host,
-  which writes the ids a grammar allows at every node (each node's path walked in the
-  request's matcher), then verify and extend run with those masks on the target's
-  distributions. A grammar-constrained batch takes it (or a plain round).
+- `draft_trees` then `masked_verify`, the flags' shape as two programs: the draft's trees
+  come back to the host, which writes the ids a grammar allows at every node (each node's
+  path walked in the request's matcher), then verify and extend run with those masks on the
+  target's distributions. A grammar-constrained batch takes them (or a plain round). Every
+  call takes host arrays only, so other nodes can replay it.
 
 Trees are grown at the start of the round that verifies them, so each round may take another
 shape (the adaptive policy's choice) without a program per pair of shapes; what passes from
@@ -39,7 +40,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -78,10 +79,6 @@ logger = logging.getLogger(__name__)
 
 # Pending tokens one catch-up program extends the draft over, per request.
 CATCH_UP_WIDTH = 8
-
-
-# (tree tokens i32[B, N], parents i32[B, N]) -> i32[B, N, W]: the ids allowed at each node.
-NodeMasks = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -233,17 +230,24 @@ class SpecRunner:
         )
         return _round_output(jax.device_get(result), len(rows))
 
-    def masked_round(self, rows: Sequence[RoundRow], sampling: SamplingBatch,
-                     want_top_logprobs: bool, node_masks: NodeMasks) -> RoundOutput:
-        """A round of the flags' shape whose every tree node's target distribution is masked:
-        node_masks(tree tokens i32[B, N], parents i32[B, N]) -> i32[B, N, W] bitmasks over
-        the padded batch (W = ceil(V / 32)); they replace `sampling.allowed`."""
-        (page_table, kv_lens, active, root_tokens, root_hidden, sampling, suppress_depth,
+    def draft_trees(self, rows: Sequence[RoundRow], sampling: SamplingBatch) -> DraftTree:
+        """The first half of a masked round: each row's tree of the flags' shape, as host
+        arrays over the padded batch (tokens and parents i32[B, N])."""
+        (page_table, kv_lens, active, root_tokens, root_hidden, _, _,
          state_slots) = self.round_arrays(rows, sampling)
         tree, self.draft_kv = self._draft_trees(
             self.draft.params, self.draft_kv, root_tokens, root_hidden, page_table, kv_lens,
             active, state_slots)
-        allowed = node_masks(*jax.device_get((tree.tokens, tree.parents)))
+        return jax.device_get(tree)
+
+    def masked_verify(self, rows: Sequence[RoundRow], sampling: SamplingBatch,
+                      want_top_logprobs: bool, tree: DraftTree, allowed: np.ndarray
+                      ) -> RoundOutput:
+        """The second half: verify `tree` (draft_trees' for the same rows) with every node's
+        target distribution masked by `allowed` (i32[B, N, W] bitmasks over the padded batch,
+        W = ceil(V / 32), in place of `sampling.allowed`), then extend the draft."""
+        (page_table, kv_lens, active, _, _, sampling, suppress_depth,
+         state_slots) = self.round_arrays(rows, sampling)
         self.target.kv_cache, self.draft_kv, result = self._masked_verify(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             page_table, kv_lens, active, tree, sampling, suppress_depth, state_slots,
@@ -290,8 +294,10 @@ class SpecRunner:
                         lambda rows=rows, shape=shape, size=size: self.round(
                             rows, greedy_sampling_batch(size, self.vocab_size), False, shape))
                     bar.update()
-                self.masked_round(rows, greedy_sampling_batch(size, self.vocab_size), False,
-                                  allow_every_id(self.vocab_size))
+                sampling = greedy_sampling_batch(size, self.vocab_size)
+                tree = self.draft_trees(rows, sampling)
+                self.masked_verify(rows, sampling, False, tree,
+                                   allow_every_id(tree.tokens.shape, self.vocab_size))
                 if self.defers_draft:
                     self.catch_up([CatchUpRow([0], 0, [], np.zeros((0, self.feature_width)))
                                    for _ in range(size)])
@@ -620,10 +626,9 @@ def node_sampling(sampling: SamplingBatch, depths: jax.Array, suppress_depth: ja
         suppress_ids=jnp.where(suppressing[:, None], per_node.suppress_ids, -1))
 
 
-def allow_every_id(vocab_size: int) -> NodeMasks:
-    """NodeMasks that allow every id at every node."""
-    return lambda tokens, parents: np.full((*tokens.shape, bitmask_words(vocab_size)), -1,
-                                           np.int32)
+def allow_every_id(nodes: tuple[int, int], vocab_size: int) -> np.ndarray:
+    """i32[B, N, W]: node bitmasks that allow every id at each of [B, N] nodes."""
+    return np.full((*nodes, bitmask_words(vocab_size)), -1, np.int32)
 
 
 def _round_output(result: tuple, n: int) -> RoundOutput:
