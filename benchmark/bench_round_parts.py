@@ -212,7 +212,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return out
 
     catch_up_rows = [CatchUpRow(
-        setup.pages(i), context - CATCH_UP_WIDTH, rng.integers(vocab, size=CATCH_UP_WIDTH),
+        setup.pages(i), max(context - CATCH_UP_WIDTH, 0), rng.integers(vocab, size=CATCH_UP_WIDTH),
         rng.standard_normal((CATCH_UP_WIDTH, spec.feature_width)).astype(dtype))
         for i in range(batch)]
     deferred = shape.num_draft_tokens == 1 and spec.defers_draft

@@ -55,8 +55,10 @@ def test_every_shape_and_batch_size_is_timed_in_parts(tmp_path, capsys):
         assert min(row["decode_ms"], row["verify_ms"], row["draft_ms"],
                    row["round_device_ms"]) > 0
         assert row["host_ms"] == pytest.approx(row["round_ms"] - row["round_device_ms"])
+        # a plain round leaves the draft to a catch-up, whose share (draft_ms) it owes
+        owed = row["draft_ms"] if row["shape"] == "0/1/1" else 0.0
         assert row["break_even_accept_length"] == pytest.approx(
-            row["round_ms"] / row["decode_ms"])
+            (row["round_ms"] + owed) / row["decode_ms"])
     assert "break-even accept len" in capsys.readouterr().out
 
 
