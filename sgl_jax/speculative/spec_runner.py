@@ -258,14 +258,13 @@ class SpecRunner:
         """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); returns
         the draft's output at each row's last one, the next round's root (f[n, root_width])."""
         padded = self.target.buckets.batch_padding(len(rows))
-        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
+        page_table = self._page_table([row.page_ids for row in rows], padded)
         ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
         tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
         features = np.zeros((padded, CATCH_UP_WIDTH, self.feature_width),
                             self.target.model.dtype)
         for i, row in enumerate(rows):
             count = len(row.next_tokens)
-            page_table[i, : len(row.page_ids)] = row.page_ids
             ints[:, i] = row.draft_len, count
             tokens[i, :count] = row.next_tokens
             features[i, :count] = row.features
@@ -320,18 +319,24 @@ class SpecRunner:
         (B rows), suppress_depth i32[B], state_slots i32[B] (0, the null slot, for padding
         rows and targets without recurrent state)."""
         padded = self.target.buckets.batch_padding(len(rows))
-        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
+        page_table = self._page_table([row.page_ids for row in rows], padded)
         ints = np.zeros((4, padded), np.int32)  # kv_len, root token, suppress depth, state slot
         active = np.arange(padded) < len(rows)
         root_hidden = np.zeros((padded, self.root_width), self.target.model.dtype)
         for i, row in enumerate(rows):
-            page_table[i, : len(row.page_ids)] = row.page_ids
             ints[:, i] = row.kv_len, row.root_token, row.suppress_depth, row.state_slot
             root_hidden[i] = row.root_hidden
         kv_lens, root_tokens, suppress_depth, state_slots = ints
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), padded), sampling)
         return (page_table, kv_lens, active, root_tokens, root_hidden, sampling,
                 suppress_depth, state_slots)
+
+    def _page_table(self, page_ids: Sequence[Sequence[int]], padded: int) -> np.ndarray:
+        """i32[padded, P]: each row's pages, then the null page."""
+        table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
+        for i, pages in enumerate(page_ids):
+            table[i, : len(pages)] = pages
+        return table
 
     def _dummy_rows(self, count: int) -> list[RoundRow]:
         root = np.zeros(self.root_width, self.target.model.dtype)
