@@ -20,7 +20,8 @@ class CacheManager:
         self.states = states
         # EAGLE3's draft KV at slot j depends on token j + 1 as well, so a cached page's last
         # slot holds what the draft computed with the token after the page of the request that
-        # cached it: recorded per page, a request reuses a page only if it continues alike.
+        # cached it: recorded per page, a request with a draft reuses a page only if it
+        # continues alike (one without a draft reads only the target's K/V).
         self.last_slot_needs_next_token = last_slot_needs_next_token
         self._next_token_of_page: dict[int, int] = {}
         self.radix = radix
@@ -49,7 +50,7 @@ class CacheManager:
         self.radix.lock(match.node)
         req.prefix_node = match.node
         pages = list(match.page_ids)
-        if self.last_slot_needs_next_token:
+        if self.last_slot_needs_next_token and req.drafting:
             pages = pages[: self._pages_whose_next_token_matches(pages, req.all_ids)]
         req.page_ids = pages
         req.kv_len = req.cached_tokens = len(pages) * self.page_size
@@ -81,8 +82,9 @@ class CacheManager:
         duplicates = self.radix.insert(req.all_ids[: req.kv_len], pages)
         full_pages = req.kv_len // self.page_size
         if self.last_slot_needs_next_token:
-            self._record_next_tokens(req.all_ids, pages[:full_pages], set(duplicates),
-                                     req.draft_len)
+            matched = req.cached_tokens // self.page_size
+            self._record_next_tokens(req.all_ids, pages[matched:full_pages], matched,
+                                     set(duplicates), req.draft_len)
         self.allocator.free(duplicates + pages[full_pages:])
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
@@ -96,12 +98,13 @@ class CacheManager:
                 return i
         return len(pages)
 
-    def _record_next_tokens(self, token_ids: list[int], full_pages: list[int],
+    def _record_next_tokens(self, token_ids: list[int], new_pages: list[int], first: int,
                             duplicates: set[int], draft_len: int) -> None:
-        """The next token of every page of a request the tree now holds (for the pages it
-        matched, the same token as recorded: it reused only those). A page the draft had not
-        filled yet (plain rounds left it behind) gets no record: no request reuses it."""
-        for i, page in enumerate(full_pages):
+        """The next token of every page a request computed (its full pages from the
+        `first`, past those it matched, whose records stand) that the tree now holds. A page
+        the draft had not filled (plain rounds left it behind, or the request had no draft)
+        gets no record: no request reuses it."""
+        for i, page in enumerate(new_pages, start=first):
             if page in duplicates:
                 continue
             after = (i + 1) * self.page_size

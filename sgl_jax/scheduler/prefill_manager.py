@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK, aligned
@@ -23,9 +24,14 @@ class PrefillLimits:
 
 
 class PrefillManager:
-    def __init__(self, cache: CacheManager, limits: PrefillLimits):
+    def __init__(self, cache: CacheManager, limits: PrefillLimits,
+                 on_admit: Callable[[Req, int], None] | None = None):
         self.cache = cache
         self.limits = limits
+        # Called before a request is admitted (again, if admission fails for want of pages)
+        # with the size of the batch it joins: the running requests and as many waiting ones
+        # as may run.
+        self.on_admit = on_admit
         self.waiting: deque[Req] = deque()
 
     def add(self, req: Req) -> None:
@@ -45,6 +51,9 @@ class PrefillManager:
                 budget -= self._take_chunk(req, budget, batch)
         while self._can_admit(running, batch, budget):
             req = self.waiting[0]
+            if self.on_admit is not None:
+                self.on_admit(req, min(len(running) + len(self.waiting),
+                                       self.limits.max_running_requests))
             self.cache.admit(req)
             taken = self._take_chunk(req, budget, batch)
             if not taken:

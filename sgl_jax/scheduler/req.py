@@ -38,6 +38,11 @@ class Req:
 
     # Speculative decoding: the draft's output at the last token (the next tree's root),
     # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.
+    # A request admitted without a draft (the policy judged at admission that speculation
+    # would not pay at the server's load) never runs the draft's prefill; its rows ride
+    # along in speculative rounds with trees the draft grew from nothing, which verification
+    # keeps lossless, and the policy counts them as committing one token a round.
+    drafting: bool = True
     draft_root: Any = None  # np.ndarray f[H] (SpecRunner.root_width)
     # Plain rounds that left the draft behind: the target's features f[F] at each position
     # the draft's cache lacks (the last len() before kv_len), oldest first.
@@ -51,7 +56,10 @@ class Req:
 
     @property
     def draft_len(self) -> int:
-        """Leading tokens whose draft K/V are in the cache (speculative decoding)."""
+        """Leading tokens whose draft K/V are in the cache (speculative decoding; none
+        known without a draft)."""
+        if not self.drafting:
+            return 0
         return self.kv_len - len(self.draft_pending)
 
     @property

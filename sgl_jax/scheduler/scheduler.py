@@ -75,7 +75,9 @@ class Scheduler:
         # Each round's draft shape: the flags' one, or the adaptive policy's choice.
         self.policy = None if spec is None else SpeculationPolicy(
             spec.shapes, spec.shape, spec.round_seconds, adaptive=adaptive_speculation)
-        self.prefill = PrefillManager(cache, limits)
+        self.prefill = PrefillManager(
+            cache, limits, on_admit=None if spec is None or not spec.defers_draft
+            else self._choose_drafting)
         self.decode = DecodeManager(cache, self._retract,
                                     lookahead=1 if spec is None else spec.lookahead)
         self.running: list[Req] = []
@@ -96,6 +98,13 @@ class Scheduler:
             self.on_output(req, "", [])
             return
         self.prefill.add(req)
+
+    def _choose_drafting(self, req: Req, batch_size: int) -> None:
+        """At admission: whether the request gets a draft (policy.admits_draft). Only where
+        plain rounds leave the draft behind: a draft that extends every round cannot start
+        late."""
+        req.drafting = self.policy.admits_draft(self.runner.buckets.batch_padding(batch_size),
+                                                req.rid)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for queue in (self.prefill.waiting, self.running):
@@ -152,11 +161,13 @@ class Scheduler:
                                 want_top)
 
     def _spec_prefill(self, batch, chunks, emits, want_top) -> StepOutput:
-        """Target and draft extend together; completed prompts get their first draft tree."""
+        """Target and draft extend together (the target alone where no request of the batch
+        has a draft); completed prompts get their first draft tree's root."""
         after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
         next_tokens = [ids[0] if ids else 0 for ids in after]
         output, roots = self.spec.prefill(chunks, sampling_batch(batch, self.vocab_size), emits,
-                                          want_top, next_tokens)
+                                          want_top, next_tokens,
+                                          run_draft=any(req.drafting for req, _ in batch))
         for row, (req, _) in enumerate(batch):
             if emits[row]:
                 req.draft_root = roots[row]
@@ -170,7 +181,8 @@ class Scheduler:
         want_top = any(req.top_logprobs_num > 0 for req in reqs)
         bucket = self.runner.buckets.batch_padding(len(reqs))
         constrained = [row for row, req in enumerate(reqs) if req.grammar is not None]
-        shape = self.policy.choose([req.spec_acceptance for req in reqs], bucket,
+        records = [req.spec_acceptance if req.drafting else None for req in reqs]
+        shape = self.policy.choose(records, bucket,
                                    menu=self._constrained_menu(reqs) if constrained else None)
         if shape != PLAIN:
             self._catch_up_drafts(reqs)
@@ -190,8 +202,7 @@ class Scheduler:
             output = self.spec.round(rows, sampling, want_top, shape)
         accepted = [int(a) for a in output.num_accepted]
         self.policy.observe(shape, bucket, time.perf_counter() - start,
-                            [(req.spec_acceptance, a)
-                             for req, a in zip(reqs, accepted, strict=True)], masked=masked)
+                            list(zip(records, accepted, strict=True)), masked=masked)
         emitted = 0
         for row, req in enumerate(reqs):
             self.spec_stats.record(accepted[row], shape.num_steps)
@@ -201,7 +212,7 @@ class Scheduler:
             req.kv_len += len(tokens)  # the root and the accepted nodes are now in the cache
             if output.features is None:
                 req.draft_root = output.root_hidden[row]
-            else:  # the draft is one more token behind
+            elif req.drafting:  # the draft is one more token behind
                 req.draft_pending.append(output.features[row])
             if req.finished:
                 self.running.remove(req)
@@ -298,6 +309,8 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
+        if self.policy is not None:
+            self.policy.count_finished(req.drafting)
         self.cache.release(req)
         if req.penalty_slot >= 0:
             self._free_penalty_slots.append(req.penalty_slot)

@@ -35,11 +35,19 @@ Probes: plain rounds measure no acceptance, and a policy that keeps speculating 
 plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
 round on the other (the best speculative shape, or plain), and doubles the run before the next
 probe (up to MAX_PROBE_INTERVAL) while the same side keeps winning.
+
+Admission: a draft costs before any round, in its pass over the prompt. So a new request gets
+a draft only where a round of typical requests (the server-wide rates) at the batch bucket it
+joins would speculate: some shape X with b * L(X) / T(X, b) > SPECULATION_MARGIN * b / T(plain,
+b). Without one its rows commit one token per round (L_r = 1 for every shape) whatever shape
+the round takes. One refused request in EXPLORE_EVERY gets a draft anyway, so that a server
+held at a load where speculation did not pay keeps measuring the text it serves.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +64,7 @@ PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this ma
 LOAD_RATE, SHAPE_RATE = 0.5, 0.2
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
 SPECULATION_MARGIN = 1.05  # a speculative shape's rate must exceed plain's by this factor
+EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many gets one
 
 
 def shape_name(shape: TreeShape) -> str:
@@ -177,27 +186,46 @@ class SpeculationPolicy:
         self.probe_interval = MIN_PROBE_INTERVAL
         self.streak = 0  # rounds in a row whose best shape was on the same side
         self.streak_plain = True  # that side: plain, or speculating
+        self.finished_requests = {"with_draft": 0, "without_draft": 0}
         self.last: Choice | None = None
 
     def new_request(self) -> Acceptance:
         """The acceptance record a request carries (Req.spec_acceptance)."""
         return Acceptance(self.depth, REQUEST_DECAY)
 
+    def admits_draft(self, bucket: int, rid: str) -> bool:
+        """Whether request `rid` joining a batch of padded size `bucket` gets a draft (its
+        prefill runs the draft too): where a batch of typical requests would speculate, and
+        for one refused request in EXPLORE_EVERY (picked by its id, so asking again gives
+        the same answer). Always, without an adaptive policy."""
+        return (not self.adaptive or self._typical_batch_speculates(bucket)
+                or zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0)
+
+    def count_finished(self, drafted: bool) -> None:
+        self.finished_requests["with_draft" if drafted else "without_draft"] += 1
+
+    def _typical_batch_speculates(self, bucket: int) -> bool:
+        typical = {kind: self.server.rates(kind, None) for kind in ("chain", "tree")}
+        plain_rate = 1.0 / self.seconds(PLAIN, bucket) if PLAIN in self.shapes else 0.0
+        return any(expected_length(s, typical[family(s)]) / self.seconds(s, bucket)
+                   > SPECULATION_MARGIN * plain_rate for s in self.shapes if s != PLAIN)
+
     def seconds(self, shape: TreeShape, bucket: int) -> float:
         return (self.round_seconds[shape, bucket] * self.load.get(bucket, 1.0)
                 * self.correction.get((shape, bucket), 1.0))
 
-    def choose(self, requests: Sequence[Acceptance], bucket: int, *,
+    def choose(self, requests: Sequence[Acceptance | None], bucket: int, *,
                menu: Sequence[TreeShape] | None = None) -> TreeShape:
-        """The shape of the next round, among `menu` when given (plain always allowed): a
-        batch holding a grammar-constrained request may take only plain rounds and the
-        flags' shape, whose trees the host masks."""
+        """The shape of the next round for requests' records (None: a request without a
+        draft), among `menu` when given (plain always allowed): a batch holding a
+        grammar-constrained request may take only plain rounds and the flags' shape, whose
+        trees the host masks."""
         shapes = self.shapes if menu is None else tuple(
             s for s in self.shapes if s in menu or s == PLAIN)
         if not self.adaptive:
             return shapes[0] if shapes else PLAIN
-        if shapes == (PLAIN,):
-            return PLAIN
+        if shapes == (PLAIN,) or all(r is None for r in requests):
+            return PLAIN  # nothing to measure either: no row has a draft
         lengths = self.expected_tokens(requests)
         rates = {s: lengths[s] / self.seconds(s, bucket) for s in shapes}
         best = max(shapes, key=lambda s: rates[s] / (1.0 if s == PLAIN
@@ -226,25 +254,32 @@ class SpeculationPolicy:
             return PLAIN
         return max((s for s in rates if s != PLAIN), key=rates.__getitem__)
 
-    def expected_tokens(self, requests: Sequence[Acceptance]) -> dict[TreeShape, float]:
-        """Per shape, the tokens a round is expected to commit over the whole batch."""
-        if not requests:
-            return dict.fromkeys(self.shapes, 0.0)
-        cumulative = {kind: np.cumprod(batch_rates(requests, kind, self.server), axis=1)
+    def expected_tokens(self, requests: Sequence[Acceptance | None]
+                        ) -> dict[TreeShape, float]:
+        """Per shape, the tokens a round is expected to commit over the whole batch (one per
+        request without a draft, None)."""
+        drafted = [r for r in requests if r is not None]
+        if not drafted:
+            return dict.fromkeys(self.shapes, float(len(requests)))
+        cumulative = {kind: np.cumprod(batch_rates(drafted, kind, self.server), axis=1)
                       for kind in ("chain", "tree")}
         return {s: len(requests) + float(cumulative[family(s)][:, : s.num_steps].sum())
                 for s in self.shapes}
 
     def observe(self, shape: TreeShape, bucket: int, seconds: float,
-                outcomes: Sequence[tuple[Acceptance, int]], *, masked: bool = False) -> None:
-        """A round of `shape` took `seconds`; each request's record and its accepted count.
-        `masked`: a grammar masked its trees (counted apart, and its cost not learnt: the
-        host's masks make it dearer than the same shape free)."""
+                outcomes: Sequence[tuple[Acceptance | None, int]], *, masked: bool = False
+                ) -> None:
+        """A round of `shape` took `seconds`; each request's record and its accepted count
+        (a request without a draft, None, measures nothing). `masked`: a grammar masked its
+        trees (counted apart, and its cost not learnt: the host's masks make it dearer than
+        the same shape free)."""
         self.rounds_by_shape[shape_name(shape)] += 1
         self.masked_rounds += masked
+        outcomes = [(record, a) for record, a in outcomes if record is not None]
         for acceptance, num_accepted in outcomes:
             acceptance.record(shape, num_accepted)
-        self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
+        if outcomes:
+            self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
         if self.adaptive and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))
             self.load[bucket] = self.load.get(bucket, 1.0) * math.exp(LOAD_RATE * residual)
@@ -259,6 +294,7 @@ class SpeculationPolicy:
             "spec_shapes": [shape_name(s) for s in self.shapes],
             "spec_rounds_by_shape": dict(self.rounds_by_shape),
             "spec_masked_rounds": self.masked_rounds,
+            "spec_finished_requests": dict(self.finished_requests),
             "spec_believed_accept_rates": {
                 kind: [round(float(x), 4) for x in self.server.rates(kind, None)]
                 for kind in ("chain", "tree")},

@@ -199,9 +199,11 @@ class SpecRunner:
         emits: np.ndarray,  # bool[n]: the chunk completes its request's prompt
         want_top_logprobs: bool,
         next_tokens: Sequence[int],  # the token after each chunk when known (else ignored)
+        *, run_draft: bool = True,
     ) -> tuple[StepOutput, np.ndarray]:
-        """Extend target and draft; returns the sampled tokens and, for emitting rows, the
-        draft's output at the root (f[n, root_width])."""
+        """Extend target and draft (the target alone without `run_draft`: no request of the
+        batch has a draft); returns the sampled tokens and, for emitting rows, the draft's
+        output at the root (f[n, root_width]; zeros without the draft)."""
         shape = self.target.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
@@ -212,7 +214,7 @@ class SpecRunner:
         self.target.kv_cache, self.draft_kv, out, top, root_hidden = self._prefill(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
             batch, sampling, _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
-            draft_ids,
+            draft_ids, np.bool_(run_draft),
         )
         n = len(chunks)
         top_ids, top_values = (np.asarray(a)[:n] for a in top)
@@ -374,7 +376,7 @@ class SpecRunner:
             capture_layers=self.capture_layers)
 
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, batch, sampling,
-                      emits, want_top, draft_ids):
+                      emits, want_top, draft_ids, run_draft):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self._target_forward(
             target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
@@ -388,10 +390,17 @@ class SpecRunner:
             # The last token of a completed prompt pairs with the token just sampled.
             where = jnp.where(emits, batch.logits_indices, draft_ids.shape[0])
             draft_ids = draft_ids.at[where].set(out.tokens, mode="drop")
-            hidden, draft_kv = self.draft.forward(
-                draft_params, draft_kv, draft_ids, batch.positions,
-                self._features(hidden, captured), batch.attention, from_target=True)
-            root_hidden = hidden[batch.logits_indices]
+
+            def extend(draft_kv):  # -> root_hidden f[rows, H], draft_kv
+                hidden_d, draft_kv = self.draft.forward(
+                    draft_params, draft_kv, draft_ids, batch.positions,
+                    self._features(hidden, captured), batch.attention, from_target=True)
+                return hidden_d[batch.logits_indices], draft_kv
+
+            def skip(draft_kv):
+                return jnp.zeros((rows, self.root_width), self.target.model.dtype), draft_kv
+
+            root_hidden, draft_kv = jax.lax.cond(run_draft, extend, skip, draft_kv)
         else:
             extra = dict(state_slots=batch.state_slots) if self.draft.recurrent else {}
             _, draft_kv = self.draft.forward(draft_params, draft_kv, batch.input_ids,

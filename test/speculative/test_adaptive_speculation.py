@@ -1,13 +1,14 @@
 """The adaptive policy in the Engine and the server: greedy output equals plain decoding
 whatever shapes it picks, a draft that predicts everything keeps speculating, a draft that
 predicts nothing falls back to plain rounds, a draft that plain rounds leave behind catches
-up exactly, nothing compiles after warm-up, and the choices show in /get_server_info and
-/metrics."""
+up exactly, requests admitted without a draft skip its prefill, nothing compiles after
+warm-up, and the choices show in /get_server_info and /metrics."""
 
 import json
 import re
 
 import httpx
+import jax
 import numpy as np
 import pytest
 
@@ -134,6 +135,49 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
         caught_up = min(len(prompt) + len(output) - 1 - CATCH_UP_WIDTH, len(got))
         assert len(got) == len(want) and caught_up > len(prompt)
         np.testing.assert_allclose(got[:caught_up], want[:caught_up], atol=1e-5)
+
+
+def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
+        paths, reference):
+    """Prefills of requests without a draft leave the draft's cache as it was; rounds that
+    mix them with drafted requests stay lossless and show them to the policy as None; the
+    prefix cache serves their pages to requests without a draft only."""
+    def generate(engine, max_new):
+        outputs = engine.generate(input_ids=prompts(),
+                                  sampling_params=[greedy(n) for n in max_new])
+        return ([o["output_ids"] for o in outputs],
+                [o["meta_info"]["cached_tokens"] for o in outputs])
+
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=str(paths["eagle3"]), **TREE, **BASE) as engine:
+        compiled = engine.get_server_info()["num_compilations"]
+        scheduler, spec = engine._loop.scheduler, engine._spec
+        policy = scheduler.policy
+        policy.admits_draft = lambda bucket, rid: False
+        before = jax.device_get(spec.draft_kv)
+        firsts, _ = generate(engine, [1] * 4)  # prefill only
+        unchanged = jax.tree.map(np.array_equal, before, jax.device_get(spec.draft_kv))
+        assert all(jax.tree.leaves(unchanged)), "a prefill without drafts ran the draft"
+
+        order = []  # admission order: the 2nd and 4th prompts get a draft
+        policy.admits_draft = lambda bucket, rid: (
+            order.append(rid) if rid not in order else None, order.index(rid) % 2 == 1)[1]
+        script = iter(([spec.shape] * 2 + [PLAIN] * 3 + [policy.shapes[1]]) * 100)
+        seen = []
+        policy.choose = lambda records, bucket, **_: (seen.append(records), next(script))[1]
+        outputs, mixed_cached = generate(engine, MAX_NEW)
+        policy.admits_draft = lambda bucket, rid: False
+        _, undrafted_cached = generate(engine, [1] * 4)
+        info = engine.get_server_info()
+    assert firsts == [r[:1] for r in reference] and outputs == reference
+    assert info["num_compilations"] == compiled
+    mixed_rounds = [r for r in seen if None in r and any(x is not None for x in r)]
+    assert len(mixed_rounds) > 5
+    assert info["spec_rounds_by_shape"]["3/2/6"] > 5
+    assert info["spec_finished_requests"] == {"with_draft": 2, "without_draft": 10}
+    # prompts of 5, 30, 12 and 50 tokens, pages of 16: the drafted 2nd and 4th find no page
+    # whose draft slots they can trust; requests without a draft reuse the target's pages
+    assert mixed_cached == [0, 0, 0, 0] and undrafted_cached == [0, 16, 0, 48]
 
 
 def test_forcing_the_flags_shape_turns_the_policy_off(paths, reference):

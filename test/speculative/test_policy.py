@@ -244,3 +244,49 @@ def test_info_reports_the_last_choice_and_its_reasons():
     assert last["tokens_per_s"]["3/4/8"] == pytest.approx(last["accept_length"]["3/4/8"] / 0.25)
     assert last["accept_length"]["plain"] == 1.0
     assert info["spec_believed_accept_rates"]["chain"] == [P.INITIAL_RATE] * 3
+
+
+def typical_batch_speculates(policy, bucket):
+    """The admission rule, from the formula: some shape's L(typical) / T beats plain's 1 / T
+    by the margin."""
+    rates = {kind: policy.server.rates(kind, None) for kind in ("chain", "tree")}
+    plain = 1 / policy.seconds(PLAIN, bucket)
+    return any(P.expected_length(s, rates[P.family(s)]) / policy.seconds(s, bucket)
+               > P.SPECULATION_MARGIN * plain for s in policy.shapes if s != PLAIN)
+
+
+def test_a_request_gets_a_draft_where_a_typical_batch_would_speculate():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    rids = [f"request-{i}" for i in range(640)]
+    assert typical_batch_speculates(policy, 1) and not typical_batch_speculates(policy, 64)
+    assert all(policy.admits_draft(1, rid) for rid in rids)
+    at_64 = [policy.admits_draft(64, rid) for rid in rids]
+    # refused at batch 64, but for about one in EXPLORE_EVERY, the same on asking again
+    assert 0.3 / P.EXPLORE_EVERY < np.mean(at_64) < 3 / P.EXPLORE_EVERY
+    assert at_64 == [policy.admits_draft(64, rid) for rid in rids]
+    # text the draft predicts well: the one-step chain pays even at batch 64
+    requests_with(policy, [[(CHAIN3, 3), (TREE, 3)] * 40])
+    assert typical_batch_speculates(policy, 64)
+    assert all(policy.admits_draft(64, rid) for rid in rids)
+    forced = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=False)
+    assert all(forced.admits_draft(64, rid) for rid in rids)
+
+
+def test_requests_without_a_draft_commit_one_token_a_round_and_measure_nothing():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    assert all(policy.choose([None] * 3, 1) == PLAIN for _ in range(40))  # nor any probe
+    good = requests_with(policy, [[(TREE, 3), (CHAIN3, 3)] * 5])[0]
+    alone = policy.expected_tokens([good])
+    policy.choose([good, None, None], 1)
+    for shape in policy.shapes:
+        assert policy.last.accept_lengths[P.shape_name(shape)] == pytest.approx(
+            (alone[shape] + 2) / 3)
+    tried = policy.server.counts["tree"].tried.copy()
+    policy.observe(TREE, 1, 0.016, [(None, 0), (None, 0)])
+    np.testing.assert_array_equal(policy.server.counts["tree"].tried, tried)
+    policy.observe(TREE, 1, 0.016, [(good, 3), (None, 0)])
+    assert policy.server.counts["tree"].tried.sum() > tried.sum()
+    policy.count_finished(True)
+    policy.count_finished(False)
+    policy.count_finished(False)
+    assert policy.info()["spec_finished_requests"] == {"with_draft": 1, "without_draft": 2}
