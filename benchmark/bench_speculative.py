@@ -81,6 +81,8 @@ class Row:
     num_prompts: int = 0
     outputs_differing: int = 0  # prompts whose speculative output differs from plain decoding
     rounds_by_shape: dict[str, int] = field(default_factory=dict)  # what the rounds took
+    # requests finished with_draft / without_draft (the adaptive policy's admission rule)
+    finished_requests: dict[str, int] = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -188,11 +190,10 @@ def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[f
     return 1 + accepted / rounds, rates  # None: a depth no round drafted
 
 
-def rounds_since(engine: Any, before: dict[str, Any]) -> dict[str, int]:
-    """Rounds run in each shape since `before` was read."""
-    after = engine.get_server_info()["spec_rounds_by_shape"]
-    return {shape: n - before["spec_rounds_by_shape"].get(shape, 0)
-            for shape, n in after.items()}
+def counts_since(engine: Any, before: dict[str, Any], key: str) -> dict[str, int]:
+    """The server-info counts under `key` (e.g. rounds per shape) since `before` was read."""
+    after = engine.get_server_info()[key]
+    return {name: n - before[key].get(name, 0) for name, n in after.items()}
 
 
 def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
@@ -279,7 +280,9 @@ def run(args: argparse.Namespace) -> list[Row]:
                         rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
                                         length / draft_tokens, length, rates, args.dataset,
                                         len(chosen), differing,
-                                        rounds_since(engine, before)))
+                                        counts_since(engine, before, "spec_rounds_by_shape"),
+                                        counts_since(engine, before,
+                                                     "spec_finished_requests")))
                         print_row(rows[-1])
     return rows
 
@@ -294,7 +297,10 @@ def print_row(row: Row) -> None:
     print(f"{row.dataset:9} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
           f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
           f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]"
-          + (f"  rounds {row.rounds_by_shape}" if len(row.rounds_by_shape) > 1 else ""),
+          + (f"  rounds {row.rounds_by_shape}" if len(row.rounds_by_shape) > 1 else "")
+          + (f"  without a draft {row.finished_requests['without_draft']}"
+             f"/{sum(row.finished_requests.values())} requests"
+             if row.finished_requests.get("without_draft") else ""),
           flush=True)
 
 

@@ -70,6 +70,9 @@ class ServerMetrics:
         self.spec_expected_tokens = Gauge("sgl_jax_spec_expected_tokens_per_second", "Expected "
                                           "committed tokens/s per shape at the last choice",
                                           [*names, "shape"], registry=r)
+        self.spec_finished = Gauge("sgl_jax_spec_finished_requests", "Requests finished, by "
+                                   "whether admission gave them a draft", [*names, "draft"],
+                                   registry=r)
 
     def on_output(self, req: Req, num_new_tokens: int) -> None:
         """Engine thread: a request produced tokens or finished."""
@@ -109,6 +112,8 @@ class ServerMetrics:
     def _render_policy(self, info: dict) -> None:
         for shape, rounds in info["spec_rounds_by_shape"].items():
             self.spec_shape_rounds.labels(**self._label, shape=shape).set(rounds)
+        for kind, count in info["spec_finished_requests"].items():
+            self.spec_finished.labels(**self._label, draft=kind).set(count)
         for kind, rates in info["spec_believed_accept_rates"].items():
             for depth, rate in enumerate(rates, start=1):
                 self.spec_believed_rate.labels(**self._label, family=kind,

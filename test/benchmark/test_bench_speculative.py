@@ -52,6 +52,8 @@ def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     assert row["shape"] == "adaptive" and row["outputs_differing"] == 0
     assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/4/8"}
     assert sum(row["rounds_by_shape"].values()) >= 11  # 12 tokens, at most one per plain round
+    # the batch's two requests, in the untimed warm-up before the paired run and timed
+    assert sum(row["finished_requests"].values()) == 4
 
 
 def test_random_word_requests_draw_whole_words_from_the_vocabulary(tmp_path):

@@ -213,3 +213,6 @@ def test_the_server_shows_its_choices(paths):
                      metrics, re.M)
     assert re.search(r'^sgl_jax_spec_believed_accept_rate\{depth="1",family="chain",'
                      r'model_name="tiny"\} ', metrics, re.M)
+    finished = re.findall(r'^sgl_jax_spec_finished_requests\{draft="(with|without)_draft",'
+                          r'model_name="tiny"\} ([0-9.]+)$', metrics, re.M)
+    assert len(finished) == 2 and sum(float(n) for _, n in finished) == 1
