@@ -34,7 +34,9 @@ estimates come from:
 Probes: plain rounds measure no acceptance, and a policy that keeps speculating never times
 plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
 round on the other (the best speculative shape, or plain), and doubles the run before the next
-probe (up to MAX_PROBE_INTERVAL) while the same side keeps winning.
+probe (up to MAX_PROBE_INTERVAL) while the same side keeps winning. A speculative probe waits
+while no shape could win even if every drafted row accepted every depth (at the shapes'
+warm-up timings).
 
 Admission: a draft costs before any round, in its pass over the prompt. So a new request gets
 a draft only where a round of typical requests (the server-wide rates) at the batch bucket it
@@ -230,7 +232,7 @@ class SpeculationPolicy:
         rates = {s: lengths[s] / self.seconds(s, bucket) for s in shapes}
         best = max(shapes, key=lambda s: rates[s] / (1.0 if s == PLAIN
                                                      else SPECULATION_MARGIN))
-        probe = self._probe(best, rates)
+        probe = self._probe(best, rates, self._could_win(requests, shapes, bucket))
         chosen = best if probe is None else probe
         n = max(len(requests), 1)
         self.last = Choice(
@@ -240,19 +242,31 @@ class SpeculationPolicy:
             tokens_per_s={shape_name(s): rates[s] for s in shapes})
         return chosen
 
-    def _probe(self, best: TreeShape, rates: dict[TreeShape, float]) -> TreeShape | None:
-        """The other side's shape when this round should probe it, else None."""
+    def _could_win(self, requests: Sequence[Acceptance | None], shapes: Sequence[TreeShape],
+                   bucket: int) -> list[TreeShape]:
+        """The speculative shapes that would beat plain if every drafted row accepted every
+        depth, at their warm-up timings (a learnt correction is what a probe may refute)."""
+        n, drafted = len(requests), sum(r is not None for r in requests)
+        warm = {s: self.round_seconds[s, bucket] for s in shapes}
+        return [s for s in shapes if s != PLAIN and PLAIN in warm
+                and (n + drafted * s.num_steps) / warm[s] > SPECULATION_MARGIN * n / warm[PLAIN]]
+
+    def _probe(self, best: TreeShape, rates: dict[TreeShape, float],
+               could_win: Sequence[TreeShape]) -> TreeShape | None:
+        """The other side's shape when this round should probe it, else None. A speculative
+        probe takes one of `could_win` (see _could_win); without one, no acceptance could
+        change the choice (a batch mostly of requests without a draft), and it waits."""
         plain = best == PLAIN
         if plain != self.streak_plain:
             self.streak, self.streak_plain, self.probe_interval = 0, plain, MIN_PROBE_INTERVAL
         self.streak += 1
-        if self.streak < self.probe_interval:
+        if self.streak < self.probe_interval or (plain and not could_win):
             return None
         self.streak = 0
         self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
         if not plain:
             return PLAIN
-        return max((s for s in rates if s != PLAIN), key=rates.__getitem__)
+        return max(could_win, key=rates.__getitem__)
 
     def expected_tokens(self, requests: Sequence[Acceptance | None]
                         ) -> dict[TreeShape, float]:

@@ -290,3 +290,16 @@ def test_requests_without_a_draft_commit_one_token_a_round_and_measure_nothing()
     policy.count_finished(False)
     policy.count_finished(False)
     assert policy.info()["spec_finished_requests"] == {"with_draft": 1, "without_draft": 2}
+
+
+def test_no_speculative_probe_where_no_acceptance_could_win():
+    """At batch 64 a one-step chain costs 1.75 plain steps (SMALL_AND_LARGE): with two rows
+    of 64 drafted it could not win even if they accepted every depth, so plain rounds run
+    without probes; with every row drafted the probes come back."""
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    hopeless = requests_with(policy, [[(TREE, 0)] * 10] * 64)
+    mostly_undrafted = hopeless[:2] + [None] * 62
+    assert all(policy.choose(mostly_undrafted, 64) == PLAIN for _ in range(100))
+    chosen = [(policy.choose(hopeless, 64), policy.last.probe) for _ in range(100)]
+    speculative = [probe for shape, probe in chosen if shape != PLAIN]
+    assert len(speculative) >= 3 and all(speculative)
