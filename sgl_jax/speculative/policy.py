@@ -157,6 +157,15 @@ def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
     return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
 
 
+def beating_plain(tokens: Mapping[TreeShape, float], seconds: Mapping[TreeShape, float]
+                  ) -> list[TreeShape]:
+    """The speculative shapes whose tokens per second beat plain's (both mappings hold
+    PLAIN) by SPECULATION_MARGIN."""
+    plain = tokens[PLAIN] / seconds[PLAIN]
+    return [s for s in tokens
+            if s != PLAIN and tokens[s] / seconds[s] > SPECULATION_MARGIN * plain]
+
+
 @dataclass
 class Choice:
     """One round's decision and what it was based on."""
@@ -208,9 +217,9 @@ class SpeculationPolicy:
 
     def _typical_batch_speculates(self, bucket: int) -> bool:
         typical = {kind: self.server.rates(kind, None) for kind in ("chain", "tree")}
-        plain_rate = 1.0 / self.seconds(PLAIN, bucket) if PLAIN in self.shapes else 0.0
-        return any(expected_length(s, typical[family(s)]) / self.seconds(s, bucket)
-                   > SPECULATION_MARGIN * plain_rate for s in self.shapes if s != PLAIN)
+        return bool(beating_plain(
+            {s: expected_length(s, typical[family(s)]) for s in self.shapes},
+            {s: self.seconds(s, bucket) for s in self.shapes}))
 
     def seconds(self, shape: TreeShape, bucket: int) -> float:
         return (self.round_seconds[shape, bucket] * self.load.get(bucket, 1.0)
@@ -229,9 +238,10 @@ class SpeculationPolicy:
         if shapes == (PLAIN,) or all(r is None for r in requests):
             return PLAIN  # nothing to measure either: no row has a draft
         lengths = self.expected_tokens(requests)
-        rates = {s: lengths[s] / self.seconds(s, bucket) for s in shapes}
-        best = max(shapes, key=lambda s: rates[s] / (1.0 if s == PLAIN
-                                                     else SPECULATION_MARGIN))
+        seconds = {s: self.seconds(s, bucket) for s in shapes}
+        rates = {s: lengths[s] / seconds[s] for s in shapes}
+        winners = beating_plain({s: lengths[s] for s in shapes}, seconds)
+        best = max(winners, key=rates.__getitem__) if winners else PLAIN
         probe = self._probe(best, rates, self._could_win(requests, shapes, bucket))
         chosen = best if probe is None else probe
         n = max(len(requests), 1)
@@ -247,9 +257,8 @@ class SpeculationPolicy:
         """The speculative shapes that would beat plain if every drafted row accepted every
         depth, at their warm-up timings (a learnt correction is what a probe may refute)."""
         n, drafted = len(requests), sum(r is not None for r in requests)
-        warm = {s: self.round_seconds[s, bucket] for s in shapes}
-        return [s for s in shapes if s != PLAIN and PLAIN in warm
-                and (n + drafted * s.num_steps) / warm[s] > SPECULATION_MARGIN * n / warm[PLAIN]]
+        return beating_plain({s: n + drafted * s.num_steps for s in shapes},
+                             {s: self.round_seconds[s, bucket] for s in shapes})
 
     def _probe(self, best: TreeShape, rates: dict[TreeShape, float],
                could_win: Sequence[TreeShape]) -> TreeShape | None:
