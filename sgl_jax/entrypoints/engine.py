@@ -548,7 +548,8 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
 
 # What the scheduler calls on the device, and so what followers replay.
 _RUNNER_STEPS = ("step", "reset_penalty_slot")
-_SPEC_STEPS = ("prefill", "round", "catch_up", "draft_trees", "masked_verify")
+_SPEC_STEPS = ("prefill", "round", "undrafted_round", "catch_up", "draft_trees",
+               "masked_verify")
 
 _UNSUPPORTED_DRAFTS = {
     "NEXTN": "multi-token-prediction heads (DeepSeek / MiMo NextN layers) are not implemented",

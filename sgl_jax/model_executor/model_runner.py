@@ -169,12 +169,13 @@ class ModelRunner:
         ids[0, : len(prompt_ids)] = prompt_ids
         self.penalties = self._reset_slots(self.penalties, np.array([slot], np.int32), ids)
 
-    def warmup(self) -> None:
-        """Compile every bucket now, so serving never waits on the compiler. Programs are
-        compiled without being run (a dummy 2048-token prefill alone takes seconds on a
-        CPU); tracing holds the GIL, so it runs here while a pool compiles, or loads from
-        the compilation cache, the programs already traced."""
-        shapes = [s for s in self.buckets.all_shapes() if s not in self._sampling_programs]
+    def warmup(self, shapes: Sequence[BatchShape] | None = None) -> None:
+        """Compile every bucket (or `shapes`) now, so serving never waits on the compiler.
+        Programs are compiled without being run (a dummy 2048-token prefill alone takes
+        seconds on a CPU); tracing holds the GIL, so it runs here while a pool compiles, or
+        loads from the compilation cache, the programs already traced."""
+        shapes = [s for s in (self.buckets.all_shapes() if shapes is None else shapes)
+                  if s not in self._sampling_programs]
         workers = max(1, min(4, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(shapes), desc="Compiling step buckets", unit="bucket") as bar:

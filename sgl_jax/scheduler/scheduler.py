@@ -104,7 +104,7 @@ class Scheduler:
         plain rounds leave the draft behind: a draft that extends every round cannot start
         late."""
         req.drafting = self.policy.admits_draft(self.runner.buckets.batch_padding(batch_size),
-                                                req.rid)
+                                                req.rid, sum(r.drafting for r in self.running))
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for queue in (self.prefill.waiting, self.running):
@@ -198,6 +198,8 @@ class Scheduler:
             output = self.spec.masked_verify(
                 rows, sampling, want_top, tree,
                 self._tree_masks(reqs, constrained, tree.tokens, tree.parents))
+        elif shape == PLAIN and not any(req.drafting for req in reqs):
+            output = self.spec.undrafted_round(rows, sampling, want_top)
         else:
             output = self.spec.round(rows, sampling, want_top, shape)
         accepted = [int(a) for a in output.num_accepted]

@@ -42,8 +42,11 @@ Admission: a draft costs before any round, in its pass over the prompt. So a new
 a draft only where a round of typical requests (the server-wide rates) at the batch bucket it
 joins would speculate: some shape X with b * L(X) / T(X, b) > SPECULATION_MARGIN * b / T(plain,
 b). Without one its rows commit one token per round (L_r = 1 for every shape) whatever shape
-the round takes. One refused request in EXPLORE_EVERY gets a draft anyway, so that a server
-held at a load where speculation did not pay keeps measuring the text it serves.
+the round takes. One refused request in EXPLORE_EVERY gets a draft anyway, so that the
+server-wide rates do not stay where speculation last stopped paying, but only where it could
+be measured: where the batch it joins, with its drafted requests and this one, could beat
+plain if every drafted row accepted every depth (the probe rule). Elsewhere a lone draft
+would never see a speculative round, and its pass over the prompt would be pure cost.
 """
 
 from __future__ import annotations
@@ -204,13 +207,16 @@ class SpeculationPolicy:
         """The acceptance record a request carries (Req.spec_acceptance)."""
         return Acceptance(self.depth, REQUEST_DECAY)
 
-    def admits_draft(self, bucket: int, rid: str) -> bool:
-        """Whether request `rid` joining a batch of padded size `bucket` gets a draft (its
-        prefill runs the draft too): where a batch of typical requests would speculate, and
-        for one refused request in EXPLORE_EVERY (picked by its id, so asking again gives
-        the same answer). Always, without an adaptive policy."""
-        return (not self.adaptive or self._typical_batch_speculates(bucket)
-                or zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0)
+    def admits_draft(self, bucket: int, rid: str, drafted_peers: int = 0) -> bool:
+        """Whether request `rid` joining a batch of padded size `bucket`, `drafted_peers` of
+        whose requests have a draft, gets one (its prefill runs the draft too): where a batch
+        of typical requests would speculate; else for one request in EXPLORE_EVERY (picked
+        by its id, so asking again gives the same answer) where the batch could then
+        speculate at all. Always, without an adaptive policy."""
+        if not self.adaptive or self._typical_batch_speculates(bucket):
+            return True
+        return (zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0
+                and bool(self._could_win(bucket, drafted_peers + 1, self.shapes, bucket)))
 
     def count_finished(self, drafted: bool) -> None:
         self.finished_requests["with_draft" if drafted else "without_draft"] += 1
@@ -242,7 +248,8 @@ class SpeculationPolicy:
         rates = {s: lengths[s] / seconds[s] for s in shapes}
         winners = beating_plain({s: lengths[s] for s in shapes}, seconds)
         best = max(winners, key=rates.__getitem__) if winners else PLAIN
-        probe = self._probe(best, rates, self._could_win(requests, shapes, bucket))
+        drafted = sum(r is not None for r in requests)
+        probe = self._probe(best, rates, self._could_win(len(requests), drafted, shapes, bucket))
         chosen = best if probe is None else probe
         n = max(len(requests), 1)
         self.last = Choice(
@@ -252,12 +259,12 @@ class SpeculationPolicy:
             tokens_per_s={shape_name(s): rates[s] for s in shapes})
         return chosen
 
-    def _could_win(self, requests: Sequence[Acceptance | None], shapes: Sequence[TreeShape],
-                   bucket: int) -> list[TreeShape]:
-        """The speculative shapes that would beat plain if every drafted row accepted every
-        depth, at their warm-up timings (a learnt correction is what a probe may refute)."""
-        n, drafted = len(requests), sum(r is not None for r in requests)
-        return beating_plain({s: n + drafted * s.num_steps for s in shapes},
+    def _could_win(self, rows: int, drafted: int, shapes: Sequence[TreeShape], bucket: int
+                   ) -> list[TreeShape]:
+        """The speculative shapes that would beat plain for `rows` requests if every one of
+        the `drafted` with a draft accepted every depth, at the shapes' warm-up timings (a
+        learnt correction is what a probe may refute)."""
+        return beating_plain({s: rows + drafted * s.num_steps for s in shapes},
                              {s: self.round_seconds[s, bucket] for s in shapes})
 
     def _probe(self, best: TreeShape, rates: dict[TreeShape, float],

@@ -12,6 +12,9 @@ Two steps, each one compiled function per bucket:
   gives the next root). The parts are public so that a benchmark can time them apart.
 - `catch_up`: the draft extended over the tokens that plain rounds committed without it (see
   below), from the target features those rounds returned.
+- `undrafted_round`: a plain round where no request has a draft (see the adaptive policy's
+  admission) is the target's own decode step, the plain engine's program: nothing of the
+  one-node round (the tree walk, the features) is of use to such a batch.
 - `draft_trees` then `masked_verify`, the flags' shape as two programs: the draft's trees
   come back to the host, which writes the ids a grammar allows at every node (each node's
   path walked in the request's matcher), then verify and extend run with those masks on the
@@ -232,6 +235,23 @@ class SpecRunner:
         )
         return _round_output(jax.device_get(result), len(rows))
 
+    def undrafted_round(self, rows: Sequence[RoundRow], sampling: SamplingBatch,
+                        want_top_logprobs: bool) -> RoundOutput:
+        """A plain round for rows none of which has a draft: one decode step of the target
+        (root_hidden comes back as zeros, features as None)."""
+        chunks = [SeqChunk([row.root_token], row.kv_len, row.page_ids, state_slot=row.state_slot)
+                  for row in rows]
+        n = len(rows)
+        out = self.target.step(chunks, sampling, np.full(n, -1, np.int32), np.ones(n, bool),
+                               want_top_logprobs)
+        roots = np.array([row.root_token for row in rows], np.int32)[:, None]
+        return RoundOutput(
+            tokens=out.tokens[:, None], num_accepted=np.zeros(n, np.int32),
+            logprobs=out.logprobs[:, None], top_logprob_ids=out.top_logprob_ids[:, None],
+            top_logprobs=out.top_logprobs[:, None],
+            root_hidden=np.zeros((n, self.root_width), self.target.model.dtype),
+            tree_tokens=roots, tree_parents=np.full_like(roots, -1))
+
     def draft_trees(self, rows: Sequence[RoundRow], sampling: SamplingBatch) -> DraftTree:
         """The first half of a masked round: each row's tree of the flags' shape, as host
         arrays over the padded batch (tokens and parents i32[B, N])."""
@@ -285,6 +305,8 @@ class SpecRunner:
         the adaptive policy (the fastest of a few runs after the compiling one: the others
         met some other load)."""
         sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
+        if self.defers_draft:  # undrafted_round's decode steps
+            self.target.warmup([s for s in shapes if s.q_block == 1])
         with tqdm(total=len(sizes) * (len(self.shapes) + 1) + len(shapes),
                   desc="Compiling speculative buckets", unit="bucket") as bar:
             for size in sizes:

@@ -153,28 +153,35 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
         compiled = engine.get_server_info()["num_compilations"]
         scheduler, spec = engine._loop.scheduler, engine._spec
         policy = scheduler.policy
-        policy.admits_draft = lambda bucket, rid: False
+        policy.admits_draft = lambda bucket, rid, *_: False
         before = jax.device_get(spec.draft_kv)
         firsts, _ = generate(engine, [1] * 4)  # prefill only
         unchanged = jax.tree.map(np.array_equal, before, jax.device_get(spec.draft_kv))
         assert all(jax.tree.leaves(unchanged)), "a prefill without drafts ran the draft"
 
         order = []  # admission order: the 2nd and 4th prompts get a draft
-        policy.admits_draft = lambda bucket, rid: (
+        policy.admits_draft = lambda bucket, rid, *_: (
             order.append(rid) if rid not in order else None, order.index(rid) % 2 == 1)[1]
         script = iter(([spec.shape] * 2 + [PLAIN] * 3 + [policy.shapes[1]]) * 100)
         seen = []
         policy.choose = lambda records, bucket, **_: (seen.append(records), next(script))[1]
         outputs, mixed_cached = generate(engine, MAX_NEW)
-        policy.admits_draft = lambda bucket, rid: False
-        _, undrafted_cached = generate(engine, [1] * 4)
+        policy.admits_draft = lambda bucket, rid, *_: False
+        del policy.choose  # the policy's own choice: plain, with no row drafted
+        round_programs = []  # the speculative engine's own round programs
+        spec.round = lambda *args, **kw: round_programs.append(args) or type(spec).round(
+            spec, *args, **kw)
+        undrafted, undrafted_cached = generate(engine, MAX_NEW)
         info = engine.get_server_info()
     assert firsts == [r[:1] for r in reference] and outputs == reference
+    # rounds where no request has a draft are the target's decode steps, and as lossless
+    assert undrafted == reference and not round_programs
     assert info["num_compilations"] == compiled
     mixed_rounds = [r for r in seen if None in r and any(x is not None for x in r)]
     assert len(mixed_rounds) > 5
     assert info["spec_rounds_by_shape"]["3/2/6"] > 5
     assert info["spec_finished_requests"] == {"with_draft": 2, "without_draft": 10}
+    assert info["spec_rounds_by_shape"]["plain"] > max(MAX_NEW)
     # prompts of 5, 30, 12 and 50 tokens, pages of 16: the drafted 2nd and 4th find no page
     # whose draft slots they can trust; requests without a draft reuse the target's pages
     assert mixed_cached == [0, 0, 0, 0] and undrafted_cached == [0, 16, 0, 48]

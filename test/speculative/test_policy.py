@@ -260,16 +260,27 @@ def test_a_request_gets_a_draft_where_a_typical_batch_would_speculate():
     rids = [f"request-{i}" for i in range(640)]
     assert typical_batch_speculates(policy, 1) and not typical_batch_speculates(policy, 64)
     assert all(policy.admits_draft(1, rid) for rid in rids)
-    at_64 = [policy.admits_draft(64, rid) for rid in rids]
-    # refused at batch 64, but for about one in EXPLORE_EVERY, the same on asking again
+    # refused at batch 64: a lone draft there could not win even accepting every depth, so
+    # it would never be measured (at 40 cost units a one-step chain costs 1.75 plain steps)
+    assert not any(policy.admits_draft(64, rid) for rid in rids)
+    # beside 60 drafted requests it could (64 + 61 tokens in 70 units against 64 in 40):
+    # about one in EXPLORE_EVERY explores, the same ones on asking again; not beside 50
+    at_64 = [policy.admits_draft(64, rid, 60) for rid in rids]
     assert 0.3 / P.EXPLORE_EVERY < np.mean(at_64) < 3 / P.EXPLORE_EVERY
-    assert at_64 == [policy.admits_draft(64, rid) for rid in rids]
+    assert at_64 == [policy.admits_draft(64, rid, 60) for rid in rids]
+    assert not any(policy.admits_draft(64, rid, 50) for rid in rids)
     # text the draft predicts well: the one-step chain pays even at batch 64
     requests_with(policy, [[(CHAIN3, 3), (TREE, 3)] * 40])
     assert typical_batch_speculates(policy, 64)
     assert all(policy.admits_draft(64, rid) for rid in rids)
     forced = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=False)
     assert all(forced.admits_draft(64, rid) for rid in rids)
+    # text the draft cannot predict: refused even alone, where a lone draft still explores
+    hopeless = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    requests_with(hopeless, [[(CHAIN3, 0), (TREE, 0)] * 40])
+    assert not typical_batch_speculates(hopeless, 1)
+    assert 0.3 / P.EXPLORE_EVERY < np.mean([hopeless.admits_draft(1, r) for r in rids]) < (
+        3 / P.EXPLORE_EVERY)
 
 
 def test_requests_without_a_draft_commit_one_token_a_round_and_measure_nothing():
