@@ -29,7 +29,9 @@ HumanEval prompt is asked to be completed), generation is greedy and stops at EO
 --output-len, and each batch size runs all the prompts, --batch-size at a time. Greedy
 speculation must give the very tokens of plain decoding: the rows count the prompts whose
 outputs differ (float rounding in a batched verify can flip a near tie; anything more is a
-bug). The ShareGPT prompts come after the file's first --sharegpt-skip conversations, which
+bug), over every pass with --repeats, which runs the prompts that many times per engine (a
+batch-64 row of 64 prompts is otherwise one wave, whose ratio moves by several points
+between runs). The ShareGPT prompts come after the file's first --sharegpt-skip conversations, which
 drafts trained on the file's start (the demo head included) never saw. `mixed` alternates a
 HumanEval prompt (predictable code) with a request to continue a list of random words (text
 no draft predicts), so every batch holds both.
@@ -83,6 +85,7 @@ class Row:
     rounds_by_shape: dict[str, int] = field(default_factory=dict)  # what the rounds took
     # requests finished with_draft / without_draft (the adaptive policy's admission rule)
     finished_requests: dict[str, int] = field(default_factory=dict)
+    repeat_speedups: list[float] = field(default_factory=list)  # each --repeats pass's own
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every prompt this many times per engine (from an emptied prefix "
+                        "cache each time): a row's speedup is over all of them, and the spread "
+                        "of each pass's own is printed")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -155,26 +162,32 @@ def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
 
 
 def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: int,
-                    batch_size: int, *, ignore_eos: bool) -> list[tuple[float, list[list[int]]]]:
-    """Per engine, output tokens per second over all prompts, run batch_size at a time, and
-    the outputs. The engines take turns wave by wave, so a machine whose speed drifts over
-    minutes (a shared VM's memory bandwidth does) weighs on each alike."""
+                    batch_size: int, *, ignore_eos: bool, repeats: int = 1
+                    ) -> list[tuple[float, list[list[int]], list[float]]]:
+    """Per engine: output tokens per second over all prompts, run batch_size at a time, `repeats`
+    times (each from an emptied prefix cache, as the first); the outputs of every repeat; and
+    each repeat's tokens per second. The engines take turns wave by wave, so a machine whose
+    speed drifts over minutes (a shared VM's memory bandwidth does) weighs on each alike."""
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
     for engine in engines:
         warm_up(engine, prompts, batch_size)
-    seconds = [0.0] * len(engines)
-    outputs: list[list[dict]] = [[] for _ in engines]
-    for first in range(0, len(prompts), batch_size):
-        for i, engine in enumerate(engines):
-            start = time.perf_counter()
-            outputs[i] += engine.generate(input_ids=prompts[first: first + batch_size],
-                                          sampling_params=params)
-            seconds[i] += time.perf_counter() - start
-    results = []
-    for elapsed, outs in zip(seconds, outputs, strict=True):
-        tokens = [o["output_ids"] for o in outs]
-        results.append((sum(map(len, tokens)) / elapsed, tokens))
-    return results
+    seconds = np.zeros((repeats, len(engines)))
+    tokens = np.zeros((repeats, len(engines)))
+    outputs: list[list[list[int]]] = [[] for _ in engines]
+    for repeat in range(repeats):
+        if repeat:
+            for engine in engines:
+                engine.flush_cache()
+        for first in range(0, len(prompts), batch_size):
+            for i, engine in enumerate(engines):
+                start = time.perf_counter()
+                outs = engine.generate(input_ids=prompts[first: first + batch_size],
+                                       sampling_params=params)
+                seconds[repeat, i] += time.perf_counter() - start
+                outputs[i] += [o["output_ids"] for o in outs]
+                tokens[repeat, i] += sum(len(o["output_ids"]) for o in outs)
+    return [(tokens[:, i].sum() / seconds[:, i].sum(), outputs[i],
+             list(tokens[:, i] / seconds[:, i])) for i in range(len(engines))]
 
 
 def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[float]]:
@@ -271,8 +284,9 @@ def run(args: argparse.Namespace) -> list[Row]:
                         chosen = prompts if real else prompts[:b]
                         warm_up(engine, chosen, b)  # the policy's first rounds: not timed
                         before = engine.get_server_info()
-                        (base_tok_s, base_outputs), (tok_s, outputs) = paired_generate(
-                            [plain, engine], chosen, args.output_len, b, ignore_eos=not real)
+                        (base_tok_s, base_outputs, base_runs), (tok_s, outputs, runs) = (
+                            paired_generate([plain, engine], chosen, args.output_len, b,
+                                            ignore_eos=not real, repeats=args.repeats))
                         length, rates = acceptance_since(engine, before)
                         draft_tokens = SHAPES[shape]["speculative_num_draft_tokens"]
                         differing = sum(a != c for a, c in zip(outputs, base_outputs,
@@ -282,7 +296,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                                         len(chosen), differing,
                                         counts_since(engine, before, "spec_rounds_by_shape"),
                                         counts_since(engine, before,
-                                                     "spec_finished_requests")))
+                                                     "spec_finished_requests"),
+                                        [r / p for r, p in zip(runs, base_runs, strict=True)]))
                         print_row(rows[-1])
     return rows
 
@@ -300,7 +315,9 @@ def print_row(row: Row) -> None:
           + (f"  rounds {row.rounds_by_shape}" if len(row.rounds_by_shape) > 1 else "")
           + (f"  without a draft {row.finished_requests['without_draft']}"
              f"/{sum(row.finished_requests.values())} requests"
-             if row.finished_requests.get("without_draft") else ""),
+             if row.finished_requests.get("without_draft") else "")
+          + (f"  passes {min(row.repeat_speedups):.2f}-{max(row.repeat_speedups):.2f}x"
+             if len(row.repeat_speedups) > 1 else ""),
           flush=True)
 
 

@@ -17,7 +17,9 @@ How the scheduler uses it, per request:
    caller's pages for full pages the tree already held under other page ids (two requests
    prefilled the same prompt concurrently): the caller frees them, and the pages past the full-page
    prefix, ``pages[len(tokens_with_kv) // page_size:]``, which insert never looks at. Then
-   ``cache.unlock(match.node)``.
+   ``cache.unlock(match.node)``. Where the caller's copy of such a page is worth more than the
+   tree's (``prefer_mine``: a speculative draft's K/V the tree's page lacks), an unlocked node
+   takes the caller's page and ``dups`` holds the tree's old one instead.
 
 Eviction removes least-recently-used unlocked leaves, a whole node at a time (so it may free more
 than asked); a parent whose children are all gone becomes a leaf in turn. A lock counts on the node
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from sgl_jax.mem_cache.page_allocator import NULL_PAGE, PageAllocator
@@ -116,9 +118,13 @@ class RadixCache:
             node, pos = child, pos + len(child.key)
         return PrefixMatch(pages, len(pages) * self.page_size, node)
 
-    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> list[int]:
-        """Cache the full-page prefix of token_ids. Returns the caller's pages not adopted because
-        the tree already holds those prefix pages under other ids (the caller frees them)."""
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int],
+               prefer_mine: Callable[[int, int], bool] | None = None) -> list[int]:
+        """Cache the full-page prefix of token_ids. Returns the pages for the caller to free:
+        its own where the tree already holds those prefix pages under other ids, except where
+        `prefer_mine(index, held)` (the page's index in page_ids, the tree's id there) says the
+        caller's copy is the better one and no lock covers the node (no request reads it):
+        then the tree takes the caller's page and returns the one it held."""
         tokens = self._page_aligned(token_ids)
         num_pages = len(tokens) // self.page_size
         if len(page_ids) < num_pages:
@@ -141,9 +147,15 @@ class RadixCache:
                 child = self._split(child, shared)
             child.last_access = now
             theirs = pages[at : at + shared]
-            duplicates += [
-                mine for mine, held in zip(theirs, child.page_ids, strict=True) if mine != held
-            ]
+            for j, (mine, held) in enumerate(zip(theirs, list(child.page_ids), strict=True)):
+                if mine == held:
+                    continue
+                freed = mine
+                if prefer_mine is not None and child.lock_count == 0 and prefer_mine(at + j, held):
+                    self._check_not_owned([mine])
+                    child.page_ids[j], freed = mine, held
+                    self._owned.symmetric_difference_update((mine, held))
+                duplicates.append(freed)
             node, pos = child, pos + len(child.key)
         self._check_not_owned(duplicates)  # the caller would free pages the tree still uses
         return duplicates

@@ -3,6 +3,8 @@ and for hybrid models each running request's recurrent-state slot."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.mem_cache.radix_cache import RadixCache
 from sgl_jax.mem_cache.state_slots import NULL_SLOT, StateSlotAllocator
@@ -47,11 +49,14 @@ class CacheManager:
             return
         # At least the last token is computed, because its logits pick the next token.
         match = self.radix.match_prefix(req.all_ids[:-1])
-        self.radix.lock(match.node)
-        req.prefix_node = match.node
-        pages = list(match.page_ids)
+        pages, node = list(match.page_ids), match.node
         if self.last_slot_needs_next_token and req.drafting:
-            pages = pages[: self._pages_whose_next_token_matches(pages, req.all_ids)]
+            usable = self._pages_whose_next_token_matches(pages, req.all_ids)
+            if usable < len(pages):  # lock only what it reads: the rest may take its copies
+                pages = pages[:usable]
+                node = self.radix.match_prefix(req.all_ids[: usable * self.page_size]).node
+        self.radix.lock(node)
+        req.prefix_node = node
         req.page_ids = pages
         req.kv_len = req.cached_tokens = len(pages) * self.page_size
         self.cache_hit_tokens += req.cached_tokens
@@ -79,7 +84,8 @@ class CacheManager:
         if self.radix is None:
             self.allocator.free(pages)
             return
-        duplicates = self.radix.insert(req.all_ids[: req.kv_len], pages)
+        duplicates = self.radix.insert(req.all_ids[: req.kv_len], pages,
+                                       self._draft_copy_is_better(req))
         full_pages = req.kv_len // self.page_size
         if self.last_slot_needs_next_token:
             matched = req.cached_tokens // self.page_size
@@ -89,6 +95,15 @@ class CacheManager:
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
             req.prefix_node = None
+
+    def _draft_copy_is_better(self, req: Req) -> Callable[[int, int], bool] | None:
+        """For radix insert: whether the request's page at an index should replace the tree's
+        copy `held`, which has no record (its draft slots were never filled: it was computed
+        without a draft) where the request's draft filled its own."""
+        if not (self.last_slot_needs_next_token and req.drafting):
+            return None
+        return lambda index, held: (held not in self._next_token_of_page
+                                    and (index + 1) * self.page_size <= req.draft_len)
 
     def _pages_whose_next_token_matches(self, pages: list[int], token_ids: list[int]) -> int:
         """How many leading cached pages a request continuing with token_ids may reuse: up to

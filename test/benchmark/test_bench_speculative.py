@@ -47,13 +47,15 @@ def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     out_json = tmp_path / "adaptive.json"
     assert load_bench().main(["--hidden-size", "64", "--num-layers", "4", "--batch-sizes", "2",
                               "--input-len", "16", "--output-len", "12", "--shapes", "adaptive",
-                              "--output-json", str(out_json)]) == 0
+                              "--repeats", "2", "--output-json", str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())
     assert row["shape"] == "adaptive" and row["outputs_differing"] == 0
     assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/4/8"}
     assert sum(row["rounds_by_shape"].values()) >= 11  # 12 tokens, at most one per plain round
-    # the batch's two requests, in the untimed warm-up before the paired run and timed
-    assert sum(row["finished_requests"].values()) == 4
+    # the batch's two requests, in the untimed warm-up before the paired run and in each of
+    # the two timed passes, every output compared with plain decoding's
+    assert sum(row["finished_requests"].values()) == 6
+    assert len(row["repeat_speedups"]) == 2 and all(x > 0 for x in row["repeat_speedups"])
 
 
 def test_random_word_requests_draw_whole_words_from_the_vocabulary(tmp_path):

@@ -141,6 +141,34 @@ def test_duplicate_insert_reports_the_callers_pages_and_adopts_nothing_twice(pag
 
 
 @PAGE_SIZES
+def test_an_unlocked_node_takes_the_callers_pages_it_prefers(page_size):
+    cache, allocator = make_cache(page_size)
+    tokens = pages_of(page_size, 1, 2, 3)
+    first, second = allocator.allocate(3), allocator.allocate(3)
+    assert cache.insert(tokens, first) == []
+    asked = []
+    def prefer_the_last_two(index, held):
+        asked.append((index, held))
+        return index >= 1
+    # the tree swaps in the caller's last two pages and hands back the two it held
+    assert cache.insert(tokens, second, prefer_the_last_two) == [second[0], first[1], first[2]]
+    assert asked == list(zip(range(3), first, strict=True))
+    assert cache.match_prefix(tokens).page_ids == [first[0], second[1], second[2]]
+    allocator.free([second[0], first[1], first[2]])
+    assert cache.cached_pages + allocator.num_free == allocator.capacity
+    cache.check_invariants()
+    # a node some request reads (locked, directly or through a descendant) keeps its pages
+    third = allocator.allocate(3)
+    locked = cache.match_prefix(pages_of(page_size, 1, 2)).node
+    cache.lock(locked)
+    assert cache.insert(tokens, third, lambda index, held: True) == [third[0], third[1],
+                                                                      second[2]]
+    assert cache.match_prefix(tokens).page_ids == [first[0], second[1], third[2]]
+    cache.unlock(locked)
+    cache.check_invariants()
+
+
+@PAGE_SIZES
 def test_insert_refuses_pages_the_tree_holds_elsewhere(page_size):
     cache, allocator = make_cache(page_size)
     held = cache_sequence(cache, allocator, pages_of(page_size, 1))

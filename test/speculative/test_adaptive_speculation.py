@@ -172,6 +172,9 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
         spec.round = lambda *args, **kw: round_programs.append(args) or type(spec).round(
             spec, *args, **kw)
         undrafted, undrafted_cached = generate(engine, MAX_NEW)
+        del spec.round
+        policy.admits_draft = lambda bucket, rid, *_: True
+        drafted, drafted_cached = generate(engine, MAX_NEW)
         info = engine.get_server_info()
     assert firsts == [r[:1] for r in reference] and outputs == reference
     # rounds where no request has a draft are the target's decode steps, and as lossless
@@ -180,11 +183,14 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
     mixed_rounds = [r for r in seen if None in r and any(x is not None for x in r)]
     assert len(mixed_rounds) > 5
     assert info["spec_rounds_by_shape"]["3/2/6"] > 5
-    assert info["spec_finished_requests"] == {"with_draft": 2, "without_draft": 10}
+    assert info["spec_finished_requests"] == {"with_draft": 6, "without_draft": 10}
     assert info["spec_rounds_by_shape"]["plain"] > max(MAX_NEW)
     # prompts of 5, 30, 12 and 50 tokens, pages of 16: the drafted 2nd and 4th find no page
     # whose draft slots they can trust; requests without a draft reuse the target's pages
     assert mixed_cached == [0, 0, 0, 0] and undrafted_cached == [0, 16, 0, 48]
+    # the drafted 2nd and 4th recomputed those pages with their draft: the tree took their
+    # copies (no request read its own), so drafted requests now reuse them too
+    assert drafted == reference and drafted_cached == [0, 16, 0, 48]
 
 
 def test_forcing_the_flags_shape_turns_the_policy_off(paths, reference):
