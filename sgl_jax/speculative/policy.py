@@ -68,7 +68,7 @@ PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this ma
 # Shares of a round's log cost residual taken by its bucket's load and by its shape's factor.
 LOAD_RATE, SHAPE_RATE = 0.5, 0.2
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
-SPECULATION_MARGIN = 1.05  # a speculative shape's rate must exceed plain's by this factor
+SPECULATION_MARGIN = 1.10  # a speculative shape's rate must exceed plain's by this factor
 EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many gets one
 
 
