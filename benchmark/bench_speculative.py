@@ -151,12 +151,17 @@ def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str
 
 
 def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
-    """Compile the batch's shapes with a short untimed run, then empty the prefix cache, so
+    """Run every wave of the prompts once, short and untimed, then empty the prefix cache, so
     every timed prompt is prefilled in full (a speculative engine reuses one page less of a
     cached prompt than a plain one, as its draft's last cached slot depends on the next
-    token, so warm prompts would favour the plain engine)."""
-    engine.generate(input_ids=prompts[:batch_size],
-                    sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    token, so warm prompts would favour the plain engine). Every wave, not only the first:
+    a program's first run costs more than later ones (tens of ms on a CPU), and a plain
+    engine's warm-up compiles its prefill buckets without running them where a speculative
+    one runs each, so a prompt length met first in a timed wave slowed the plain engine
+    alone (batch-1 rows where both ran the same programs read 1.07-1.08x)."""
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    for first in range(0, len(prompts), batch_size):
+        engine.generate(input_ids=prompts[first: first + batch_size], sampling_params=params)
     if not engine.flush_cache():
         raise RuntimeError("the prefix cache could not be emptied after the warm-up")
 
@@ -180,8 +185,8 @@ def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: in
             for engine in engines:
                 engine.flush_cache()
         for wave, first in enumerate(range(0, len(prompts), batch_size)):
-            # Who goes first alternates: with plain always first, batch-1 rows in which the
-            # speculative engine ran the very programs of the plain one read 1.06-1.08x.
+            # Who goes first alternates, so neither engine always meets a drifting machine
+            # right after the other.
             turns = list(enumerate(engines))
             for i, engine in turns if (repeat + wave) % 2 == 0 else turns[::-1]:
                 start = time.perf_counter()
