@@ -162,7 +162,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
                            state_slot=i + 1)
                   for i in range(batch)]
         return runner.step(chunks, sampling, np.full(batch, -1, np.int32),
-                           np.ones(batch, bool), False).tokens
+                           np.ones(batch, bool), False).result().tokens
 
     dtype = runner.model.dtype
     rows = [RoundRow(setup.pages(i), context, int(rng.integers(vocab)),

@@ -147,7 +147,7 @@ class Engine:
                         state_bytes / 2**30)
         self._runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=args.page_size, buckets=buckets,
-            attention_backend=args.attention_backend, num_penalty_slots=buckets.max_seqs,
+            attention_backend=args.attention_backend, num_request_slots=buckets.max_seqs,
             num_state_slots=num_state_slots,
         )
         self._spec = None if draft is None else make_spec_runner(args, self._runner, draft)
@@ -179,7 +179,8 @@ class Engine:
         scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
                               decode_log_interval=args.decode_log_interval, spec=spec,
                               adaptive_speculation=bool(args.speculative
-                                                        and args.speculative.adaptive))
+                                                        and args.speculative.adaptive),
+                              overlap=not args.disable_overlap_schedule)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
 
     def _mirror_to_followers(self) -> tuple[ModelRunner, SpecRunner | None]:

@@ -9,6 +9,7 @@ pool; every chunk then names its request's state slot, and the step reads and wr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -68,9 +69,27 @@ class StepOutput:
     """Host copies of one sampling step's results, one row per chunk."""
 
     tokens: np.ndarray  # i32[n]
-    logprobs: np.ndarray  # f32[n]: raw log-probability of each token
-    top_logprob_ids: np.ndarray  # i32[n, MAX_TOP_LOGPROBS] (zeros unless asked for)
-    top_logprobs: np.ndarray  # f32[n, MAX_TOP_LOGPROBS]
+    logprobs: np.ndarray | None  # f32[n]: raw log-probability of each token (None: not asked)
+    top_logprob_ids: np.ndarray | None  # i32[n, MAX_TOP_LOGPROBS] (None: not asked)
+    top_logprobs: np.ndarray | None  # f32[n, MAX_TOP_LOGPROBS]
+
+
+class PendingStep:
+    """A dispatched step's results, still on the device: their copy to the host starts at
+    once (asynchronously), and `result()` waits for it. Only what some row asked for is
+    copied."""
+
+    def __init__(self, num_rows: int, tokens: jax.Array, logprobs: jax.Array | None = None,
+                 top: tuple[jax.Array, jax.Array] | None = None):
+        self._num_rows = num_rows
+        self._arrays = (tokens, logprobs, *(top or (None, None)))
+        for array in self._arrays:
+            if array is not None:
+                array.copy_to_host_async()
+
+    def result(self) -> StepOutput:
+        n = self._num_rows
+        return StepOutput(*(None if a is None else np.asarray(a)[:n] for a in self._arrays))
 
 
 class ModelRunner:
@@ -83,7 +102,7 @@ class ModelRunner:
         buckets: Buckets | None = None,
         attention_backend: str = "native",
         capture_layers: tuple[int, ...] = (),
-        num_penalty_slots: int = 1,
+        num_request_slots: int = 1,  # rows of the per-request device state (penalties, tokens)
         num_state_slots: int = 0,  # hybrid models: recurrent-state slots, the null slot included
     ):
         if model.config.is_hybrid and num_state_slots < 2:
@@ -105,7 +124,11 @@ class ModelRunner:
         )
         self.num_state_slots = num_state_slots if model.config.is_hybrid else 0
         self.penalties: PenaltyState = self.tp.put_replicated(
-            init_penalty_state(num_penalty_slots, self.config.vocab_size))
+            init_penalty_state(num_request_slots, self.config.vocab_size))
+        # i32[num_request_slots]: each request slot's last sampled token, so a decode step can
+        # take its input from the step before without the host reading it first.
+        self.last_tokens: jax.Array = self.tp.put_replicated(
+            jnp.zeros(num_request_slots, jnp.int32))
         _warn_if_slow_on_cpu(attention_backend, model.dtype)
         attention = self.tp.attention(get_attention_backend(attention_backend))
         forward = functools.partial(self._forward, attention=attention, capture=capture_layers)
@@ -113,7 +136,8 @@ class ModelRunner:
             functools.partial(self._logits_step_impl, forward=forward), donate_argnums=(1,)
         )
         self._sampling_step = jax.jit(
-            functools.partial(self._sampling_step_impl, forward=forward), donate_argnums=(1, 2)
+            functools.partial(self._sampling_step_impl, forward=forward),
+            donate_argnums=(1, 2, 3),
         )
         self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
         # Compiled sampling steps by bucket: serving calls them directly, never tracing.
@@ -141,26 +165,32 @@ class ModelRunner:
 
     def step(
         self,
-        chunks: Sequence[SeqChunk],
+        chunks: Sequence[SeqChunk],  # a decode chunk's token -1: its slot's last sampled token
         sampling: SamplingBatch,  # host arrays, one row per chunk (padded here)
         penalty_slots: np.ndarray,  # i32[n]: -1 for requests without penalties
         emits: np.ndarray,  # bool[n]: whether the row's token is kept (False mid-prefill)
         want_top_logprobs: bool,
-    ) -> StepOutput:
-        """Run chunks and sample the next token of each on the device."""
+        *,
+        slots: np.ndarray | None = None,  # i32[n]: request slots (last_tokens rows); -1 none
+        want_logprobs: bool = True,
+    ) -> PendingStep:
+        """Dispatch chunks and the sampling of each one's next token, without waiting: an
+        emitting row's token is also kept on the device as its slot's last token."""
         self._check_state_slots(chunks)
         shape = self.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
-        args = (self.model.params, self.kv_cache, self.penalties, batch, sampling,
-                _pad_rows(penalty_slots.astype(np.int32), rows, fill=-1),
-                _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs))
-        self.kv_cache, self.penalties, out, top = self._sampling_program(shape, args)(*args)
         n = len(chunks)
-        top_ids, top_values = (np.asarray(a)[:n] for a in top)
-        return StepOutput(np.asarray(out.tokens)[:n], np.asarray(out.logprob)[:n], top_ids,
-                          top_values)
+        slots = np.full(n, -1, np.int32) if slots is None else slots
+        args = (self.model.params, self.kv_cache, self.penalties, self.last_tokens, batch,
+                sampling, _pad_rows(penalty_slots.astype(np.int32), rows, fill=-1),
+                _pad_rows(slots.astype(np.int32), rows, fill=-1),
+                _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs))
+        (self.kv_cache, self.penalties, self.last_tokens, out,
+         top) = self._sampling_program(shape, args)(*args)
+        return PendingStep(n, out.tokens, out.logprob if want_logprobs else None,
+                           top if want_top_logprobs else None)
 
     def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
         """Start a request with penalties in `slot`: clear its counts, mark its prompt as seen."""
@@ -218,14 +248,18 @@ class ModelRunner:
         kv_cache, logits, captured = forward(params, kv_cache, batch)
         return kv_cache, *self.tp.constrain_replicated((logits, captured))
 
-    def _sampling_step_impl(
-        self, params, kv_cache, penalties, batch, sampling, slots, emits, want_top, *, forward
-    ):
+    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, batch, sampling,
+                            penalty_slots, slots, emits, want_top, *, forward):
+        if batch.attention.q_block == 1:  # decode rows may read their input on the device
+            batch = dataclasses.replace(batch, input_ids=_with_last_tokens(
+                batch.input_ids, last_tokens, slots))
         kv_cache, logits, _ = forward(params, kv_cache, batch)
-        out = sample(logits, sampling, penalties, slots)
-        penalties = record_tokens(penalties, slots, out.tokens, emits)
+        out = sample(logits, sampling, penalties, penalty_slots)
+        penalties = record_tokens(penalties, penalty_slots, out.tokens, emits)
+        kept = jnp.where(emits & (slots >= 0), slots, last_tokens.shape[0])  # others: dropped
+        last_tokens = last_tokens.at[kept].set(out.tokens, mode="drop")
         top = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
-        return kv_cache, *self.tp.constrain_replicated((penalties, out, top))
+        return kv_cache, *self.tp.constrain_replicated((penalties, last_tokens, out, top))
 
     def _reset_slots_impl(self, penalties, slots, prompt_ids):
         self.num_compilations += 1
@@ -251,9 +285,9 @@ class ModelRunner:
             chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
-        return (self.model.params, self.kv_cache, self.penalties, batch,
+        return (self.model.params, self.kv_cache, self.penalties, self.last_tokens, batch,
                 greedy_sampling_batch(rows, self.config.vocab_size), np.full(rows, -1, np.int32),
-                np.zeros(rows, bool), np.bool_(False))
+                np.full(rows, -1, np.int32), np.zeros(rows, bool), np.bool_(False))
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.
@@ -265,6 +299,12 @@ class ModelRunner:
             meta.page_table.shape[1], batch.logits_indices.shape[0],
             " tree-mask" if meta.tree_bits is not None else "",
         )
+
+
+def _with_last_tokens(input_ids: jax.Array, last_tokens: jax.Array, slots: jax.Array
+                      ) -> jax.Array:
+    """i32[N] decode inputs: a -1 becomes the row's slot's last sampled token."""
+    return jnp.where(input_ids < 0, last_tokens[jnp.maximum(slots, 0)], input_ids)
 
 
 def _top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

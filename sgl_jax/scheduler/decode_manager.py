@@ -10,16 +10,23 @@ from sgl_jax.scheduler.req import Req
 
 
 class DecodeManager:
-    def __init__(self, cache: CacheManager, retract: Callable[[Req], None], lookahead: int = 1):
+    def __init__(self, cache: CacheManager, retract: Callable[[Req], None],
+                 settle: Callable[[], bool] = lambda: False, lookahead: int = 1):
         self.cache = cache
         self.lookahead = lookahead  # KV slots past kv_len a step writes (a verify round: more)
         self.retract = retract  # frees a request's pages and sends it back to the queue
+        # Reads the step in flight, if any (True then): requests it ends free their pages.
+        self.settle = settle
         self.num_retractions = 0
 
     def schedule(self, running: list[Req]) -> list[tuple[Req, int]]:
-        """One token for each request whose prompt is fully computed. When pages run out, the
-        most recently admitted requests are retracted until the rest fit."""
-        ready = [r for r in running if r.tokens_to_compute == 1]
+        """One token for each request whose prompt is fully computed and whose sampled tokens
+        do not already reach its end. When pages run out, the step in flight is settled
+        first (a retracted request must have read all its tokens), then the most recently
+        admitted requests are retracted until the rest fit."""
+        ready = _ready(running)
+        if not self._reserve_all(ready) and self.settle():
+            ready = _ready(running)
         while ready and not self._reserve_all(ready):
             victim = ready.pop()
             running.remove(victim)
@@ -30,3 +37,7 @@ class DecodeManager:
     def _reserve_all(self, reqs: list[Req]) -> bool:
         return all(self.cache.reserve(req, min(req.kv_len + self.lookahead, req.context_len))
                    for req in reqs)
+
+
+def _ready(running: list[Req]) -> list[Req]:
+    return [r for r in running if r.tokens_to_compute == 1 and not r.sampled_to_the_end]

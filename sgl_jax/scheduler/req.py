@@ -32,7 +32,13 @@ class Req:
     kv_len: int = 0  # leading tokens of all_ids whose K/V are in the cache
     cached_tokens: int = 0  # tokens the prefix cache served at admission
     prefix_node: Any = None  # radix-cache handle locked while the request holds its pages
-    penalty_slot: int = -1  # row of the device penalty state; -1 = no penalties
+    # Row of the device's per-request state (last sampled token, penalty counts), from first
+    # admission to finish (kept through retraction); -1 = none yet.
+    slot: int = -1
+    # Tokens the device has sampled for this request that the host has not read yet (the
+    # engine loop runs a step ahead of its results): they count in kv_len and the lengths a
+    # step is scheduled by, but not yet in output_ids.
+    num_inflight: int = 0
     state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
     grammar: Any = None  # constrained requests: their llguidance matcher (sgl_jax.grammar)
 
@@ -74,9 +80,23 @@ class Req:
         return self.prompt_ids[start:stop] + self.output_ids[: max(stop - n, 0)]
 
     @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, read by the host or not: the output position of the
+        next token a step samples."""
+        return len(self.output_ids) + self.num_inflight
+
+    @property
     def tokens_to_compute(self) -> int:
         """Tokens whose K/V are still missing; the last one's logits give the next token."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
+        return len(self.prompt_ids) + self.num_sampled - self.kv_len
+
+    @property
+    def sampled_to_the_end(self) -> bool:
+        """Whether the tokens already sampled reach max_new_tokens or the context, so the
+        request ends once the host reads them and needs no further step."""
+        sampled = self.num_sampled
+        return (sampled >= self.params.max_new_tokens
+                or len(self.prompt_ids) + sampled >= self.context_len)
 
     @property
     def finished(self) -> bool:
@@ -84,7 +104,8 @@ class Req:
 
     @property
     def suppressing_eos(self) -> bool:
-        return len(self.output_ids) < self.params.min_new_tokens
+        """Whether the next token a step samples must not be EOS (min_new_tokens)."""
+        return self.num_sampled < self.params.min_new_tokens
 
     def stop_ids(self) -> frozenset[int]:
         eos = frozenset() if self.params.ignore_eos else self.eos_ids
@@ -118,7 +139,7 @@ class Req:
                 "message": "the grammar allows no token here (a dead end); the output ends"}
 
     def _finish_reason(self, token: int) -> dict[str, Any] | None:
-        if token in self.stop_ids() and not self.suppressing_eos:
+        if token in self.stop_ids() and len(self.output_ids) >= self.params.min_new_tokens:
             return {"type": "stop", "matched": token}
         if self.detokenizer.stopped:
             return {"type": "stop", "matched": self.detokenizer.matched_stop}

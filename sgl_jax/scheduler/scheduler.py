@@ -1,8 +1,21 @@
-"""The scheduler: one step = schedule -> run -> postprocess.
+"""The scheduler: one step = schedule -> launch -> settle the step before.
 
 Extend batches (new prompts, chunked prefill, recomputation after retraction) have priority;
 otherwise every running request decodes one token. All state here is host-side and owned by
 the engine loop's thread.
+
+The loop runs one step ahead of its results (`overlap`): step N+1 is dispatched before step
+N's tokens are read, its decode inputs taken on the device from the tokens step N sampled
+(the runner's per-slot last tokens), so the host's work on step N's results (stop rules,
+text, streaming, freeing pages) runs while the device computes step N+1. What the host needs
+before a step is known without the tokens: lengths, pages and sampling positions advance
+when a step is launched (`Req.num_inflight` counts the tokens not read yet). A request that
+ends at step N (EOS, a stop string) may have run in step N+1: that row is dropped when
+settled, so nothing it emits changes; its pages and slot are released when step N is
+settled, and any later step that reuses them is dispatched after step N+1, so the device
+runs them in order. A step that needs the host's view of every token settles first:
+retraction, and decode batches with a grammar-constrained request (its matcher must take
+the last token before it can mask the next). Speculative rounds run synchronously.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import (
     ModelRunner,
+    PendingStep,
     StepOutput,
     bitmask_words,
     greedy_sampling_batch,
@@ -47,6 +61,25 @@ OutputCallback = Callable[[Req, str, list[int]], None]
 
 
 @dataclass
+class LaunchedStep:
+    """A dispatched extend or decode step whose results the host has not read yet."""
+
+    kind: str  # "prefill" or "decode"
+    rows: list[tuple[Req, int, bool]]  # (request, tokens computed, whether it samples one)
+    output: PendingStep | _Ready
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """Results read already (a step that ran synchronously)."""
+
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
+@dataclass
 class SchedulerStats:
     num_prefill_tokens: int = 0
     num_generated_tokens: int = 0
@@ -66,6 +99,7 @@ class Scheduler:
         decode_log_interval: int = 40,
         spec: SpecRunner | None = None,
         adaptive_speculation: bool = True,
+        overlap: bool = True,
     ):
         self.runner = runner
         self.vocab_size = runner.config.vocab_size
@@ -78,13 +112,16 @@ class Scheduler:
         self.prefill = PrefillManager(
             cache, limits, on_admit=None if spec is None or not spec.defers_draft
             else self._choose_drafting)
-        self.decode = DecodeManager(cache, self._retract,
+        self.decode = DecodeManager(cache, self._retract, settle=self._settle,
                                     lookahead=1 if spec is None else spec.lookahead)
         self.running: list[Req] = []
         self.on_output = on_output
         self.decode_log_interval = decode_log_interval
         self.stats = SchedulerStats(last_log_time=time.perf_counter())
-        self._free_penalty_slots = list(range(limits.max_running_requests - 1, -1, -1))
+        self._free_slots = list(range(limits.max_running_requests - 1, -1, -1))
+        # Run a step ahead of the results (speculative rounds do not yet).
+        self.overlap = overlap and spec is None
+        self._in_flight: LaunchedStep | None = None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -119,54 +156,81 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.prefill.waiting)
+        return bool(self.running or self.prefill.waiting or self._in_flight)
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
         batch, kind = self._schedule()
-        if not batch:
-            return
         if kind == "decode" and self.spec is not None:
             self._verify_round([req for req, _ in batch])
             return
-        output = self._run(batch)
-        self._postprocess(batch, output, kind)
+        launched = self._launch(batch, kind) if batch else None
+        self._settle()  # the step before, while the device runs this one
+        self._in_flight = launched
+        if not self.overlap:
+            self._settle()
 
     def _schedule(self) -> tuple[list[tuple[Req, int]], str]:
         batch = self.prefill.schedule(self.running)
         if batch:
             for req, _ in batch:
-                self._assign_penalty_slot(req)
+                self._assign_slot(req)
             return batch, "prefill"
+        if self._in_flight is not None and any(r.grammar is not None for r in self.running):
+            self._settle()  # a matcher takes the last token before it masks the next
         batch = self.decode.schedule(self.running)
         if batch:
             return batch, "decode"
-        if self.running:  # partial prefills hold every page: make room for the others
+        if self.running and self._in_flight is None:
+            # Partial prefills hold every page: make room for the others.
             self._retract(self.running.pop())
         return [], "idle"
 
-    def _run(self, batch: list[tuple[Req, int]]) -> StepOutput:
-        chunks = [
-            SeqChunk(req.token_slice(req.kv_len, req.kv_len + n), req.kv_len, req.page_ids,
-                     state_slot=req.state_slot)
-            for req, n in batch
-        ]
-        emits = np.array([n == req.tokens_to_compute for req, n in batch])
+    def _launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep:
+        """Dispatch the batch; lengths advance now, tokens are read when it is settled."""
+        rows = [(req, n, n == req.tokens_to_compute) for req, n in batch]
+        chunks = [SeqChunk(self._input_ids(req, n), req.kv_len, req.page_ids,
+                           state_slot=req.state_slot) for req, n in batch]
+        emits = np.array([emits for _, _, emits in rows])
         want_top = any(req.top_logprobs_num > 0 for req, _ in batch)
+        sampling = sampling_batch(batch, self.vocab_size)
         if self.spec is not None:
-            return self._spec_prefill(batch, chunks, emits, want_top)
-        slots = np.array([req.penalty_slot for req, _ in batch], np.int32)
-        return self.runner.step(chunks, sampling_batch(batch, self.vocab_size), slots, emits,
-                                want_top)
+            output = _Ready(self._spec_prefill(batch, chunks, sampling, emits, want_top))
+        else:
+            output = self.runner.step(
+                chunks, sampling, np.array([_penalty_slot(req) for req, _ in batch], np.int32),
+                emits, want_top, slots=np.array([req.slot for req, _ in batch], np.int32),
+                want_logprobs=any(req.return_logprob for req, _ in batch))
+        for req, n, emit in rows:
+            req.kv_len += n
+            req.num_inflight += emit
+        return LaunchedStep(kind, rows, output)
 
-    def _spec_prefill(self, batch, chunks, emits, want_top) -> StepOutput:
+    @staticmethod
+    def _input_ids(req: Req, n: int) -> list[int]:
+        """The chunk's tokens; a decode row whose last token is still on the device reads it
+        there (-1)."""
+        if not req.num_inflight:
+            return req.token_slice(req.kv_len, req.kv_len + n)
+        if n != 1:
+            raise RuntimeError(f"request {req.rid}: an extend chunk after unread tokens")
+        return [-1]
+
+    def _settle(self) -> bool:
+        """Read the step in flight (if any) and act on its tokens; True if there was one."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return False
+        self._postprocess(launched.rows, launched.output.result(), launched.kind)
+        return True
+
+    def _spec_prefill(self, batch, chunks, sampling, emits, want_top) -> StepOutput:
         """Target and draft extend together (the target alone where no request of the batch
         has a draft); completed prompts get their first draft tree's root."""
         after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
         next_tokens = [ids[0] if ids else 0 for ids in after]
-        output, roots = self.spec.prefill(chunks, sampling_batch(batch, self.vocab_size), emits,
-                                          want_top, next_tokens,
+        output, roots = self.spec.prefill(chunks, sampling, emits, want_top, next_tokens,
                                           run_draft=any(req.drafting for req, _ in batch))
         for row, (req, _) in enumerate(batch):
             if emits[row]:
@@ -274,30 +338,37 @@ class Scheduler:
                 break
         return text, tokens
 
-    def _postprocess(self, batch: list[tuple[Req, int]], output: StepOutput, kind: str) -> None:
-        for row, (req, n) in enumerate(batch):
-            emits = n == req.tokens_to_compute
-            req.kv_len += n
+    def _postprocess(self, rows: list[tuple[Req, int, bool]], output: StepOutput,
+                     kind: str) -> None:
+        """Append each emitting row's token; a request that ended while the step ran (it
+        stopped at the step before, or was aborted) drops its token."""
+        tokens = output.tokens.tolist()
+        logprobs = output.logprobs.tolist() if output.logprobs is not None else None
+        for row, (req, _, emits) in enumerate(rows):
             if not emits:
                 continue
+            req.num_inflight -= 1
+            if req.finished:
+                continue
             top = _top_logprobs(output, row) if req.top_logprobs_num else []
-            token = int(output.tokens[row])
-            text = req.append_token(token, float(output.logprobs[row]), top)
+            token = tokens[row]
+            text = req.append_token(token, logprobs[row] if logprobs else 0.0, top)
             if req.finished:
                 self.running.remove(req)
                 self._finish(req)
             self.on_output(req, text, [token])
-        self._log(batch, kind)
+        self._log(rows, kind)
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _assign_penalty_slot(self, req: Req) -> None:
-        """Penalised requests get a row of device penalty state when first admitted. They keep
-        it through retraction; admission is first come first served, so running plus
+    def _assign_slot(self, req: Req) -> None:
+        """A request gets its row of the device's per-request state when first admitted. It
+        keeps it through retraction; admission is first come first served, so running plus
         retracted requests never outnumber the slots (max_running_requests)."""
-        if req.params.uses_penalties and req.penalty_slot < 0:
-            req.penalty_slot = self._free_penalty_slots.pop()
-            self.runner.reset_penalty_slot(req.penalty_slot, req.prompt_ids)
+        if req.slot < 0:
+            req.slot = self._free_slots.pop()
+            if req.params.uses_penalties:
+                self.runner.reset_penalty_slot(req.slot, req.prompt_ids)
 
     def _retract(self, req: Req) -> None:
         """Free a running request's pages (and state slot); it recomputes its tokens when
@@ -314,20 +385,20 @@ class Scheduler:
         if self.policy is not None:
             self.policy.count_finished(req.drafting)
         self.cache.release(req)
-        if req.penalty_slot >= 0:
-            self._free_penalty_slots.append(req.penalty_slot)
-            req.penalty_slot = -1
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
 
-    def _log(self, batch: list[tuple[Req, int]], kind: str) -> None:
+    def _log(self, batch: list[tuple[Req, int, bool]], kind: str) -> None:
         stats = self.stats
         usage = self.cache.used_pages / self.cache.allocator.capacity
         if kind == "prefill":
-            new_tokens = sum(n for _, n in batch)
+            new_tokens = sum(n for _, n, _ in batch)
             stats.num_prefill_tokens += new_tokens
             logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
                 "token usage: %.2f, #running-req: %d, #queue-req: %d",
-                len(batch), new_tokens, sum(r.cached_tokens for r, _ in batch), usage,
+                len(batch), new_tokens, sum(r.cached_tokens for r, _, _ in batch), usage,
                 len(self.running), len(self.prefill.waiting),
             )
             return
@@ -353,6 +424,12 @@ class Scheduler:
             len(self.running), sum(r.kv_len for r in self.running), usage, spec, rate,
             len(self.prefill.waiting),
         )
+
+
+def _penalty_slot(req: Req) -> int:
+    """The request's row of the device penalty state, or -1 for a request without
+    penalties (the sampler then skips them)."""
+    return req.slot if req.params.uses_penalties else -1
 
 
 def _top_logprobs(output: StepOutput, row: int) -> list[tuple[int, float]]:
@@ -392,5 +469,5 @@ def sampling_batch(batch: list[tuple[Req, int]], vocab_size: int) -> SamplingBat
         presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
         repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
         seed=np.array([req.seed for req, _ in batch], np.uint32),
-        position=np.array([len(req.output_ids) for req, _ in batch], np.int32),
+        position=np.array([req.num_sampled for req, _ in batch], np.int32),
     )

@@ -243,12 +243,16 @@ class SpecRunner:
                   for row in rows]
         n = len(rows)
         out = self.target.step(chunks, sampling, np.full(n, -1, np.int32), np.ones(n, bool),
-                               want_top_logprobs)
+                               want_top_logprobs).result()
         roots = np.array([row.root_token for row in rows], np.int32)[:, None]
+        top_ids, top_values = out.top_logprob_ids, out.top_logprobs
+        if top_ids is None:  # not asked for: zeros, as a round returns them
+            top_ids = np.zeros((n, MAX_TOP_LOGPROBS), np.int32)
+            top_values = np.zeros((n, MAX_TOP_LOGPROBS), np.float32)
         return RoundOutput(
             tokens=out.tokens[:, None], num_accepted=np.zeros(n, np.int32),
-            logprobs=out.logprobs[:, None], top_logprob_ids=out.top_logprob_ids[:, None],
-            top_logprobs=out.top_logprobs[:, None],
+            logprobs=out.logprobs[:, None], top_logprob_ids=top_ids[:, None],
+            top_logprobs=top_values[:, None],
             root_hidden=np.zeros((n, self.root_width), self.target.model.dtype),
             tree_tokens=roots, tree_parents=np.full_like(roots, -1))
 
