@@ -132,22 +132,19 @@ def replay_ms(runner, chunks: list[SeqChunk], steps: int, read_each: bool) -> fl
     batch = build_forward_batch(chunks, page_size=runner.page_size, shape=shape)
     rows = shape.num_logits
     sampling = greedy_sampling_batch(rows, runner.config.vocab_size)
-    slots, emits = np.full(rows, -1, np.int32), np.ones(rows, bool)
-    args = (runner.model.params, runner.kv_cache, runner.penalties, batch, sampling, slots,
-            emits, np.bool_(False))
-    program = runner._sampling_program(shape, args)
+    no_slots, emits = np.full(rows, -1, np.int32), np.ones(rows, bool)
 
     def run(count: int) -> float:
-        kv, penalties, step_batch = runner.kv_cache, runner.penalties, batch
+        step_batch = batch
         start = time.perf_counter()
         for _ in range(count):
-            kv, penalties, out, _ = program(runner.model.params, kv, penalties, step_batch,
-                                            sampling, slots, emits, np.bool_(False))
+            pending = runner.launch(step_batch, sampling, no_slots, no_slots, emits, rows,
+                                    want_top_logprobs=False, want_logprobs=False)
             if read_each:
-                tokens = np.asarray(out.tokens)
+                tokens = pending.result().tokens
                 step_batch = dataclasses.replace(step_batch, input_ids=tokens)
-        jax.block_until_ready(out.tokens)
-        runner.kv_cache, runner.penalties = kv, penalties
+        pending.result()
+        jax.block_until_ready(runner.kv_cache)
         return time.perf_counter() - start
 
     run(3)

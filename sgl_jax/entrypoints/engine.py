@@ -103,7 +103,8 @@ class Engine:
         self._rng_lock = threading.Lock()  # requests are made on callers' threads
         self._request_ids = itertools.count()
         self.started_at = time.time()
-        self._streams: dict[str, tuple[OutputStream, int]] = {}  # rid -> (stream, index)
+        # rid -> (its call's output stream, its index in the call, whether it streams)
+        self._streams: dict[str, tuple[OutputStream, int, bool]] = {}
         # Optional observer of request progress (the HTTP server's Prometheus metrics); called
         # on the engine thread.
         self.output_observer: Callable[[Req, int], None] | None = None
@@ -231,7 +232,7 @@ class Engine:
         tagged with the output's `index` (prompt-major, as in the list)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob,
                                            top_logprobs_num)
-        output_stream = self._register(reqs, loop=None)
+        output_stream = self._register(reqs, loop=None, stream=stream)
         self._require_loop().call(_add_all(reqs))
         if stream:
             return self._stream_chunks(reqs, output_stream)
@@ -253,7 +254,7 @@ class Engine:
         Tokenizing and compiling grammars run on a worker thread, off the event loop."""
         reqs, single = await asyncio.to_thread(self._make_requests, prompt, sampling_params,
                                                input_ids, return_logprob, top_logprobs_num)
-        output_stream = self._register(reqs, loop=asyncio.get_running_loop())
+        output_stream = self._register(reqs, loop=asyncio.get_running_loop(), stream=stream)
         await asyncio.wrap_future(self._require_loop().submit(_add_all(reqs)))
         if stream:
             return self._astream_chunks(reqs, output_stream)
@@ -415,13 +416,14 @@ class Engine:
             raise ValueError(f"min_new_tokens supports at most {MAX_SUPPRESSED_IDS} EOS + stop "
                              f"token ids, got {len(stop_ids)}")
 
-    def _register(self, reqs: list[Req], loop: asyncio.AbstractEventLoop | None
-                  ) -> OutputStream:
+    def _register(self, reqs: list[Req], loop: asyncio.AbstractEventLoop | None,
+                  stream: bool) -> OutputStream:
         """One output stream for the requests of a call, in place before the engine thread
-        sees them; chunks carry the request's index in the call."""
+        sees them; chunks carry the request's index in the call. A call that does not stream
+        gets one chunk per request, when it finishes."""
         output_stream = OutputStream(loop)
         for index, req in enumerate(reqs):
-            self._streams[req.rid] = (output_stream, index)
+            self._streams[req.rid] = (output_stream, index, stream)
         return output_stream
 
     # ------------------------------------------------------------------ outputs
@@ -433,7 +435,9 @@ class Engine:
         target = self._streams.get(req.rid)
         if target is None:
             return
-        output_stream, index = target
+        output_stream, index, streaming = target
+        if not (streaming or req.finished):
+            return
         if req.finished:
             del self._streams[req.rid]
         chunk = {"index": index, "text": text, "output_ids": token_ids,
@@ -548,7 +552,7 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
 
 
 # What the scheduler calls on the device, and so what followers replay.
-_RUNNER_STEPS = ("step", "reset_penalty_slot")
+_RUNNER_STEPS = ("step", "launch", "reset_penalty_slot")
 _SPEC_STEPS = ("prefill", "round", "undrafted_round", "catch_up", "draft_trees",
                "masked_verify")
 

@@ -121,11 +121,15 @@ class Buckets:
 
     def shape_for(self, chunks: Sequence[SeqChunk]) -> BatchShape:
         if all(len(c.token_ids) == 1 and c.tree_mask is None for c in chunks):
-            seqs = self.batch_padding(len(chunks))
-            return BatchShape(seqs, 1, self.pages_per_seq, seqs)
+            return self.decode_shape(len(chunks))
         needed = sum(aligned(len(c.token_ids)) for c in chunks)
         tokens = _pad_to(self.token_paddings, needed, "tokens (block-aligned) in an extend batch")
         return BatchShape(tokens, EXTEND_Q_BLOCK, self.pages_per_seq, tokens // EXTEND_Q_BLOCK)
+
+    def decode_shape(self, num_seqs: int) -> BatchShape:
+        """The shape of a decode step of num_seqs sequences (one token each)."""
+        seqs = self.batch_padding(num_seqs)
+        return BatchShape(seqs, 1, self.pages_per_seq, seqs)
 
     def batch_padding(self, num_seqs: int) -> int:
         """The padded batch size for num_seqs sequences (decode steps, verify rounds)."""
@@ -215,6 +219,45 @@ def build_forward_batch(
         q_block=qb,
     )
     return ForwardBatch(input_ids, positions, logits_indices, metadata, state_slots)
+
+
+def build_decode_batch(
+    input_ids: np.ndarray,  # i32[n]: each row's last token (-1: still on the device)
+    kv_lens: np.ndarray,  # i32[n]: tokens already in the cache before this one
+    page_table: np.ndarray,  # i32[n, P]: each row's pages, then the null page
+    state_slots: np.ndarray,  # i32[n]: hybrid models' state slots (0: none)
+    *, page_size: int, shape: BatchShape,
+) -> ForwardBatch:
+    """A decode batch (one new token per row) from row arrays, without a loop over rows:
+    what build_forward_batch gives for single-token chunks. Padding rows (up to the shape's
+    batch size) attend to nothing and write into the null page."""
+    n, rows = len(input_ids), shape.num_tokens
+    if shape.q_block != 1 or n > rows:
+        raise ValueError(f"{n} decode rows do not fit the shape {shape}")
+    if (kv_lens >= page_table.shape[1] * page_size).any():
+        raise ValueError("a decode row's token lies past its page table")
+    pages = np.take_along_axis(page_table, (kv_lens // page_size)[:, None], axis=1)[:, 0]
+    if (pages == 0).any():
+        raise ValueError("a decode row's token has no page (reserve it first)")
+    table = np.zeros((rows, shape.pages_per_seq), np.int32)
+    table[:n, : page_table.shape[1]] = page_table
+    metadata = AttentionMetadata(
+        slot_mapping=_padded(pages * page_size + kv_lens % page_size, rows),
+        page_table=table,
+        kv_lens=_padded(kv_lens + 1, rows),
+        window_starts=_padded(kv_lens, rows),
+        q_starts=np.zeros(rows, np.int32),
+        tree_bits=None,
+        q_block=1,
+    )
+    return ForwardBatch(_padded(input_ids, rows), _padded(kv_lens, rows),
+                        np.arange(rows, dtype=np.int32), metadata, _padded(state_slots, rows))
+
+
+def _padded(values: np.ndarray, rows: int) -> np.ndarray:
+    out = np.zeros(rows, np.int32)
+    out[: len(values)] = values
+    return out
 
 
 def token_positions(chunks: Sequence[SeqChunk], shape: BatchShape) -> list[np.ndarray]:

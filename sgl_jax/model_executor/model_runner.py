@@ -41,6 +41,7 @@ from sgl_jax.model_executor.forward_batch import (
     build_forward_batch,
     token_positions,
 )
+from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
 from sgl_jax.models.loader import LoadedModel
 from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
@@ -137,11 +138,12 @@ class ModelRunner:
         )
         self._sampling_step = jax.jit(
             functools.partial(self._sampling_step_impl, forward=forward),
-            donate_argnums=(1, 2, 3),
+            donate_argnums=(1, 2, 3), static_argnames=("packing",),
         )
         self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
-        # Compiled sampling steps by bucket: serving calls them directly, never tracing.
-        self._sampling_programs: dict[BatchShape, jax.stages.Compiled] = {}
+        # Compiled sampling steps by bucket, with the layout of their packed host inputs:
+        # serving calls them directly, never tracing.
+        self._sampling_programs: dict[BatchShape, tuple[Packing, jax.stages.Compiled]] = {}
 
     # ------------------------------------------------------------------ public steps
 
@@ -183,13 +185,32 @@ class ModelRunner:
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
         n = len(chunks)
         slots = np.full(n, -1, np.int32) if slots is None else slots
-        args = (self.model.params, self.kv_cache, self.penalties, self.last_tokens, batch,
-                sampling, _pad_rows(penalty_slots.astype(np.int32), rows, fill=-1),
-                _pad_rows(slots.astype(np.int32), rows, fill=-1),
-                _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs))
-        (self.kv_cache, self.penalties, self.last_tokens, out,
-         top) = self._sampling_program(shape, args)(*args)
-        return PendingStep(n, out.tokens, out.logprob if want_logprobs else None,
+        return self.launch(batch, sampling, _pad_rows(penalty_slots.astype(np.int32), rows, -1),
+                           _pad_rows(slots.astype(np.int32), rows, -1),
+                           _pad_rows(emits, rows, False), n, want_top_logprobs=want_top_logprobs,
+                           want_logprobs=want_logprobs)
+
+    def launch(
+        self,
+        batch: ForwardBatch,  # a bucket's shape (build_forward_batch, build_decode_batch)
+        sampling: SamplingBatch,  # host arrays of N rows (the shape's num_logits)
+        penalty_slots: np.ndarray,  # i32[N]: -1 for rows without penalties
+        slots: np.ndarray,  # i32[N]: request slots; -1 none
+        emits: np.ndarray,  # bool[N]
+        num_rows: int,  # real rows, first in the batch
+        *,
+        want_top_logprobs: bool,
+        want_logprobs: bool,
+    ) -> PendingStep:
+        """Dispatch a batch already padded to its bucket (see step)."""
+        shape = BatchShape(batch.input_ids.shape[0], batch.attention.q_block,
+                           batch.attention.page_table.shape[1], batch.logits_indices.shape[0])
+        host = (batch, sampling, penalty_slots, slots, emits, np.bool_(want_top_logprobs))
+        packing, program = self._sampling_program(shape, host)
+        (self.kv_cache, self.penalties, self.last_tokens, out, top) = program(
+            self.model.params, self.kv_cache, self.penalties, self.last_tokens,
+            *pack(host, packing))
+        return PendingStep(num_rows, out.tokens, out.logprob if want_logprobs else None,
                            top if want_top_logprobs else None)
 
     def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
@@ -211,20 +232,28 @@ class ModelRunner:
                 total=len(shapes), desc="Compiling step buckets", unit="bucket") as bar:
             pending = {}
             for shape in shapes:
-                lowered = self._sampling_step.lower(*self._dummy_step_args(shape))
-                pending[shape] = pool.submit(lowered.compile)
-            for shape, future in pending.items():
-                self._sampling_programs[shape] = future.result()
+                packing, lowered = self._lower_sampling_step(self._dummy_step_inputs(shape))
+                pending[shape] = packing, pool.submit(lowered.compile)
+            for shape, (packing, future) in pending.items():
+                self._sampling_programs[shape] = packing, future.result()
                 bar.update()
         self.reset_penalty_slot(0, [])
         logger.info("Warm-up done: %d compilations", self.num_compilations)
 
-    def _sampling_program(self, shape: BatchShape, args: tuple):
+    def _sampling_program(self, shape: BatchShape, host_inputs: tuple
+                          ) -> tuple[Packing, jax.stages.Compiled]:
         """The compiled sampling step of one bucket, compiled now if warm-up did not."""
-        program = self._sampling_programs.get(shape)
-        if program is None:
-            program = self._sampling_programs[shape] = self._sampling_step.lower(*args).compile()
-        return program
+        entry = self._sampling_programs.get(shape)
+        if entry is None:
+            packing, lowered = self._lower_sampling_step(host_inputs)
+            entry = self._sampling_programs[shape] = packing, lowered.compile()
+        return entry
+
+    def _lower_sampling_step(self, host_inputs: tuple) -> tuple[Packing, jax.stages.Lowered]:
+        packing = layout(host_inputs)
+        return packing, self._sampling_step.lower(
+            self.model.params, self.kv_cache, self.penalties, self.last_tokens,
+            *pack(host_inputs, packing), packing=packing)
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -248,8 +277,9 @@ class ModelRunner:
         kv_cache, logits, captured = forward(params, kv_cache, batch)
         return kv_cache, *self.tp.constrain_replicated((logits, captured))
 
-    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, batch, sampling,
-                            penalty_slots, slots, emits, want_top, *, forward):
+    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, ints, floats, *,
+                            packing, forward):
+        batch, sampling, penalty_slots, slots, emits, want_top = unpack(packing, ints, floats)
         if batch.attention.q_block == 1:  # decode rows may read their input on the device
             batch = dataclasses.replace(batch, input_ids=_with_last_tokens(
                 batch.input_ids, last_tokens, slots))
@@ -276,8 +306,8 @@ class ModelRunner:
             raise ValueError(f"every chunk needs its own state slot in 1..."
                              f"{self.num_state_slots - 1}, got {slots}")
 
-    def _dummy_step_args(self, shape: BatchShape) -> tuple:
-        """Sampling-step arguments of the given shape (for compiling it)."""
+    def _dummy_step_inputs(self, shape: BatchShape) -> tuple:
+        """Host inputs of a sampling step of the given shape (for compiling it)."""
         if shape.q_block == 1:
             chunks = [SeqChunk([0], 0, [0]) for _ in range(shape.num_tokens)]
         else:  # one chunk padded up to the shape; it never needs more than a context's pages
@@ -285,9 +315,9 @@ class ModelRunner:
             chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
-        return (self.model.params, self.kv_cache, self.penalties, self.last_tokens, batch,
-                greedy_sampling_batch(rows, self.config.vocab_size), np.full(rows, -1, np.int32),
-                np.full(rows, -1, np.int32), np.zeros(rows, bool), np.bool_(False))
+        return (batch, greedy_sampling_batch(rows, self.config.vocab_size),
+                np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, bool),
+                np.bool_(False))
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.

@@ -69,6 +69,11 @@ class Req:
         return self.kv_len - len(self.draft_pending)
 
     @property
+    def last_token(self) -> int:
+        """The last token the host has read (the prompt's last before any output)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

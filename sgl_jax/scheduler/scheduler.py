@@ -30,7 +30,7 @@ import numpy as np
 
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_bitmasks, fill_tree_bitmasks
 from sgl_jax.layers.sampler import SamplingBatch
-from sgl_jax.model_executor.forward_batch import SeqChunk
+from sgl_jax.model_executor.forward_batch import SeqChunk, build_decode_batch
 from sgl_jax.model_executor.model_runner import (
     ModelRunner,
     PendingStep,
@@ -42,6 +42,7 @@ from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decode_manager import DecodeManager
 from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
 from sgl_jax.scheduler.req import Req
+from sgl_jax.scheduler.slot_table import SlotTable
 from sgl_jax.speculative.drafts import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
 from sgl_jax.speculative.spec_runner import (
@@ -119,6 +120,8 @@ class Scheduler:
         self.decode_log_interval = decode_log_interval
         self.stats = SchedulerStats(last_log_time=time.perf_counter())
         self._free_slots = list(range(limits.max_running_requests - 1, -1, -1))
+        self.slot_table = SlotTable(limits.max_running_requests, runner.buckets.pages_per_seq,
+                                    self.vocab_size)
         # Run a step ahead of the results (speculative rounds do not yet).
         self.overlap = overlap and spec is None
         self._in_flight: LaunchedStep | None = None
@@ -189,6 +192,8 @@ class Scheduler:
 
     def _launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep:
         """Dispatch the batch; lengths advance now, tokens are read when it is settled."""
+        if kind == "decode":
+            return self._launch_decode([req for req, _ in batch])
         rows = [(req, n, n == req.tokens_to_compute) for req, n in batch]
         chunks = [SeqChunk(self._input_ids(req, n), req.kv_len, req.page_ids,
                            state_slot=req.state_slot) for req, n in batch]
@@ -206,6 +211,31 @@ class Scheduler:
             req.kv_len += n
             req.num_inflight += emit
         return LaunchedStep(kind, rows, output)
+
+    def _launch_decode(self, reqs: list[Req]) -> LaunchedStep:
+        """One token for every request, the batch built from row arrays (SlotTable)."""
+        n = len(reqs)
+        shape = self.runner.buckets.decode_shape(n)
+        slots = np.fromiter((r.slot for r in reqs), np.int32, n)
+        num_sampled = np.fromiter((r.num_sampled for r in reqs), np.int32, n)
+        batch = build_decode_batch(
+            np.fromiter((-1 if r.num_inflight else r.last_token for r in reqs), np.int32, n),
+            np.fromiter((r.kv_len for r in reqs), np.int32, n),
+            self.slot_table.page_rows(reqs),
+            np.fromiter((r.state_slot for r in reqs), np.int32, n),
+            page_size=self.runner.page_size, shape=shape)
+        sampling, penalty_slots = self.slot_table.sampling_rows(reqs, slots, num_sampled,
+                                                                shape.num_logits)
+        rows = shape.num_logits
+        output = self.runner.launch(
+            batch, sampling, penalty_slots, _padded(slots, rows, -1),
+            np.arange(rows) < n, n,
+            want_top_logprobs=any(r.top_logprobs_num for r in reqs),
+            want_logprobs=any(r.return_logprob for r in reqs))
+        for req in reqs:
+            req.kv_len += 1
+            req.num_inflight += 1
+        return LaunchedStep("decode", [(req, 1, True) for req in reqs], output)
 
     @staticmethod
     def _input_ids(req: Req, n: int) -> list[int]:
@@ -367,6 +397,7 @@ class Scheduler:
         retracted requests never outnumber the slots (max_running_requests)."""
         if req.slot < 0:
             req.slot = self._free_slots.pop()
+            self.slot_table.join(req)
             if req.params.uses_penalties:
                 self.runner.reset_penalty_slot(req.slot, req.prompt_ids)
 
@@ -424,6 +455,12 @@ class Scheduler:
             len(self.running), sum(r.kv_len for r in self.running), usage, spec, rate,
             len(self.prefill.waiting),
         )
+
+
+def _padded(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
+    out = np.full(rows, fill, values.dtype)
+    out[: len(values)] = values
+    return out
 
 
 def _penalty_slot(req: Req) -> int:

@@ -63,20 +63,20 @@ def test_the_loop_dispatches_the_next_step_before_reading_the_last(engines):
     for engine, ahead in ((overlapped, True), (sync, False)):
         events = []
         runner = engine._loop.scheduler.runner
-        launch = runner.step
+        launch = runner.launch  # every step, extend or decode, is dispatched here
 
-        def logged_step(*args, **kwargs):
+        def logged_launch(*args, **kwargs):
             events.append("launch")
             pending = launch(*args, **kwargs)
             read = pending.result
             pending.result = lambda: (events.append("read"), read())[1]
             return pending
 
-        engine._loop.call(lambda s: setattr(s.runner, "step", logged_step))
+        engine._loop.call(lambda s: setattr(s.runner, "launch", logged_launch))
         try:
             engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(6))
         finally:
-            engine._loop.call(lambda s: setattr(s.runner, "step", launch))
+            engine._loop.call(lambda s: delattr(s.runner, "launch"))
         # Overlapped: launch, launch, read, launch, read, ...; synchronous: launch, read, ...
         assert (events[:3] == ["launch", "launch", "read"]) is ahead
         assert events.count("launch") == events.count("read") == 6
