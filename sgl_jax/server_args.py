@@ -74,7 +74,7 @@ class ServerArgs:
     skip_server_warmup: bool = False
     compilation_cache_dir: str | None = None  # default: <user cache>/sgl-jax/xla
     disable_compilation_cache: bool = False
-    disable_overlap_schedule: bool = False  # steps never overlap here; accepted for SGLang users
+    disable_overlap_schedule: bool = False  # run each step after reading the last one's tokens
     attention_backend: str | None = None  # default: fa on TPU and GPU, native on CPU
     # Parallelism
     tp_size: int = 1
@@ -342,8 +342,10 @@ def _add_scheduling_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-compilation-cache", action="store_true",
                        help="compile every bucket afresh at each start")
     group.add_argument("--disable-overlap-schedule", action="store_true",
-                       help="accepted for compatibility: steps are never overlapped here, so "
-                            "this is always the behaviour")
+                       help="read each step's tokens before dispatching the next (by default "
+                            "the engine loop runs a step ahead, so the host's work on a step's "
+                            "results overlaps the device's next step); speculative rounds are "
+                            "synchronous either way")
     group.add_argument("--attention-backend", default=None,
                        choices=ATTENTION_BACKEND_CHOICES,
                        help="fa (alias triton) = the Pallas ragged paged FlashAttention kernels, "

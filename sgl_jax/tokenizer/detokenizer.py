@@ -10,13 +10,38 @@ Two things make streaming text harder than ``tokenizer.decode`` on each new toke
 * A stop string may arrive split over several tokens or pushes.  Text that could still
   become the beginning of a stop string is held back until it either completes the stop
   string (and is cut off) or stops matching (and is released).
+
+The window is kept by the ``tokenizers`` library's own incremental decoder
+(``tokenizers.decoders.DecodeStream``, in Rust), fed with the prompt's last few ids as
+prefill so the first generated token is decoded mid-text.  A request without stop strings
+makes no Python-level decode call per token.
+
+Some cases go through ``decode`` calls on the same context window instead (the *decode path*):
+
+* Tokenizers whose ``decode`` is more than their Rust backend's: slow (Python) tokenizers,
+  classes that override ``decode``, and tokenizers whose ``decode`` cleans up spaces
+  (``clean_up_tokenization_spaces`` where transformers applies it).  They use the decode path
+  for every push; only it passes ``spaces_between_special_tokens`` on, which transformers'
+  fast ``decode`` ignores (so the stream, which matches fast ``decode``, ignores it too).
+* States that DecodeStream has no bound for: more than ``MAX_INCOMPLETE_TOKENS`` ids that
+  still end in half a character (invalid bytes, released here as ``decode`` renders them)
+  and long runs of tokens that decode to nothing.  Also a decoder whose text for a longer
+  window does not extend the text for a shorter one (DecodeStream raises).  Those pushes
+  take the decode path; the stream is rebuilt once all ids are emitted and the context
+  window's text is complete (a prefill ending in U+FFFD would be repeated by the stream).
+
+One case no streaming can match: byte-fallback decoders (``<0xNN>`` tokens, as in Llama)
+render a whole run of byte tokens as U+FFFD when any byte in it is invalid, so an invalid
+byte can turn characters streamed earlier in its run into U+FFFD in ``decode``'s text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from transformers import PreTrainedTokenizerBase
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Decoders render an incomplete (or invalid) UTF-8 byte sequence as this character.
 REPLACEMENT_CHAR = "\ufffd"
@@ -35,6 +60,39 @@ MAX_INCOMPLETE_TOKENS = 4
 # next real token is still decoded mid-text; past this many the window is moved on anyway
 # to keep the per-push cost bounded.
 MAX_SILENT_TOKENS = 16
+
+# transformers 5 skips its space clean-up for BPE models unless this attribute is set.
+_FORCE_BPE_CLEAN_UP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+
+
+def _stream_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The Rust tokenizer whose ``decode`` returns exactly what ``tokenizer.decode`` does.
+
+    None when ``tokenizer.decode`` does more (or has no Rust backend): such tokenizers
+    stream through ``tokenizer.decode`` itself.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None  # a slow (Python) tokenizer
+    cls = type(tokenizer)
+    if (
+        cls.decode is not PreTrainedTokenizerBase.decode
+        or getattr(cls, "_decode", None) is not PreTrainedTokenizerFast._decode
+    ):
+        return None  # a model-specific decode (Whisper, wav2vec2, ...) post-edits the text
+    if _cleans_up_spaces(tokenizer, backend):
+        return None
+    return backend
+
+
+def _cleans_up_spaces(tokenizer: PreTrainedTokenizerBase, backend: Tokenizer) -> bool:
+    """Whether ``decode`` applies transformers' ``clean_up_tokenization`` to the text."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer, _FORCE_BPE_CLEAN_UP, None)
+    if forced is None:
+        return True  # transformers 4 cleans up every model's output
+    return bool(forced) or type(backend.model).__name__ != "BPE"
 
 
 class IncrementalDetokenizer:
@@ -58,21 +116,21 @@ class IncrementalDetokenizer:
     ) -> None:
         if any(not stop for stop in stop_strings):
             raise ValueError("stop strings must be non-empty")
-        self._tokenizer = tokenizer
-        self._decode_kwargs = {
-            "skip_special_tokens": skip_special_tokens,
-            "spaces_between_special_tokens": spaces_between_special_tokens,
-        }
+        self._skip_special_tokens = skip_special_tokens
+        self._backend = _stream_backend(tokenizer)
+        self._decode_ids = self._decoder(tokenizer, spaces_between_special_tokens)
         self._stop_strings = tuple(stop_strings)
         self._include_stop_string = include_stop_string
 
         # ids = prompt context + generated ids.  ids[prefix_offset:read_offset] were already
-        # emitted and serve as context; ids[read_offset:] are not yet emitted.
+        # emitted and serve as context; ids[read_offset:] are not yet emitted.  The stream,
+        # when there is one, holds the same window.
         context = self._prompt_context(prompt_ids)
         self._ids = context
         self._num_context_ids = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._stream = self._new_stream(context) if self._backend is not None else None
 
         self._held_text = ""  # decoded text that may be the start of a stop string
         self._chunks: list[str] = []
@@ -100,8 +158,13 @@ class IncrementalDetokenizer:
         if self.stopped or len(token_ids) == 0:
             return ""
         window = (self._prefix_offset, self._read_offset)
-        self._ids.extend(int(i) for i in token_ids)
-        return self._release(self._decode_new_text(), window)
+        new_ids = [int(i) for i in token_ids]
+        self._ids.extend(new_ids)
+        new_text = None if self._stream is None else self._stream_new_text(new_ids)
+        if new_text is None:
+            new_text = self._decode_new_text()
+            self._resume_stream()
+        return self._release(new_text, window)
 
     def flush(self) -> str:
         """End of generation: release everything still held back."""
@@ -116,7 +179,59 @@ class IncrementalDetokenizer:
             self._held_text = ""
         return out
 
-    # -- decoding ------------------------------------------------------------------------
+    # -- the stream ----------------------------------------------------------------------
+
+    def _new_stream(self, context: list[int]) -> DecodeStream:
+        # The prefill only sets the context; its own text is never returned.
+        return DecodeStream(ids=context, skip_special_tokens=self._skip_special_tokens)
+
+    def _stream_new_text(self, new_ids: list[int]) -> str | None:
+        """Text the stream emits for ``new_ids``; None hands the push to the decode path."""
+        try:
+            text = self._stream.step(self._backend, new_ids)
+        except Exception:  # DecodeStream's InvalidPrefix error has no Python type of its own
+            # This decoder's text for the longer window does not extend the shorter one.
+            self._stream = None
+            return None
+        if text is not None:
+            self._advance(len(self._ids))
+            return text
+        if len(self._ids) - self._read_offset <= MAX_INCOMPLETE_TOKENS:
+            return ""  # half a character or silent tokens: the decode path would wait too
+        # The stream would wait forever (and re-decode a growing window); apply the bounds.
+        self._stream = None
+        return None
+
+    def _resume_stream(self) -> None:
+        """Go back to the stream after the decode path, once the stream can take over.
+
+        Unread ids would have to be replayed into it, and a context whose text ends in
+        U+FFFD (invalid bytes) is repeated in the stream's next chunk, so wait for neither.
+        """
+        if self._backend is None or self._stream is not None:
+            return
+        if self._read_offset != len(self._ids):
+            return
+        context = self._ids[self._prefix_offset : self._read_offset]
+        if not self._decode_ids(context).endswith(REPLACEMENT_CHAR):
+            self._stream = self._new_stream(context)
+
+    # -- the decode path -------------------------------------------------------------------
+
+    def _decoder(
+        self, tokenizer: PreTrainedTokenizerBase, spaces_between_special_tokens: bool
+    ) -> Callable[[list[int]], str]:
+        """The decode function of the decode path (and of stop-string bookkeeping)."""
+        skip = self._skip_special_tokens
+        if self._backend is not None:
+            # Same text as tokenizer.decode (see _stream_backend), without its Python overhead.
+            backend = self._backend
+            return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+        kwargs = {
+            "skip_special_tokens": skip,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
+        return lambda ids: tokenizer.decode(ids, **kwargs)
 
     def _prompt_context(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt's last few ids, cut before any half character at the prompt's end.
@@ -125,14 +240,12 @@ class IncrementalDetokenizer:
         there would swallow the generated ids that finish it.
         """
         context = [int(i) for i in prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS) :]]
-        while context and self._tokenizer.decode(context, **self._decode_kwargs).endswith(
-            REPLACEMENT_CHAR
-        ):
+        while context and self._decode_ids(context).endswith(REPLACEMENT_CHAR):
             context.pop()
         return context
 
     def _decode(self, start: int, stop: int) -> str:
-        return self._tokenizer.decode(self._ids[start:stop], **self._decode_kwargs)
+        return self._decode_ids(self._ids[start:stop])
 
     def _decode_new_text(self) -> str:
         """Text added by ids[read_offset:], or "" while it is not final yet."""
@@ -151,29 +264,40 @@ class IncrementalDetokenizer:
         return new_text
 
     def _emit_stable_prefix(self, prefix_text: str, full_text: str) -> str:
-        """Emit the unread text up to the last token boundary that later ids cannot change.
-
-        Only the final U+FFFD can still turn into a character (it may be the start of one);
-        every earlier U+FFFD stands for invalid bytes and is final, as in ``decode``.
-        """
-        stable_text = full_text[:-1]
-        for end in range(len(self._ids) - 1, self._read_offset, -1):
-            text = self._decode(self._prefix_offset, end)
-            if len(text) > len(prefix_text) and stable_text.startswith(text):
-                self._advance(end)
-                return text[len(prefix_text) :]
+        """Emit the unread text up to the last token boundary that later ids cannot change."""
+        ends = range(len(self._ids) - 1, self._read_offset, -1)
+        texts = [(end, self._decode(self._prefix_offset, end)) for end in ends]
+        texts = [(end, text) for end, text in texts if len(text) > len(prefix_text)]
+        # Text that ends in a whole character is final.  Prefer it: byte-fallback decoders
+        # (<0xNN> tokens, as in Llama) render a whole run of byte tokens as U+FFFD while its
+        # last character is incomplete, so full_text may hide characters that are complete.
+        for end, text in texts:
+            if not text.endswith(REPLACEMENT_CHAR):
+                return self._emit_up_to(end, text[len(prefix_text) :])
+        # Only invalid bytes before the end: only the final U+FFFD can still turn into a
+        # character (the start of one); every earlier one is final, as in ``decode``.
+        for end, text in texts:
+            if full_text[:-1].startswith(text):
+                return self._emit_up_to(end, text[len(prefix_text) :])
         return ""
+
+    def _emit_up_to(self, end: int, text: str) -> str:
+        self._advance(end)
+        return text
 
     def _decode_tail(self) -> str:
         """All unread text, as ``decode`` renders it, even if it ends in half a character."""
+        if self._read_offset == len(self._ids):
+            return ""  # the usual end: everything was emitted, no decode needed
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._ids))
         self._advance(len(self._ids))
+        self._stream = None  # it still holds the tail as unread; a later push rebuilds it
         return full_text[len(prefix_text) :]
 
     def _advance(self, read_offset: int) -> None:
         # What was just emitted becomes the context for the next ids; older ids are not
-        # needed again, which keeps each decode small.
+        # needed again, which keeps each decode small.  (DecodeStream moves the same way.)
         self._prefix_offset = self._read_offset
         self._read_offset = read_offset
 
@@ -184,6 +308,11 @@ class IncrementalDetokenizer:
 
         ``window`` is the (prefix_offset, read_offset) that ``new_text`` was decoded with.
         """
+        if not self._stop_strings:
+            # Nothing to hold back: no string search on the per-token path.
+            if new_text:
+                self._chunks.append(new_text)
+            return new_text
         text = self._held_text + new_text
         match = self._first_completed_stop(text)
         if match is None:
@@ -218,12 +347,19 @@ class IncrementalDetokenizer:
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        if not text:
+            return 0
+        last = text[-1]
         longest = 0
         for stop in self._stop_strings:
-            for length in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
+            # Only prefixes ending in the text's last character can match, so jump between
+            # its occurrences in the stop string (usually none: one search per push).
+            limit = min(len(stop) - 1, len(text))
+            while (position := stop.rfind(last, longest, limit)) >= 0:
+                if text.endswith(stop[: position + 1]):
+                    longest = position + 1
                     break
+                limit = position
         return longest
 
     def _record_stop(self, stop: str, window: tuple[int, int], needed_text: str) -> None:
@@ -231,6 +367,7 @@ class IncrementalDetokenizer:
 
         A push may carry several ids (speculative decoding accepts a few per step), so
         find the first one whose text completes the match: the server truncates there.
+        Only runs once per request, so decoding here costs nothing per token.
         """
         prefix_offset, read_offset = window
         prefix_text = self._decode(prefix_offset, read_offset)

@@ -58,25 +58,31 @@ def both(engines, **request):
     return overlapped
 
 
+def launches_and_reads(engine, **request) -> list[str]:
+    """The order in which the engine dispatched steps and read their results back while it
+    served `request`."""
+    events = []
+    runner = engine._loop.scheduler.runner
+    launch = runner.launch  # every step, extend or decode, is dispatched here
+
+    def logged_launch(*args, **kwargs):
+        events.append("launch")
+        pending = launch(*args, **kwargs)
+        read = pending.result
+        pending.result = lambda: (events.append("read"), read())[1]
+        return pending
+
+    engine._loop.call(lambda s: setattr(s.runner, "launch", logged_launch))
+    try:
+        engine.generate(**request)
+    finally:
+        engine._loop.call(lambda s: delattr(s.runner, "launch"))
+    return events
+
+
 def test_the_loop_dispatches_the_next_step_before_reading_the_last(engines):
-    overlapped, sync = engines
-    for engine, ahead in ((overlapped, True), (sync, False)):
-        events = []
-        runner = engine._loop.scheduler.runner
-        launch = runner.launch  # every step, extend or decode, is dispatched here
-
-        def logged_launch(*args, **kwargs):
-            events.append("launch")
-            pending = launch(*args, **kwargs)
-            read = pending.result
-            pending.result = lambda: (events.append("read"), read())[1]
-            return pending
-
-        engine._loop.call(lambda s: setattr(s.runner, "launch", logged_launch))
-        try:
-            engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(6))
-        finally:
-            engine._loop.call(lambda s: delattr(s.runner, "launch"))
+    for engine, ahead in zip(engines, (True, False), strict=True):
+        events = launches_and_reads(engine, input_ids=[5, 6, 7], sampling_params=greedy(6))
         # Overlapped: launch, launch, read, launch, read, ...; synchronous: launch, read, ...
         assert (events[:3] == ["launch", "launch", "read"]) is ahead
         assert events.count("launch") == events.count("read") == 6
@@ -184,4 +190,21 @@ def test_requests_arriving_while_others_decode(engines):
             t.join()
         results.append([outputs[i]["output_ids"] for i in range(len(prompts))])
         assert pages_all_free(engine)
+    assert results[0] == results[1]
+
+
+def test_hybrid_model_with_state_slots_and_retraction(tmp_path):
+    """Qwen3-Next keeps a recurrent state per request slot: a run that retracts (states
+    freed, recomputed) gives the same tokens overlapped and not, and frees every slot."""
+    path = write_tiny_checkpoint(tmp_path / "next", "qwen3_next")
+    prompts = random_prompts(6, [30, 25, 40, 20, 35, 28])
+    params = [greedy(20)] * len(prompts)
+    results = []
+    for overlap in (True, False):
+        with Engine(model_path=str(path), max_total_tokens=256,
+                    disable_overlap_schedule=not overlap, **SMALL) as engine:
+            results.append(emitted(engine.generate(input_ids=prompts, sampling_params=params)))
+            info = engine.get_server_info()
+            assert info["num_retractions"] > 0 and info["state_slots_in_use"] == 0
+            assert pages_all_free(engine)
     assert results[0] == results[1]

