@@ -88,26 +88,22 @@ def engine_run_seconds(engine, prompts: list[list[int]], new_tokens: int) -> flo
     return time.perf_counter() - start
 
 
-def scheduler_counters(engine) -> tuple[int, int]:
-    """(decode steps, speculative rounds) the engine has run so far."""
-    def read(scheduler):
-        rounds = scheduler.spec_stats.rounds if scheduler.spec_stats is not None else 0
-        return scheduler.stats.num_decode_steps, rounds
-    return engine._require_loop().call(read)
+def scheduler_counters(engine) -> tuple[int]:
+    """(decode steps or speculative rounds of the whole batch) the engine has run so far."""
+    return engine._require_loop().call(lambda scheduler: (scheduler.stats.num_decode_steps,))
 
 
-def engine_ms_per_step(engine, prompts, short: int, steps: int, counter: int = 0
-                      ) -> tuple[float, int]:
+def engine_ms_per_step(engine, prompts, short: int, steps: int) -> tuple[float, int]:
     """(ms per decode step or round, steps or rounds counted) from the difference of a long
-    and a short run, each the faster of two; `counter` 0 counts decode steps, 1 rounds."""
+    and a short run, each the faster of two."""
     engine_run_seconds(engine, prompts, short + steps)  # first runs of every program
     times, counts = {}, {}
     for new in (short, short + steps):
         best = float("inf")
         for _ in range(2):
-            before = scheduler_counters(engine)[counter]
+            before = scheduler_counters(engine)[0]
             best = min(best, engine_run_seconds(engine, prompts, new))
-            counts[new] = scheduler_counters(engine)[counter] - before
+            counts[new] = scheduler_counters(engine)[0] - before
         times[new] = best
     steps_taken = counts[short + steps] - counts[short]
     return 1e3 * (times[short + steps] - times[short]) / steps_taken, steps_taken
@@ -209,8 +205,7 @@ def bench_speculative(batch: int, args) -> dict:
                          speculative_adaptive=False)
     try:
         prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
-        engine_ms, rounds = engine_ms_per_step(engine, prompts, args.short, args.steps,
-                                               counter=1)
+        engine_ms, rounds = engine_ms_per_step(engine, prompts, args.short, args.steps)
         context = PROMPT_LEN + args.short + args.steps // 2
         rounds_timed = max(8, rounds // 2)
         device = round_replay_ms(engine._spec, batch, context, rounds_timed, read_each=False)
