@@ -35,6 +35,7 @@ from sgl_jax.model_executor.model_runner import (
     ModelRunner,
     PendingStep,
     StepOutput,
+    _pad_rows,
     bitmask_words,
     greedy_sampling_batch,
 )
@@ -228,7 +229,7 @@ class Scheduler:
                                                                 shape.num_logits)
         rows = shape.num_logits
         output = self.runner.launch(
-            batch, sampling, penalty_slots, _padded(slots, rows, -1),
+            batch, sampling, penalty_slots, _pad_rows(slots, rows, fill=-1),
             np.arange(rows) < n, n,
             want_top_logprobs=any(r.top_logprobs_num for r in reqs),
             want_logprobs=any(r.return_logprob for r in reqs))
@@ -455,12 +456,6 @@ class Scheduler:
             len(self.running), sum(r.kv_len for r in self.running), usage, spec, rate,
             len(self.prefill.waiting),
         )
-
-
-def _padded(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
-    out = np.full(rows, fill, values.dtype)
-    out[: len(values)] = values
-    return out
 
 
 def _penalty_slot(req: Req) -> int:
