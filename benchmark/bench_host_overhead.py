@@ -151,24 +151,30 @@ def round_replay_ms(spec, batch: int, context: int, steps: int, read_each: bool)
     """ms per speculative round of the flags' shape on b rows at `context`: the round program
     dispatched back to back (device), or through SpecRunner.round, which reads every round's
     results back (floor)."""
-    from sgl_jax.speculative.spec_runner import RoundRow
+    from sgl_jax.speculative.spec_runner import RoundRows
 
-    pages = list(range(1, -(-(context + spec.lookahead) // spec.page_size) + 1))
-    root = np.zeros(spec.root_width, spec.target.model.dtype)
-    rows = [RoundRow(pages, context, 1, root, 0) for _ in range(batch)]
-    sampling = greedy_sampling_batch(batch, spec.vocab_size)
+    padded = spec.target.buckets.batch_padding(batch)
+    pages = np.arange(1, -(-(context + spec.lookahead) // spec.page_size) + 1, dtype=np.int32)
+    page_table = np.zeros((padded, spec.target.buckets.pages_per_seq), np.int32)
+    page_table[:batch, : len(pages)] = pages
+    real = np.arange(padded) < batch
+    rows = RoundRows(slots=np.where(real, np.arange(padded), -1).astype(np.int32),
+                     page_table=page_table, kv_lens=np.where(real, context, 0).astype(np.int32),
+                     root_tokens=real.astype(np.int32), min_new_tokens=np.zeros(padded, np.int32),
+                     state_slots=np.zeros(padded, np.int32))
+    sampling = greedy_sampling_batch(padded, spec.vocab_size)
     program = spec._rounds[spec.shape]
-    arrays = spec.round_arrays(rows, sampling)
 
     def run(count: int) -> float:
         start = time.perf_counter()
         for _ in range(count):
             if read_each:
-                spec.round(rows, sampling, False)
+                spec.round(rows, sampling, False, num_rows=batch).result()
                 continue
-            spec.target.kv_cache, spec.draft_kv, result = program(
-                spec.target.model.params, spec.draft.params, spec.target.kv_cache,
-                spec.draft_kv, *arrays, np.bool_(False))
+            (spec.target.kv_cache, spec.draft_kv, spec.slot_state, spec.target.last_tokens,
+             _) = program(spec.target.model.params, spec.draft.params, spec.target.kv_cache,
+                          spec.draft_kv, spec.slot_state, spec.target.last_tokens, rows,
+                          sampling, np.bool_(False))
         jax.block_until_ready((spec.target.kv_cache, spec.draft_kv))
         return time.perf_counter() - start
 

@@ -54,6 +54,7 @@ from sgl_jax.scheduler.prefill_manager import PrefillLimits
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.scheduler import Scheduler
 from sgl_jax.server_args import ServerArgs
+from sgl_jax.speculative.decoder import SpecDecoder
 from sgl_jax.speculative.setup import load_draft, make_spec_runner
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.tokenizer import load_tokenizer
@@ -305,8 +306,7 @@ class Engine:
                 "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                 "num_retractions": scheduler.decode.num_retractions,
                 "num_compilations": scheduler.runner.num_compilations,
-                **_spec_info(scheduler.spec_stats),
-                **(scheduler.policy.info() if scheduler.policy else {}),
+                **_spec_info(scheduler.speculative),
                 "version": __import__("sgl_jax").__version__,
             }
         return self._require_loop().call(info)
@@ -553,8 +553,7 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
 
 # What the scheduler calls on the device, and so what followers replay.
 _RUNNER_STEPS = ("step", "launch", "reset_penalty_slot")
-_SPEC_STEPS = ("prefill", "round", "undrafted_round", "catch_up", "draft_trees",
-               "masked_verify")
+_SPEC_STEPS = ("prefill", "round", "catch_up", "draft_trees", "masked_verify")
 
 _UNSUPPORTED_DRAFTS = {
     "NEXTN": "multi-token-prediction heads (DeepSeek / MiMo NextN layers) are not implemented",
@@ -587,9 +586,10 @@ def _check_device(device: str) -> None:
                          f"JAX for {device} or pass --device {jax.default_backend()}")
 
 
-def _spec_info(stats) -> dict[str, Any]:
-    if stats is None:
+def _spec_info(decoder: SpecDecoder | None) -> dict[str, Any]:
+    if decoder is None:
         return {}
+    stats = decoder.stats
     return {
         "avg_spec_accept_length": stats.accept_length,
         "spec_verify_rounds": stats.rounds,
@@ -597,6 +597,7 @@ def _spec_info(stats) -> dict[str, Any]:
         "spec_accepted_per_position": list(stats.accepted_per_position),
         "spec_drafted_per_position": list(stats.drafted_per_position),
         "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by draft position
+        **decoder.policy.info(),
     }
 
 

@@ -35,7 +35,9 @@ class DecodeManager:
         return [(req, 1) for req in ready]
 
     def _reserve_all(self, reqs: list[Req]) -> bool:
-        return all(self.cache.reserve(req, min(req.kv_len + self.lookahead, req.context_len))
+        # A speculative round in flight may commit up to inflight_extra more tokens.
+        return all(self.cache.reserve(req, min(req.kv_len + req.inflight_extra + self.lookahead,
+                                               req.context_len))
                    for req in reqs)
 
 

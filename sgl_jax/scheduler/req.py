@@ -39,17 +39,19 @@ class Req:
     # engine loop runs a step ahead of its results): they count in kv_len and the lengths a
     # step is scheduled by, but not yet in output_ids.
     num_inflight: int = 0
+    # Tokens beyond those that unread speculative rounds may have committed (each counts its
+    # root in num_inflight and kv_len; the round decides how many of num_steps more).
+    inflight_extra: int = 0
     state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
     grammar: Any = None  # constrained requests: their llguidance matcher (sgl_jax.grammar)
 
-    # Speculative decoding: the draft's output at the last token (the next tree's root),
+    # Speculative decoding (the draft's root lives in the request's slot on the device):
     # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.
     # A request admitted without a draft (the policy judged at admission that speculation
     # would not pay at the server's load) never runs the draft's prefill; its rows ride
     # along in speculative rounds with trees the draft grew from nothing, which verification
     # keeps lossless, and the policy counts them as committing one token a round.
     drafting: bool = True
-    draft_root: Any = None  # np.ndarray f[H] (SpecRunner.root_width)
     # Plain rounds that left the draft behind: the target's features f[F] at each position
     # the draft's cache lacks (the last len() before kv_len), oldest first.
     draft_pending: list = field(default_factory=list)

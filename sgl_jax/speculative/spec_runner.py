@@ -1,10 +1,12 @@
 """SpecRunner: the jitted steps of speculative decoding, beside the target's ModelRunner.
 
-Two steps, each one compiled function per bucket:
+Its programs, each one compiled function per bucket (a plain round where no request has a
+draft is the target's own decode step, which the host side runs: speculative/decoder.py):
 
 - `prefill`: the target's extend (prompt chunks) with its captured hidden states and the
   draft's extend over the same tokens; for the requests whose prompt is now complete, the
-  draft's output at the last pair (the root the first tree grows from).
+  sampled token and the draft's output at the last pair (the root the first tree grows
+  from), kept in the request's slot.
 - `round`, one program per round shape (`TreeShape`: plain decoding is the one-node tree):
   `draft_step` (the tree grown from each request's root), `verify_step` (every tree in one
   target forward with the tree mask, the accepted path, its nodes' target KV moved to
@@ -12,9 +14,6 @@ Two steps, each one compiled function per bucket:
   gives the next root). The parts are public so that a benchmark can time them apart.
 - `catch_up`: the draft extended over the tokens that plain rounds committed without it (see
   below), from the target features those rounds returned.
-- `undrafted_round`: a plain round where no request has a draft (see the adaptive policy's
-  admission) is the target's own decode step, the plain engine's program: nothing of the
-  one-node round (the tree walk, the features) is of use to such a batch.
 - `draft_trees` then `masked_verify`, the flags' shape as two programs: the draft's trees
   come back to the host, which writes the ids a grammar allows at every node (each node's
   path walked in the request's matcher), then verify and extend run with those masks on the
@@ -22,8 +21,12 @@ Two steps, each one compiled function per bucket:
   call takes host arrays only, so other nodes can replay it.
 
 Trees are grown at the start of the round that verifies them, so each round may take another
-shape (the adaptive policy's choice) without a program per pair of shapes; what passes from
-one round to the next is the root's draft output, kept on the host with the request.
+shape (the adaptive policy's choice) without a program per pair of shapes. What passes from
+one round to the next stays on the device, per request slot (`SlotState`, and the target's
+`last_tokens` for the root token): the committed length, the tokens sampled, the draft's
+output at the root. So a round can be dispatched before the host has read the one before it:
+where the host does not know a row's length yet it passes -1 and the round reads the slot's.
+Results come back to the host asynchronously (`PendingRound`).
 
 Invariant between steps: a request's target cache holds its first kv_len tokens (kv_len =
 all tokens but the last) and its draft cache the same, except that with an adaptive policy a
@@ -66,7 +69,7 @@ from sgl_jax.model_executor.forward_batch import (
 from sgl_jax.model_executor.model_runner import (
     MAX_TOP_LOGPROBS,
     ModelRunner,
-    StepOutput,
+    PendingStep,
     _no_top_logprobs,
     _pad_rows,
     _top_logprobs,
@@ -84,22 +87,35 @@ logger = logging.getLogger(__name__)
 CATCH_UP_WIDTH = 8
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class RoundRow:
-    """One running request entering a verify round."""
+class RoundRows:
+    """Host arrays of the requests entering a round, padded to the batch bucket B."""
 
-    page_ids: Sequence[int]  # covering kv_len + SpecRunner.lookahead tokens
-    kv_len: int
-    root_token: int  # the request's last token (not in the cache yet): the trees' root
-    root_hidden: np.ndarray  # f[H]: the draft's output at the root (SpecRunner.root_width)
-    suppress_depth: int  # nodes shallower than this still suppress EOS (min_new_tokens)
-    state_slot: int = 0  # hybrid targets: the request's recurrent-state slot
+    slots: np.ndarray  # i32[B]: request slots (SlotState rows); -1: a padding row
+    page_table: np.ndarray  # i32[B, P]: pages covering kv_len + SpecRunner.lookahead
+    kv_lens: np.ndarray  # i32[B]: committed tokens before the root; -1: the slot's (a round
+    # the host has not read yet decided it); the output position follows the same rule
+    root_tokens: np.ndarray  # i32[B]: the request's last token; -1: the slot's
+    min_new_tokens: np.ndarray  # i32[B]: EOS stays suppressed below this output position
+    state_slots: np.ndarray  # i32[B]: a hybrid model's recurrent-state slots (0: none)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SlotState:
+    """Each request slot's speculative state between rounds, on the device."""
+
+    kv_lens: jax.Array  # i32[S]: committed tokens before the root, after the slot's last round
+    num_sampled: jax.Array  # i32[S]: output tokens sampled by then (the next one's position)
+    root_hidden: jax.Array  # f[S, H]: the draft's output at the root (SpecRunner.root_width)
 
 
 @dataclass(frozen=True)
 class CatchUpRow:
     """A request whose draft is behind its target by the tokens of some plain rounds."""
 
+    slot: int  # its request slot: the caught-up draft's root is written there
     page_ids: Sequence[int]
     draft_len: int  # tokens the draft's cache holds (kv_len minus the pending ones)
     next_tokens: Sequence[int]  # per pending position p, the token at p + 1 (CATCH_UP_WIDTH)
@@ -112,15 +128,37 @@ class RoundOutput:
 
     tokens: np.ndarray  # i32[B, S+1]: accepted tokens then the bonus token
     num_accepted: np.ndarray  # i32[B]: a; the row emits tokens[:a+1]
-    logprobs: np.ndarray  # f32[B, S+1]: raw target log-probability of each token
-    top_logprob_ids: np.ndarray  # i32[B, S+1, MAX_TOP_LOGPROBS]
-    top_logprobs: np.ndarray  # f32[B, S+1, MAX_TOP_LOGPROBS]
-    root_hidden: np.ndarray  # f[B, H]: the draft's output at the new root (the next round's)
-    tree_tokens: np.ndarray  # i32[B, N]: the tree this round verified (node 0 = the root)
-    tree_parents: np.ndarray  # i32[B, N]
+    logprobs: np.ndarray | None  # f32[B, S+1]: raw target log-probability (None: not asked)
+    top_logprob_ids: np.ndarray | None  # i32[B, S+1, MAX_TOP_LOGPROBS] (None: not asked)
+    top_logprobs: np.ndarray | None  # f32[B, S+1, MAX_TOP_LOGPROBS]
+    # i32[B, N]: the tree this round verified (node 0 = the root); None for a round where no
+    # request had a draft (the target's decode step)
+    tree_tokens: np.ndarray | None
+    tree_parents: np.ndarray | None
     # f[B, F]: a plain round that left the draft behind: the target's features at the root,
-    # for the catch-up (root_hidden is then the rows' own, unchanged); else None.
+    # for the catch-up; else None.
     features: np.ndarray | None = None
+
+
+class PendingRound:
+    """A dispatched round's results, still on the device: their copy to the host starts at
+    once, and `result()` waits for it. Log-probabilities are copied only when asked for."""
+
+    def __init__(self, num_rows: int, result: tuple, *, want_logprobs: bool,
+                 want_top_logprobs: bool):
+        verdict, logprobs, top, tree, features = result
+        self._num_rows = num_rows
+        self._arrays = (verdict.tokens, verdict.num_accepted,
+                        logprobs if want_logprobs else None,
+                        *(top if want_top_logprobs else (None, None)),
+                        tree.tokens, tree.parents, features)
+        for array in self._arrays:
+            if array is not None:
+                array.copy_to_host_async()
+
+    def result(self) -> RoundOutput:
+        n = self._num_rows
+        return RoundOutput(*(None if a is None else np.asarray(a)[:n] for a in self._arrays))
 
 
 @jax.tree_util.register_dataclass
@@ -167,14 +205,21 @@ class SpecRunner:
             tp=self.tp, num_state_slots=target.num_state_slots,
         )
         self.root_width = draft.cache_config.hidden_size if draft.uses_target_features else 0
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2, 3))
+        num_slots = target.last_tokens.shape[0]
+        self.slot_state = self.tp.put_replicated(SlotState(
+            np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32),
+            np.zeros((num_slots, self.root_width), target.model.dtype)))
+        # Every program that writes the per-slot state (SlotState, the target's last tokens)
+        # takes it donated, after the two caches.
+        state_args = (2, 3, 4, 5)
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=state_args)
         self._rounds = {s: jax.jit(functools.partial(self._round_impl, shape=s),
-                                   donate_argnums=(2, 3)) for s in self.shapes}
-        self._draft_trees = jax.jit(functools.partial(self.draft_step, shape=shape),
+                                   donate_argnums=state_args) for s in self.shapes}
+        self._draft_trees = jax.jit(functools.partial(self._draft_trees_impl, shape=shape),
                                     donate_argnums=(1,))
         self._masked_verify = jax.jit(functools.partial(self._masked_verify_impl, shape=shape),
-                                      donate_argnums=(2, 3))
-        self._catch_up = jax.jit(self._catch_up_impl, donate_argnums=(1,))
+                                      donate_argnums=state_args)
+        self._catch_up = jax.jit(self._catch_up_impl, donate_argnums=(1, 2))
         # Plain rounds leave the draft behind when the policy may take them (a recurrent
         # draft's state would need its own catch-up: it keeps extending).
         self.defers_draft = (any(s.num_draft_tokens == 1 for s in self.shapes)
@@ -202,101 +247,80 @@ class SpecRunner:
         emits: np.ndarray,  # bool[n]: the chunk completes its request's prompt
         want_top_logprobs: bool,
         next_tokens: Sequence[int],  # the token after each chunk when known (else ignored)
-        *, run_draft: bool = True,
-    ) -> tuple[StepOutput, np.ndarray]:
+        slots: np.ndarray,  # i32[n]: request slots, where emitting rows leave their roots
+        *, run_draft: bool = True, want_logprobs: bool = True,
+    ) -> PendingStep:
         """Extend target and draft (the target alone without `run_draft`: no request of the
-        batch has a draft); returns the sampled tokens and, for emitting rows, the draft's
-        output at the root (f[n, root_width]; zeros without the draft)."""
+        batch has a draft), without waiting. An emitting row's sampled token and the draft's
+        output at it (zeros without the draft) become its slot's root."""
         shape = self.target.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
         draft_ids = _shifted_ids(chunks, shape, next_tokens)
-        row_slots = np.zeros(rows, np.int32)
-        row_slots[: len(chunks)] = [chunk.state_slot for chunk in chunks]
         sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
-        self.target.kv_cache, self.draft_kv, out, top, root_hidden = self._prefill(
+        (self.target.kv_cache, self.draft_kv, self.slot_state, self.target.last_tokens, out,
+         top) = self._prefill(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
-            batch, sampling, _pad_rows(emits, rows, fill=False), np.bool_(want_top_logprobs),
-            draft_ids, np.bool_(run_draft),
-        )
-        n = len(chunks)
-        top_ids, top_values = (np.asarray(a)[:n] for a in top)
-        output = StepOutput(np.asarray(out.tokens)[:n], np.asarray(out.logprob)[:n], top_ids,
-                            top_values)
-        return output, np.asarray(root_hidden)[:n]
+            self.slot_state, self.target.last_tokens, batch, sampling,
+            _pad_rows(emits, rows, fill=False), _pad_rows(slots.astype(np.int32), rows, fill=-1),
+            np.bool_(want_top_logprobs), draft_ids, np.bool_(run_draft))
+        return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
+                           top if want_top_logprobs else None)
 
-    def round(self, rows: Sequence[RoundRow], sampling: SamplingBatch, want_top_logprobs: bool,
-              shape: TreeShape | None = None) -> RoundOutput:
-        """Draft, verify and extend every row with trees of `shape` (default: the flags');
-        `sampling` has one host row per request."""
-        self.target.kv_cache, self.draft_kv, result = self._rounds[shape or self.shape](
+    def round(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
+              shape: TreeShape | None = None, *, num_rows: int | None = None,
+              want_logprobs: bool = True) -> PendingRound:
+        """Dispatch a round of `shape` (default: the flags') for every row: draft, verify,
+        extend the draft; `sampling` has a host row per row of `rows`. Results come back for
+        the first `num_rows` (default: every row)."""
+        (self.target.kv_cache, self.draft_kv, self.slot_state, self.target.last_tokens,
+         result) = self._rounds[shape or self.shape](
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
-            *self.round_arrays(rows, sampling), np.bool_(want_top_logprobs),
-        )
-        return _round_output(jax.device_get(result), len(rows))
+            self.slot_state, self.target.last_tokens, rows, sampling,
+            np.bool_(want_top_logprobs))
+        return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
+                            want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
-    def undrafted_round(self, rows: Sequence[RoundRow], sampling: SamplingBatch,
-                        want_top_logprobs: bool) -> RoundOutput:
-        """A plain round for rows none of which has a draft: one decode step of the target
-        (root_hidden comes back as zeros, features as None)."""
-        chunks = [SeqChunk([row.root_token], row.kv_len, row.page_ids, state_slot=row.state_slot)
-                  for row in rows]
-        n = len(rows)
-        out = self.target.step(chunks, sampling, np.full(n, -1, np.int32), np.ones(n, bool),
-                               want_top_logprobs).result()
-        roots = np.array([row.root_token for row in rows], np.int32)[:, None]
-        top_ids, top_values = out.top_logprob_ids, out.top_logprobs
-        if top_ids is None:  # not asked for: zeros, as a round returns them
-            top_ids = np.zeros((n, MAX_TOP_LOGPROBS), np.int32)
-            top_values = np.zeros((n, MAX_TOP_LOGPROBS), np.float32)
-        return RoundOutput(
-            tokens=out.tokens[:, None], num_accepted=np.zeros(n, np.int32),
-            logprobs=out.logprobs[:, None], top_logprob_ids=top_ids[:, None],
-            top_logprobs=top_values[:, None],
-            root_hidden=np.zeros((n, self.root_width), self.target.model.dtype),
-            tree_tokens=roots, tree_parents=np.full_like(roots, -1))
-
-    def draft_trees(self, rows: Sequence[RoundRow], sampling: SamplingBatch) -> DraftTree:
+    def draft_trees(self, rows: RoundRows) -> DraftTree:
         """The first half of a masked round: each row's tree of the flags' shape, as host
-        arrays over the padded batch (tokens and parents i32[B, N])."""
-        (page_table, kv_lens, active, root_tokens, root_hidden, _, _,
-         state_slots) = self.round_arrays(rows, sampling)
-        tree, self.draft_kv = self._draft_trees(
-            self.draft.params, self.draft_kv, root_tokens, root_hidden, page_table, kv_lens,
-            active, state_slots)
+        arrays (tokens and parents i32[B, N]). Every row's length must be known (>= 0)."""
+        tree, self.draft_kv = self._draft_trees(self.draft.params, self.draft_kv,
+                                                self.slot_state, self.target.last_tokens, rows)
         return jax.device_get(tree)
 
-    def masked_verify(self, rows: Sequence[RoundRow], sampling: SamplingBatch,
-                      want_top_logprobs: bool, tree: DraftTree, allowed: np.ndarray
-                      ) -> RoundOutput:
+    def masked_verify(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
+                      tree: DraftTree, allowed: np.ndarray, *, num_rows: int | None = None,
+                      want_logprobs: bool = True) -> PendingRound:
         """The second half: verify `tree` (draft_trees' for the same rows) with every node's
-        target distribution masked by `allowed` (i32[B, N, W] bitmasks over the padded batch,
-        W = ceil(V / 32), in place of `sampling.allowed`), then extend the draft."""
-        (page_table, kv_lens, active, _, _, sampling, suppress_depth,
-         state_slots) = self.round_arrays(rows, sampling)
-        self.target.kv_cache, self.draft_kv, result = self._masked_verify(
+        target distribution masked by `allowed` (i32[B, N, W] bitmasks, W = ceil(V / 32), in
+        place of `sampling.allowed`), then extend the draft."""
+        (self.target.kv_cache, self.draft_kv, self.slot_state, self.target.last_tokens,
+         result) = self._masked_verify(
             self.target.model.params, self.draft.params, self.target.kv_cache, self.draft_kv,
-            page_table, kv_lens, active, tree, sampling, suppress_depth, state_slots,
+            self.slot_state, self.target.last_tokens, rows, tree, sampling,
             np.bool_(want_top_logprobs), allowed)
-        return _round_output(jax.device_get(result), len(rows))
+        return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
+                            want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
-    def catch_up(self, rows: Sequence[CatchUpRow]) -> np.ndarray:
-        """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); returns
-        the draft's output at each row's last one, the next round's root (f[n, root_width])."""
+    def catch_up(self, rows: Sequence[CatchUpRow]) -> None:
+        """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); the
+        draft's output at each row's last one becomes its slot's root."""
         padded = self.target.buckets.batch_padding(len(rows))
         page_table = self._page_table([row.page_ids for row in rows], padded)
         ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
+        slots = np.full(padded, -1, np.int32)
         tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
         features = np.zeros((padded, CATCH_UP_WIDTH, self.feature_width),
                             self.target.model.dtype)
         for i, row in enumerate(rows):
             count = len(row.next_tokens)
             ints[:, i] = row.draft_len, count
+            slots[i] = row.slot
             tokens[i, :count] = row.next_tokens
             features[i, :count] = row.features
-        root_hidden, self.draft_kv = self._catch_up(
-            self.draft.params, self.draft_kv, tokens, features, page_table, *ints)
-        return np.asarray(root_hidden)[: len(rows)]
+        self.draft_kv, self.slot_state = self._catch_up(
+            self.draft.params, self.draft_kv, self.slot_state, tokens, features, page_table,
+            *ints, slots)
 
     @property
     def feature_width(self) -> int:
@@ -315,19 +339,19 @@ class SpecRunner:
                   desc="Compiling speculative buckets", unit="bucket") as bar:
             for size in sizes:
                 rows = self._dummy_rows(size)
-                for shape in self.shapes:
-                    self.round(rows, greedy_sampling_batch(size, self.vocab_size), False, shape)
-                    self.round_seconds[shape, size] = _fastest_seconds(
-                        lambda rows=rows, shape=shape, size=size: self.round(
-                            rows, greedy_sampling_batch(size, self.vocab_size), False, shape))
-                    bar.update()
                 sampling = greedy_sampling_batch(size, self.vocab_size)
-                tree = self.draft_trees(rows, sampling)
+                for shape in self.shapes:
+                    self.round(rows, sampling, False, shape).result()
+                    self.round_seconds[shape, size] = _fastest_seconds(
+                        lambda rows=rows, shape=shape, sampling=sampling: self.round(
+                            rows, sampling, False, shape).result())
+                    bar.update()
+                tree = self.draft_trees(rows)
                 self.masked_verify(rows, sampling, False, tree,
-                                   allow_every_id(tree.tokens.shape, self.vocab_size))
+                                   allow_every_id(tree.tokens.shape, self.vocab_size)).result()
                 if self.defers_draft:
-                    self.catch_up([CatchUpRow([0], 0, [], np.zeros((0, self.feature_width)))
-                                   for _ in range(size)])
+                    self.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, self.feature_width)))
+                                   for slot in range(size)])
                 bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
@@ -336,28 +360,13 @@ class SpecRunner:
                     chunks = [dataclasses.replace(c, state_slot=slot) for c, slot
                               in zip(chunks, self._dummy_state_slots(count), strict=True)]
                 self.prefill(chunks, greedy_sampling_batch(count, self.vocab_size),
-                             np.zeros(count, bool), False, [0] * count)
+                             np.zeros(count, bool), False, [0] * count,
+                             np.full(count, -1, np.int32)).result()
                 bar.update()
+        # Warm-up rounds wrote scratch into the slots; no request reads a slot before its
+        # prefill writes its root.
 
     # ------------------------------------------------------------------ host helpers
-
-    def round_arrays(self, rows: Sequence[RoundRow], sampling: SamplingBatch) -> tuple:
-        """The host arrays a round takes, padded to the batch bucket: page_table i32[B, P],
-        kv_lens i32[B], active bool[B], root_tokens i32[B], root_hidden f[B, H], sampling
-        (B rows), suppress_depth i32[B], state_slots i32[B] (0, the null slot, for padding
-        rows and targets without recurrent state)."""
-        padded = self.target.buckets.batch_padding(len(rows))
-        page_table = self._page_table([row.page_ids for row in rows], padded)
-        ints = np.zeros((4, padded), np.int32)  # kv_len, root token, suppress depth, state slot
-        active = np.arange(padded) < len(rows)
-        root_hidden = np.zeros((padded, self.root_width), self.target.model.dtype)
-        for i, row in enumerate(rows):
-            ints[:, i] = row.kv_len, row.root_token, row.suppress_depth, row.state_slot
-            root_hidden[i] = row.root_hidden
-        kv_lens, root_tokens, suppress_depth, state_slots = ints
-        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), padded), sampling)
-        return (page_table, kv_lens, active, root_tokens, root_hidden, sampling,
-                suppress_depth, state_slots)
 
     def _page_table(self, page_ids: Sequence[Sequence[int]], padded: int) -> np.ndarray:
         """i32[padded, P]: each row's pages, then the null page."""
@@ -366,9 +375,14 @@ class SpecRunner:
             table[i, : len(pages)] = pages
         return table
 
-    def _dummy_rows(self, count: int) -> list[RoundRow]:
-        root = np.zeros(self.root_width, self.target.model.dtype)
-        return [RoundRow([0], 0, 0, root, 0, slot) for slot in self._dummy_state_slots(count)]
+    def _dummy_rows(self, count: int) -> RoundRows:
+        """Warm-up rows: real slots (a padding row may cost less than a request's), every
+        token in the null page."""
+        zeros = np.zeros(count, np.int32)
+        return RoundRows(np.arange(count, dtype=np.int32),
+                         np.zeros((count, self.target.buckets.pages_per_seq), np.int32),
+                         zeros, zeros, zeros,
+                         np.array(self._dummy_state_slots(count), np.int32))
 
     def _dummy_state_slots(self, count: int) -> list[int]:
         """Warm-up rows of a hybrid target need distinct real slots (their states are
@@ -401,8 +415,9 @@ class SpecRunner:
             tree=tree, linear_attention=self.tp.linear_attention(layer),
             capture_layers=self.capture_layers)
 
-    def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, batch, sampling,
-                      emits, want_top, draft_ids, run_draft):
+    def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
+                      last_tokens, batch, sampling, emits, slots, want_top, draft_ids,
+                      run_draft):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self._target_forward(
             target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
@@ -433,47 +448,75 @@ class SpecRunner:
                                              batch.positions, None, batch.attention,
                                              from_target=True, **extra)
             root_hidden = jnp.zeros((rows, 0), self.target.model.dtype)
-        return target_kv, draft_kv, *self.tp.constrain_replicated((out, top, root_hidden))
+        where = jnp.where(emits & (slots >= 0), slots, last_tokens.shape[0])  # others: dropped
+        slot_state = dataclasses.replace(
+            slot_state, root_hidden=slot_state.root_hidden.at[where].set(root_hidden,
+                                                                         mode="drop"))
+        last_tokens = last_tokens.at[where].set(out.tokens, mode="drop")
+        return target_kv, draft_kv, *self.tp.constrain_replicated(
+            (slot_state, last_tokens, out, top))
 
-    def _round_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
-                    kv_lens, active, root_tokens, root_hidden, sampling, suppress_depth,
-                    state_slots, want_top, *, shape: TreeShape):
-        self._count_compilation(f"round {_shape_name(shape)}", root_tokens.shape[0])
-        tree, draft_kv = self.draft_step(draft_params, draft_kv, root_tokens, root_hidden,
-                                         page_table, kv_lens, active, state_slots, shape=shape)
-        target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
-                                               active, tree, sampling, suppress_depth,
-                                               want_top, state_slots, shape=shape)
-        features = None
+    def _round_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
+                    last_tokens, rows: RoundRows, sampling, want_top, *, shape: TreeShape):
+        self._count_compilation(f"round {_shape_name(shape)}", rows.slots.shape[0])
+        inputs = _round_inputs(slot_state, last_tokens, rows, sampling)
+        tree, draft_kv = self.draft_step(draft_params, draft_kv, inputs.root_tokens,
+                                         inputs.root_hidden, rows.page_table, inputs.kv_lens,
+                                         inputs.active, rows.state_slots, shape=shape)
+        target_kv, verified = self.verify_step(
+            target_params, target_kv, rows.page_table, inputs.kv_lens, inputs.active, tree,
+            inputs.sampling, inputs.suppress_depth, want_top, rows.state_slots, shape=shape)
+        features = root_hidden = None
         if shape.num_draft_tokens == 1 and self.defers_draft:
             features = verified.features  # f[B, F]: the root's, for a later catch-up
         else:
-            root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
-                                                     page_table, kv_lens, active, state_slots)
-        return target_kv, draft_kv, self.tp.constrain_replicated(
-            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree, features))
+            root_hidden, draft_kv = self.extend_step(
+                draft_params, draft_kv, tree, verified, rows.page_table, inputs.kv_lens,
+                inputs.active, rows.state_slots)
+        slot_state, last_tokens = _advance_slots(slot_state, last_tokens, rows.slots, inputs,
+                                                 verified.verdict, root_hidden)
+        return target_kv, draft_kv, *self.tp.constrain_replicated(
+            (slot_state, last_tokens,
+             (verified.verdict, verified.logprobs, verified.top, tree, features)))
 
-    def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, page_table,
-                            kv_lens, active, tree, sampling, suppress_depth, state_slots,
-                            want_top, node_allowed, *, shape: TreeShape):
+    def _draft_trees_impl(self, draft_params, draft_kv, slot_state, last_tokens,
+                          rows: RoundRows, *, shape: TreeShape):
+        inputs = _round_inputs(slot_state, last_tokens, rows, None)
+        tree, draft_kv = self.draft_step(draft_params, draft_kv, inputs.root_tokens,
+                                         inputs.root_hidden, rows.page_table, inputs.kv_lens,
+                                         inputs.active, rows.state_slots, shape=shape)
+        return self.tp.constrain_replicated(tree), draft_kv
+
+    def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
+                            last_tokens, rows: RoundRows, tree, sampling, want_top,
+                            node_allowed, *, shape: TreeShape):
         self._count_compilation("masked verify", tree.tokens.shape[0])
-        target_kv, verified = self.verify_step(target_params, target_kv, page_table, kv_lens,
-                                               active, tree, sampling, suppress_depth,
-                                               want_top, state_slots, shape=shape,
-                                               node_allowed=node_allowed)
+        inputs = _round_inputs(slot_state, last_tokens, rows, sampling)
+        target_kv, verified = self.verify_step(
+            target_params, target_kv, rows.page_table, inputs.kv_lens, inputs.active, tree,
+            inputs.sampling, inputs.suppress_depth, want_top, rows.state_slots, shape=shape,
+            node_allowed=node_allowed)
         root_hidden, draft_kv = self.extend_step(draft_params, draft_kv, tree, verified,
-                                                 page_table, kv_lens, active, state_slots)
-        return target_kv, draft_kv, self.tp.constrain_replicated(
-            (verified.verdict, verified.logprobs, verified.top, root_hidden, tree, None))
+                                                 rows.page_table, inputs.kv_lens, inputs.active,
+                                                 rows.state_slots)
+        slot_state, last_tokens = _advance_slots(slot_state, last_tokens, rows.slots, inputs,
+                                                 verified.verdict, root_hidden)
+        return target_kv, draft_kv, *self.tp.constrain_replicated(
+            (slot_state, last_tokens,
+             (verified.verdict, verified.logprobs, verified.top, tree, None)))
 
-    def _catch_up_impl(self, draft_params, draft_kv, tokens, features, page_table, draft_lens,
-                       counts):
+    def _catch_up_impl(self, draft_params, draft_kv, slot_state, tokens, features, page_table,
+                       draft_lens, counts, slots):
         self._count_compilation("catch-up", tokens.shape[0])
         batch, width = tokens.shape
         root_hidden, draft_kv = self.extend_draft(
             draft_params, draft_kv, tokens, features.reshape(batch * width, -1), page_table,
             draft_lens, counts, jnp.zeros(batch, jnp.int32))
-        return self.tp.constrain_replicated(root_hidden), draft_kv
+        where = jnp.where(slots >= 0, slots, slot_state.root_hidden.shape[0])
+        slot_state = dataclasses.replace(
+            slot_state, root_hidden=slot_state.root_hidden.at[where].set(root_hidden,
+                                                                         mode="drop"))
+        return draft_kv, self.tp.constrain_replicated(slot_state)
 
     def draft_step(self, params, kv: list[LayerKV],
                    root_tokens: jax.Array,  # i32[B]: each request's last token
@@ -671,15 +714,50 @@ def allow_every_id(nodes: tuple[int, int], vocab_size: int) -> np.ndarray:
     return np.full((*nodes, bitmask_words(vocab_size)), -1, np.int32)
 
 
-def _round_output(result: tuple, n: int) -> RoundOutput:
-    """The first n rows of a round's host results."""
-    verdict, logprobs, top, root_hidden, tree, features = result
-    return RoundOutput(
-        tokens=verdict.tokens[:n], num_accepted=verdict.num_accepted[:n],
-        logprobs=logprobs[:n], top_logprob_ids=top[0][:n], top_logprobs=top[1][:n],
-        root_hidden=root_hidden[:n], tree_tokens=tree.tokens[:n],
-        tree_parents=tree.parents[:n], features=None if features is None else features[:n],
-    )
+@dataclass(frozen=True)
+class _RoundInputs:
+    """A round's per-row inputs on the device: the host's where it knows them, else the
+    slot's (inside a jitted round)."""
+
+    active: jax.Array  # bool[B]: padding rows write nothing
+    kv_lens: jax.Array  # i32[B]
+    root_tokens: jax.Array  # i32[B]
+    root_hidden: jax.Array  # f[B, H]
+    sampling: SamplingBatch | None  # positions from the slots where the host's are unknown
+    suppress_depth: jax.Array  # i32[B]: nodes shallower than this suppress EOS
+
+
+def _round_inputs(state: SlotState, last_tokens: jax.Array, rows: RoundRows,
+                  sampling: SamplingBatch | None) -> _RoundInputs:
+    slot = jnp.maximum(rows.slots, 0)
+    unread = rows.kv_lens < 0  # a round the host has not read decided the length
+    kv_lens = jnp.where(unread, state.kv_lens[slot], rows.kv_lens)
+    roots = jnp.where(rows.root_tokens < 0, last_tokens[slot], rows.root_tokens)
+    positions = state.num_sampled[slot]
+    if sampling is not None:
+        positions = jnp.where(unread, positions, sampling.position)
+        sampling = dataclasses.replace(sampling, position=positions)
+    return _RoundInputs(rows.slots >= 0, kv_lens, roots, state.root_hidden[slot], sampling,
+                        jnp.maximum(rows.min_new_tokens - positions, 0))
+
+
+def _advance_slots(state: SlotState, last_tokens: jax.Array, slots: jax.Array,
+                   inputs: _RoundInputs, verdict: Verdict, root_hidden: jax.Array | None
+                   ) -> tuple[SlotState, jax.Array]:
+    """Each row's slot after the round: a + 1 more tokens committed and sampled, the bonus
+    token as the root, and the draft's new root output (unchanged where the round left the
+    draft behind: root_hidden None)."""
+    where = jnp.where(inputs.active, slots, last_tokens.shape[0])  # padding: dropped
+    grown = verdict.num_accepted + 1
+    bonus = jnp.take_along_axis(verdict.tokens, verdict.num_accepted[:, None], axis=1)[:, 0]
+    hidden = state.root_hidden
+    if root_hidden is not None:
+        hidden = hidden.at[where].set(root_hidden, mode="drop")
+    state = SlotState(state.kv_lens.at[where].set(inputs.kv_lens + grown, mode="drop"),
+                      state.num_sampled.at[where].set(inputs.sampling.position + grown,
+                                                      mode="drop"),
+                      hidden)
+    return state, last_tokens.at[where].set(bonus, mode="drop")
 
 
 def _shape_name(shape: TreeShape) -> str:

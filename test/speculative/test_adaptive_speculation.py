@@ -55,7 +55,7 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None):
                 speculative_draft_model_path=str(paths[draft]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
         if relative_costs:  # a machine where a round of each shape costs that many plain
-            policy = engine._loop.scheduler.policy  # steps: at warm-up and while serving
+            policy = engine._loop.scheduler.speculative.policy  # steps: at warm-up and while serving
             policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
                                     for shape, bucket in policy.round_seconds}
             observe = policy.observe
@@ -112,8 +112,8 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
             scheduler, spec = engine._loop.scheduler, engine._spec
             if adaptive:  # else the flags' shape every round: the draft kept in step
                 script = iter(([PLAIN] * 3 + [spec.shape] * 2 + [PLAIN] * (CATCH_UP_WIDTH + 2)
-                               + [scheduler.policy.shapes[1]]) * 100)
-                scheduler.policy.choose = lambda requests, bucket, **_: next(script)
+                               + [scheduler.speculative.policy.shapes[1]]) * 100)
+                scheduler.speculative.policy.choose = lambda requests, bucket, **_: next(script)
             widths = []
             catch_up = spec.catch_up
             spec.catch_up = lambda rows: (widths.extend(len(r.next_tokens) for r in rows),
@@ -152,7 +152,7 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
                 speculative_draft_model_path=str(paths["eagle3"]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
         scheduler, spec = engine._loop.scheduler, engine._spec
-        policy = scheduler.policy
+        policy = scheduler.speculative.policy
         policy.admits_draft = lambda bucket, rid, *_: False
         before = jax.device_get(spec.draft_kv)
         firsts, _ = generate(engine, [1] * 4)  # prefill only

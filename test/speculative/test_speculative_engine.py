@@ -138,12 +138,19 @@ def test_target_as_its_own_tree_draft_accepts_a_full_path_every_round(checkpoint
         rounds = []
         original = engine._spec.round
 
-        def recording_round(rows, sampling, want_top, shape=None):
-            output = original(rows, sampling, want_top, shape)
-            rounds.extend((output.tree_tokens[i], output.tree_parents[i],
-                           output.tokens[i, : output.num_accepted[i] + 1])
-                          for i in range(len(rows)))
-            return output
+        class RecordedRound:  # records the round's results when the host reads them
+            def __init__(self, pending):
+                self.pending = pending
+
+            def result(self):
+                output = self.pending.result()
+                rounds.extend((output.tree_tokens[i], output.tree_parents[i],
+                               output.tokens[i, : output.num_accepted[i] + 1])
+                              for i in range(len(output.tokens)))
+                return output
+
+        def recording_round(*args, **kwargs):
+            return RecordedRound(original(*args, **kwargs))
 
         engine._spec.round = recording_round
         outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in

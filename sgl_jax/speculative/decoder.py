@@ -1,0 +1,287 @@
+"""SpecDecoder: the host side of speculative decoding, between the scheduler and SpecRunner.
+
+For each decode step the scheduler hands it the running requests. It picks the round's shape
+(the adaptive policy), catches up drafts that plain rounds left behind, and dispatches the
+round without waiting (`launch`). A step later, while the next round runs, it reads the
+results and appends each request's accepted run (`settle`).
+
+Running a round ahead of its results: the host plans round N+1 before it knows how many
+tokens round N accepted. A request's `kv_len` then counts one token for round N (a round
+commits at least its root) and `inflight_extra` the num_steps more it may have accepted:
+pages are reserved for the upper bound, and the round reads the exact length, output
+position and root token from the request's slot on the device (SlotState), which round N
+wrote. The policy learns each round's acceptance and time when the round is settled, so it
+chooses from statistics one round old. What needs the host's view of every token settles
+the round in flight first:
+
+- rounds of a batch with a grammar-constrained request (the scheduler settles before such a
+  batch: the matcher walks each tree on the host);
+- catch-ups, whose inputs are the target features the plain rounds brought back;
+- a round where no request has a draft (the target's own decode step, which takes every
+  length from the host) right after a speculative one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
+from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.model_executor.forward_batch import SeqChunk
+from sgl_jax.model_executor.model_runner import PendingStep, StepOutput, bitmask_words
+from sgl_jax.scheduler.req import Req
+from sgl_jax.scheduler.slot_table import SlotTable
+from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
+from sgl_jax.speculative.spec_runner import (
+    CATCH_UP_WIDTH,
+    CatchUpRow,
+    PendingRound,
+    RoundOutput,
+    RoundRows,
+    SpecRunner,
+)
+from sgl_jax.speculative.stats import AcceptanceStats
+
+
+@dataclass
+class LaunchedRound:
+    """A dispatched round whose results the host has not read yet."""
+
+    reqs: list[Req]
+    shape: TreeShape
+    bucket: int  # the padded batch size
+    records: list  # each request's policy.Acceptance, None for one without a draft
+    masked: bool  # a grammar masked its trees
+    defers: bool  # a plain round that leaves the drafting requests' drafts behind
+    output: PendingRound | PendingStep  # a PendingStep: the target's own decode step
+    launched_at: float
+
+
+class SpecDecoder:
+    def __init__(self, spec: SpecRunner, slot_table: SlotTable, *, adaptive: bool,
+                 settle: Callable[[], bool], plain_step: Callable[[list[Req]], PendingStep]):
+        self.spec = spec
+        self.slot_table = slot_table
+        self.buckets = spec.target.buckets
+        self.stats = AcceptanceStats(spec.shape.num_steps)
+        self.policy = SpeculationPolicy(spec.shapes, spec.shape, spec.round_seconds,
+                                        adaptive=adaptive)
+        self._settle = settle  # the scheduler's: reads the step in flight, if any
+        self._plain_step = plain_step  # the scheduler's decode step (lengths advance there)
+        self._unread: LaunchedRound | None = None
+        self._last_result_at = 0.0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, req: Req) -> None:
+        req.spec_stats = AcceptanceStats(self.spec.shape.num_steps)
+        req.spec_acceptance = self.policy.new_request()
+
+    def choose_drafting(self, req: Req, batch_size: int, drafted_peers: int) -> None:
+        """At admission: whether the request gets a draft (policy.admits_draft). Only where
+        plain rounds leave the draft behind: a draft that extends every round cannot start
+        late."""
+        req.drafting = self.policy.admits_draft(self.buckets.batch_padding(batch_size),
+                                                req.rid, drafted_peers)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, batch: list[tuple[Req, int]], chunks: list[SeqChunk],
+                sampling: SamplingBatch, emits: np.ndarray) -> PendingStep:
+        """Target and draft extend together (the target alone where no request of the batch
+        has a draft); a completed prompt's first token and draft root stay in its slot."""
+        after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
+        return self.spec.prefill(
+            chunks, sampling, emits, any(req.top_logprobs_num for req, _ in batch),
+            [ids[0] if ids else 0 for ids in after],
+            np.fromiter((req.slot for req, _ in batch), np.int32, len(batch)),
+            run_draft=any(req.drafting for req, _ in batch),
+            want_logprobs=any(req.return_logprob for req, _ in batch))
+
+    # ------------------------------------------------------------------ rounds
+
+    def launch(self, reqs: list[Req]) -> LaunchedRound | None:
+        """Dispatch one round for `reqs` in the shape the policy picks (None if settling the
+        round in flight first ended every one of them)."""
+        shape = self.policy.choose(self._records(reqs), self.buckets.batch_padding(len(reqs)),
+                                   menu=self._constrained_menu(reqs))
+        if self._needs_settled(reqs, shape):
+            self._settle()
+            reqs = [req for req in reqs if not req.finished]
+            if not reqs:
+                return None
+        self._catch_up([req for req in reqs if req.draft_pending and (
+            shape != PLAIN or len(req.draft_pending) >= CATCH_UP_WIDTH)])
+        start = time.perf_counter()
+        undrafted = shape == PLAIN and not any(req.drafting for req in reqs)
+        masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
+        output = self._plain_step(reqs) if undrafted else self._dispatch(reqs, shape, masked)
+        launched = LaunchedRound(
+            reqs, shape, self.buckets.batch_padding(len(reqs)), self._records(reqs), masked,
+            shape == PLAIN and self.spec.defers_draft and not undrafted, output, start)
+        self._unread = launched
+        return launched
+
+    def settle(self, launched: LaunchedRound) -> list[tuple[Req, str, list[int]]]:
+        """Read a round's results; append each live request's accepted run (up to where it
+        finishes). Returns (request, new text, new tokens) per request still live before."""
+        output = _as_round(launched.output.result())
+        now = time.perf_counter()
+        # The device ran this round after the one before: from whichever came later.
+        seconds = now - max(launched.launched_at, self._last_result_at)
+        self._last_result_at = now
+        if self._unread is launched:
+            self._unread = None
+        accepted = output.num_accepted.tolist()
+        live = [row for row, req in enumerate(launched.reqs) if not req.finished]
+        self.policy.observe(launched.shape, launched.bucket, seconds,
+                            [(launched.records[row], accepted[row]) for row in live],
+                            masked=launched.masked)
+        steps = launched.shape.num_steps
+        for req in launched.reqs:
+            req.num_inflight -= 1
+            req.inflight_extra -= steps
+        emitted = []
+        for row in live:
+            req = launched.reqs[row]
+            self.stats.record(accepted[row], steps)
+            req.spec_stats.record(accepted[row], steps)
+            text, tokens = _emit_run(req, output, row, accepted[row] + 1)
+            req.kv_len += len(tokens) - 1  # the root was counted at launch
+            if launched.defers and req.drafting:  # the draft is one more token behind
+                req.draft_pending.append(output.features[row])
+            emitted.append((req, text, tokens))
+        return emitted
+
+    def _dispatch(self, reqs: list[Req], shape: TreeShape, masked: bool) -> PendingRound:
+        """A round of the speculative programs; lengths advance by the least it commits."""
+        n, padded = len(reqs), self.buckets.batch_padding(len(reqs))
+        rows = self._round_rows(reqs, padded)
+        sampling, _ = self.slot_table.sampling_rows(
+            reqs, rows.slots[:n], np.fromiter((r.num_sampled for r in reqs), np.int32, n),
+            padded)
+        want_top = any(req.top_logprobs_num for req in reqs)
+        want_logprobs = any(req.return_logprob for req in reqs)
+        if masked:
+            tree = self.spec.draft_trees(rows)
+            output = self.spec.masked_verify(rows, sampling, want_top, tree,
+                                             self._tree_masks(reqs, tree.tokens, tree.parents),
+                                             num_rows=n, want_logprobs=want_logprobs)
+        else:
+            output = self.spec.round(rows, sampling, want_top, shape, num_rows=n,
+                                     want_logprobs=want_logprobs)
+        for req in reqs:
+            req.kv_len += 1
+            req.num_inflight += 1
+            req.inflight_extra += shape.num_steps
+        return output
+
+    def _round_rows(self, reqs: list[Req], padded: int) -> RoundRows:
+        """The round's row arrays: -1 where only the device knows the value yet."""
+        n = len(reqs)
+
+        def column(values, fill: int = 0) -> np.ndarray:
+            array = np.full(padded, fill, np.int32)
+            array[:n] = np.fromiter(values, np.int32, n)
+            return array
+
+        page_table = np.zeros((padded, self.buckets.pages_per_seq), np.int32)
+        page_table[:n] = self.slot_table.page_rows(reqs)
+        return RoundRows(
+            slots=column((r.slot for r in reqs), fill=-1),
+            page_table=page_table,
+            kv_lens=column(-1 if r.inflight_extra else r.kv_len for r in reqs),
+            root_tokens=column(-1 if r.num_inflight else r.last_token for r in reqs),
+            min_new_tokens=column(r.params.min_new_tokens for r in reqs),
+            state_slots=column(r.state_slot for r in reqs))
+
+    def _needs_settled(self, reqs: list[Req], shape: TreeShape) -> bool:
+        """Whether this round needs the round in flight read first (see the module's
+        docstring)."""
+        unread = self._unread
+        if unread is None:
+            return False
+        if shape == PLAIN and not any(r.drafting for r in reqs):
+            return any(r.inflight_extra for r in reqs)
+        if not unread.defers:
+            return False
+        behind = {req for req in unread.reqs if req.drafting}
+        return any(req in behind and (shape != PLAIN
+                                      or len(req.draft_pending) + 1 >= CATCH_UP_WIDTH)
+                   for req in reqs)
+
+    def _catch_up(self, reqs: list[Req]) -> None:
+        """Extend the drafts that plain rounds left behind over their pending tokens."""
+        if not reqs:
+            return
+        self.spec.catch_up([
+            CatchUpRow(req.slot, req.page_ids, req.draft_len,
+                       req.token_slice(req.draft_len + 1, req.kv_len + 1),
+                       np.stack(req.draft_pending))
+            for req in reqs])
+        for req in reqs:
+            req.draft_pending.clear()
+
+    def _records(self, reqs: list[Req]) -> list:
+        return [req.spec_acceptance if req.drafting else None for req in reqs]
+
+    def _constrained_menu(self, reqs: list[Req]) -> tuple[TreeShape, ...] | None:
+        """Shapes a batch with grammar-constrained requests may take (None: any). Masked
+        trees need the matcher's view of every node, which min_new_tokens' EOS suppression
+        below the root would contradict, so such a request keeps its batch on plain rounds
+        until it is past min_new_tokens."""
+        constrained = [req for req in reqs if req.grammar is not None]
+        if not constrained:
+            return None
+        if any(req.suppressing_eos for req in constrained):
+            return (PLAIN,)
+        return (PLAIN, self.spec.shape)
+
+    def _tree_masks(self, reqs: list[Req], tokens: np.ndarray, parents: np.ndarray
+                    ) -> np.ndarray:
+        """i32[B, N, W] over the padded batch: every id for free rows; for a constrained row
+        the ids its grammar allows after each node's path (EOS alone at a dead end)."""
+        masks = np.full((*tokens.shape, bitmask_words(self.spec.vocab_size)), -1, np.int32)
+        for row, req in enumerate(reqs):
+            if req.grammar is not None:
+                fill_tree_bitmasks(req.grammar, tokens[row], parents[row], masks[row])
+                allow_eos_at_dead_ends(masks[row], req.eos_ids)
+        return masks
+
+
+def _as_round(output: RoundOutput | StepOutput) -> RoundOutput:
+    """A decode step's results (a round where no request has a draft) as a plain round's."""
+    if isinstance(output, RoundOutput):
+        return output
+    n = len(output.tokens)
+
+    def one_token(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else array[:, None]
+
+    return RoundOutput(
+        tokens=one_token(output.tokens), num_accepted=np.zeros(n, np.int32),
+        logprobs=one_token(output.logprobs), top_logprob_ids=one_token(output.top_logprob_ids),
+        top_logprobs=one_token(output.top_logprobs), tree_tokens=None, tree_parents=None)
+
+
+def _emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, list[int]]:
+    """Append a round's tokens one by one, stopping where the request finishes (EOS, a stop
+    string, max_new_tokens or the context) so nothing past it is emitted."""
+    text, tokens = "", []
+    for j in range(count):
+        token = int(output.tokens[row, j])
+        top = []
+        if req.top_logprobs_num:
+            ids, values = output.top_logprob_ids[row, j], output.top_logprobs[row, j]
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        logprob = 0.0 if output.logprobs is None else float(output.logprobs[row, j])
+        text += req.append_token(token, logprob, top)
+        tokens.append(token)
+        if req.finished:
+            break
+    return text, tokens
