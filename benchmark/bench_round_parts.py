@@ -25,6 +25,7 @@ trees do not change the cost (every shape is fixed), so random tokens stand in f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -124,7 +125,8 @@ class Setup:
         self.runner = ModelRunner(self.model, num_pages=1 + max_batch * self.pages_per_seq,
                                   page_size=args.page_size, buckets=buckets,
                                   attention_backend=server_args.attention_backend,
-                                  num_state_slots=max_batch + 1 if hybrid else 0)
+                                  num_state_slots=max_batch + 1 if hybrid else 0,
+                                  num_request_slots=buckets.max_seqs)  # request i: slot i
         self.spec = make_spec_runner(server_args, self.runner,
                                      load_draft(server_args, self.model))
         self.num_tokens = self.shape.num_draft_tokens
@@ -149,7 +151,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     from sgl_jax.model_executor.forward_batch import SeqChunk
     from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-    from sgl_jax.speculative.spec_runner import CATCH_UP_WIDTH, CatchUpRow, RoundRow
+    from sgl_jax.speculative.spec_runner import CATCH_UP_WIDTH, CatchUpRow, RoundRows
     from sgl_jax.speculative.tree import DraftTree
 
     rng = np.random.default_rng(0)
@@ -164,14 +166,32 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return runner.step(chunks, sampling, np.full(batch, -1, np.int32),
                            np.ones(batch, bool), False).result().tokens
 
+    # The round's arrays, padded to the batch bucket B: request i in request slot i and
+    # recurrent-state slot i + 1; padding rows (inactive) read the null page and state slot 0.
     dtype = runner.model.dtype
-    rows = [RoundRow(setup.pages(i), context, int(rng.integers(vocab)),
-                     rng.standard_normal(spec.root_width).astype(dtype), 0, i + 1)
-            for i in range(batch)]
-    arrays = spec.round_arrays(rows, sampling)
-    page_table, kv_lens, active, root_tokens, root_hidden, _, _, slots = arrays
-    _, _, _, _, _, request_sampling, suppress, _ = arrays
-    padded = len(kv_lens)
+    padded = spec.target.buckets.batch_padding(batch)
+    active = np.arange(padded) < batch
+    page_table = np.zeros((padded, spec.target.buckets.pages_per_seq), np.int32)
+    for i in range(batch):
+        pages = setup.pages(i)[: page_table.shape[1]]
+        page_table[i, : len(pages)] = pages
+    kv_lens = np.where(active, context, 0).astype(np.int32)
+    root_tokens = np.where(active, rng.integers(vocab, size=padded), 0).astype(np.int32)
+    root_hidden = np.zeros((padded, spec.root_width), dtype)
+    root_hidden[:batch] = rng.standard_normal((batch, spec.root_width))
+    request_sampling = greedy_sampling_batch(padded, vocab)
+    suppress = np.zeros(padded, np.int32)
+    slots = np.where(active, np.arange(padded) + 1, 0).astype(np.int32)  # state slots
+    rows = RoundRows(slots=np.where(active, np.arange(padded), -1).astype(np.int32),
+                     page_table=page_table, kv_lens=kv_lens, root_tokens=root_tokens,
+                     min_new_tokens=np.zeros(padded, np.int32), state_slots=slots)
+    # A round reads each request's draft root from its slot (SlotState.root_hidden): the same
+    # random root hidden states go there. Later rounds overwrite them with the draft's
+    # output, which costs the same (every shape is fixed).
+    slot_roots = np.array(spec.slot_state.root_hidden)
+    slot_roots[:batch] = root_hidden[:batch]
+    spec.slot_state = dataclasses.replace(spec.slot_state,
+                                          root_hidden=spec.tp.put_replicated(slot_roots))
     tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
                      np.tile(setup.tree_parents, (padded, 1)))
     want_top = np.bool_(False)
@@ -194,7 +214,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         runner.model.params, runner.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
     whole = spec._rounds[shape]  # the program SpecRunner.round runs
-    device_arrays = jax.device_put((*arrays, want_top))
+    device_arrays = jax.device_put((rows, request_sampling, want_top))
 
     def run_verify():
         runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *verify_args)
@@ -206,20 +226,27 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return out
 
     def run_round_device():
-        runner.kv_cache, spec.draft_kv, out = whole(
+        (runner.kv_cache, spec.draft_kv, spec.slot_state, runner.last_tokens, out) = whole(
             runner.model.params, spec.draft.params, runner.kv_cache, spec.draft_kv,
-            *device_arrays)
+            spec.slot_state, runner.last_tokens, *device_arrays)
         return out
 
     catch_up_rows = [CatchUpRow(
-        setup.pages(i), max(context - CATCH_UP_WIDTH, 0), rng.integers(vocab, size=CATCH_UP_WIDTH),
+        i, setup.pages(i), max(context - CATCH_UP_WIDTH, 0),
+        rng.integers(vocab, size=CATCH_UP_WIDTH),
         rng.standard_normal((CATCH_UP_WIDTH, spec.feature_width)).astype(dtype))
         for i in range(batch)]
+
+    def run_catch_up():
+        spec.catch_up(catch_up_rows)
+        return spec.slot_state  # what it writes: blocking on it waits for the catch-up
+
     deferred = shape.num_draft_tokens == 1 and spec.defers_draft
     ms = median_ms({"decode": decode,
-                    "round": lambda: spec.round(rows, sampling, False, shape).tokens,
+                    "round": lambda: spec.round(rows, request_sampling, False, shape,
+                                                num_rows=batch).result().tokens,
                     "verify": run_verify, "device": run_round_device,
-                    "draft": (lambda: spec.catch_up(catch_up_rows)) if deferred else run_draft},
+                    "draft": run_catch_up if deferred else run_draft},
                    repeats)
     draft_ms = ms["draft"] / CATCH_UP_WIDTH if deferred else ms["draft"]
     round_ms = ms["round"] + (draft_ms if deferred else 0.0)

@@ -333,7 +333,7 @@ class SpecRunner:
         the adaptive policy (the fastest of a few runs after the compiling one: the others
         met some other load)."""
         sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
-        if self.defers_draft:  # undrafted_round's decode steps
+        if self.defers_draft:  # rounds where no request has a draft: the target's decode steps
             self.target.warmup([s for s in shapes if s.q_block == 1])
         with tqdm(total=len(sizes) * (len(self.shapes) + 1) + len(shapes),
                   desc="Compiling speculative buckets", unit="bucket") as bar:

@@ -16,7 +16,7 @@ from sgl_jax import Engine
 from sgl_jax.grammar import GrammarCompiler, fill_bitmasks, fill_tree_bitmasks
 from sgl_jax.sampling_params import SamplingParams
 from sgl_jax.scheduler.req import Req
-from sgl_jax.scheduler.scheduler import sampling_batch
+from sgl_jax.scheduler.slot_table import SlotTable
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.tokenizer import ENDOFTEXT_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer
 from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
@@ -157,10 +157,13 @@ def test_a_dead_end_allows_only_eos_and_finishes_with_grammar_error(tmp_path):
     params = SamplingParams(regex="yes", max_new_tokens=8)
     req = Req("r", [5], params, 0, frozenset([ENDOFTEXT_ID]), 64,
               IncrementalDetokenizer(tokenizer, prompt_ids=[5]),
-              grammar=grammars.matcher(*params.grammar))
+              grammar=grammars.matcher(*params.grammar), slot=0)
     no = tokenizer.encode("no", add_special_tokens=False)[0]
     assert not req.grammar.consume_token(no)  # the matcher is now at a dead end
-    (row,) = sampling_batch([(req, 1)], TINY_VOCAB_SIZE).allowed.view(np.uint32)
+    table = SlotTable(1, 4, TINY_VOCAB_SIZE)
+    table.join(req)
+    sampling, _ = table.sampling_rows([req], np.array([0], np.int32), np.array([0], np.int32), 1)
+    (row,) = sampling.allowed.view(np.uint32)
     allowed = [i for i in range(TINY_VOCAB_SIZE) if row[i // 32] >> (i % 32) & 1]
     assert allowed == [ENDOFTEXT_ID]
     req.append_token(ENDOFTEXT_ID, 0.0, [])

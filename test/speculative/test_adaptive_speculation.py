@@ -55,7 +55,8 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None):
                 speculative_draft_model_path=str(paths[draft]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
         if relative_costs:  # a machine where a round of each shape costs that many plain
-            policy = engine._loop.scheduler.speculative.policy  # steps: at warm-up and while serving
+            # steps: at warm-up and while serving
+            policy = engine._loop.scheduler.speculative.policy
             policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
                                     for shape, bucket in policy.round_seconds}
             observe = policy.observe

@@ -22,7 +22,6 @@ from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
-from sgl_jax.speculative.spec_runner import RoundRow
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
@@ -172,20 +171,28 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
             runner.forward([SeqChunk([([p[-1]] + f)[depth]], len(p) - 1 + depth, pages[j + 2],
                                      state_slot=slots[j + 2])
                             for j, (p, f) in enumerate(zip(ids, follow, strict=True))])
-        rows, trees, paths_taken = [], [], []
-        for j, (p, f) in enumerate(zip(ids, follow, strict=True)):
+        trees, paths_taken = [], []
+        for p, f in zip(ids, follow, strict=True):
             if n == 4:  # the chain root, g1, g2, g3
                 tokens, parents, path = [p[-1], *f[:3]], [-1, 0, 1, 2], [0, 1, 2, 3]
             else:  # decoys beside and below the greedy path, which lies at nodes 0, 2, 4, 7
                 decoy = [(t + 1) % 500 for t in f[:3]]
                 tokens = [p[-1], decoy[0], f[0], decoy[1], f[1], decoy[2], decoy[2], f[2]]
                 parents, path = [-1, 0, 0, 2, 2, 4, 3, 4], [0, 2, 4, 7]
-            root = np.zeros(spec.root_width, np.float32)
-            rows.append(RoundRow(pages[j], len(p) - 1, p[-1], root, 0, slots[j]))
             trees.append((tokens, parents))
             paths_taken.append(path)
-        page_table, kv_lens, active, _, _, sampling, suppress, state_slots = spec.round_arrays(
-            rows, greedy_sampling_batch(len(rows), spec.vocab_size))
+        # verify_step's arrays, padded to the batch bucket: padding rows read the null page.
+        padded = spec.target.buckets.batch_padding(len(ids))
+        page_table = np.zeros((padded, spec.target.buckets.pages_per_seq), np.int32)
+        kv_lens = np.zeros(padded, np.int32)
+        state_slots = np.zeros(padded, np.int32)
+        for j, p in enumerate(ids):
+            page_table[j, :len(pages[j])] = pages[j]
+            kv_lens[j] = len(p) - 1
+            state_slots[j] = slots[j]
+        active = np.arange(padded) < len(ids)
+        sampling = greedy_sampling_batch(padded, spec.vocab_size)
+        suppress = np.zeros(padded, np.int32)
         assert isinstance(sampling, SamplingBatch)
         padding = [(trees[0][0], list(range(-1, n - 1)))] * (len(kv_lens) - len(trees))
         tree = DraftTree(*(np.array(part, np.int32) for part in zip(*trees, *padding,
