@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Least recently used programs are evicted past this size.
+COMPILATION_CACHE_BYTES = 16 * 2**30
+
 
 def user_cache_dir() -> Path:
     """$XDG_CACHE_HOME/sgl-jax, or ~/.cache/sgl-jax."""
@@ -23,4 +26,8 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     # Every step program is worth keeping: the smallest still costs a second to compile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size limit makes JAX read and write entries under a file lock. Without it, a
+    # process can read an entry another one (a replica, a test worker) is still writing,
+    # and a torn executable aborts the reader.
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
     return directory

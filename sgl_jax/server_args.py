@@ -410,7 +410,8 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="the format the model writes tool calls in (qwen25 / hermes: "
                             "<tool_call> blocks; llama3 / llama3_json: Llama 3.1 JSON); "
-                            "needed for chat requests with tools")
+                            "default: detected from the chat template, else qwen25 taught "
+                            "in the system message")
 
 
 def _add_logging_args(group: argparse._ArgumentGroup) -> None:

@@ -157,7 +157,7 @@ def _add_native_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> 
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        return engine.get_server_info()
+        return {**engine.get_server_info(), **serving.tools.info()}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -9,13 +9,19 @@ in the tool-call parser's format (see `ChatTemplate._with_tools`).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from sgl_jax.tokenizer.tool_calls import DEFAULT_FORMAT, ToolCallFormat
+from sgl_jax.tokenizer.tool_calls import (
+    DEFAULT_FORMAT,
+    ToolCallFormat,
+    detect_tool_format,
+    tool_call_format,
+)
 
 # Tool results as one user turn of <tool_response> blocks and past calls as <tool_call> blocks
 # after the turn's text, the way Qwen2.5's template writes them (the `qwen25` parser's format).
@@ -98,6 +104,19 @@ def resolve_chat_template(spec: str | None) -> str | None:
     raise ValueError(f"chat template {spec!r} is neither a file nor a built-in name ({names})")
 
 
+@dataclass(frozen=True)
+class ToolFormatChoice:
+    """How a server shows tools to its model and reads the calls it writes."""
+
+    format: ToolCallFormat
+    source: str  # "--tool-call-parser", "chat template" or "built-in"
+    in_template: bool  # the chat template shows the tools (else the system message does)
+
+    def info(self) -> dict[str, Any]:
+        return {"tool_call_format": self.format.name, "tool_call_format_source": self.source,
+                "tools_shown_by": "chat template" if self.in_template else "system message"}
+
+
 class ChatTemplate:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None = None):
         self.tokenizer = tokenizer
@@ -106,6 +125,20 @@ class ChatTemplate:
         # What the template can show of tool calling; the rest is written into the messages.
         self.renders_tools = re.search(r"\btools\b", text) is not None
         self.renders_tool_calls = "tool_calls" in text
+        self.tool_format = detect_tool_format(text)  # the call format it teaches, if any
+
+    def choose_tool_format(self, parser: str | None) -> ToolFormatChoice:
+        """The format calls are read in: `parser` (a --tool-call-parser value) if given, else
+        the one the template teaches, else the built-in one (DEFAULT_FORMAT), described to
+        the model in the system message. The template shows the tools itself only where it
+        can and its format is the one read (or unknown, with a parser the user chose)."""
+        if parser is not None:
+            chosen = tool_call_format(parser)
+            return ToolFormatChoice(chosen, "--tool-call-parser", self.renders_tools
+                                    and self.tool_format in (None, chosen))
+        if self.tool_format is not None:
+            return ToolFormatChoice(self.tool_format, "chat template", self.renders_tools)
+        return ToolFormatChoice(DEFAULT_FORMAT, "built-in", False)
 
     @property
     def available(self) -> bool:
@@ -118,19 +151,21 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], *,
                tools: list[dict[str, Any]] | None = None,
-               tool_format: ToolCallFormat | None = None, add_generation_prompt: bool = True,
+               tool_format: ToolFormatChoice | None = None, add_generation_prompt: bool = True,
                template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages`: {"role", "content"} with string content, plus
         "tool_calls" (arguments as dicts) on assistant turns and "tool_call_id" on tool
-        turns. `tools` (OpenAI tool dicts) are offered to the model; `tool_format` (default
-        qwen25) is how calls are written where the template cannot write them itself."""
+        turns. `tools` (OpenAI tool dicts) are offered to the model; `tool_format` (default:
+        choose_tool_format without a parser) is how calls are written where the template
+        cannot write them itself."""
         reserved = _RESERVED_KWARGS & set(template_kwargs or {})
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}")
         if not self.available:
             raise ChatTemplateError("this model's tokenizer has no chat template; start the "
                                     "server with --chat-template, or use /v1/completions")
-        messages, tools = self._with_tools(messages, tools, tool_format or DEFAULT_FORMAT)
+        messages, tools = self._with_tools(messages, tools,
+                                           tool_format or self.choose_tool_format(None))
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, chat_template=self.template, tokenize=False,
@@ -146,16 +181,16 @@ class ChatTemplate:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    tool_format: ToolCallFormat
+                    tool_format: ToolFormatChoice
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """Messages and tools in a form this template renders. A template that never mentions
         tools would silently drop them, and a small model (the demo's SmolLM2 has such a
         template) only calls tools it is told about in the format the parser reads: so the
         tools and that format go into the system message instead."""
         if not self.renders_tool_calls:
-            messages = _write_tool_turns(messages, tool_format)
-        if tools and not self.renders_tools:
-            return _with_system_text(messages, tool_format.instructions(tools)), None
+            messages = _write_tool_turns(messages, tool_format.format)
+        if tools and not tool_format.in_template:
+            return _with_system_text(messages, tool_format.format.instructions(tools)), None
         return messages, tools or None
 
 

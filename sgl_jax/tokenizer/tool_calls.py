@@ -358,8 +358,20 @@ class Llama3Format(ToolCallFormat):
 
 
 _FORMATS = {f.name: f for f in (Qwen25Format(), Llama3Format())}
-# Past calls in a prompt are written in this format when no parser was chosen.
+# The format of models whose chat template teaches none: the system message describes it.
 DEFAULT_FORMAT = _FORMATS["qwen25"]
+
+
+def detect_tool_format(template: str) -> ToolCallFormat | None:
+    """The format a chat template teaches its model to write calls in, from what the template
+    writes: `<tool_call>` blocks (Qwen2.5, Qwen3, Hermes), or Llama 3.1's JSON calls (its
+    `<|python_tag|>`, or `ipython` tool turns beside a `parameters` key). None: neither."""
+    if TaggedCallParser.OPEN in template:
+        return _FORMATS["qwen25"]
+    if JsonCallParser.PYTHON_TAG in template or ("ipython" in template
+                                                 and "parameters" in template):
+        return _FORMATS["llama3"]
+    return None
 
 
 def tool_call_format(name: str) -> ToolCallFormat:

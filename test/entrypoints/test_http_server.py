@@ -231,8 +231,6 @@ BAD_CHAT = [
     ({"max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
     ({"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "less than or equal"),
     ({"top_logprobs": 2}, 400, None, "requires logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "without --tool-call-parser"),
     ({"functions": [{"name": "f"}]}, 400, "functions", "not supported"),
     ({"logit_bias": {"5": "high"}}, 400, "logit_bias.5", "valid number"),
     ({"response_format": {"type": "xml"}}, 400, "response_format.type", "'json_schema'"),

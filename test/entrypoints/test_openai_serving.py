@@ -25,7 +25,7 @@ def tokenizer(tmp_path_factory):
 
 def test_chat_logprobs_bytes_are_the_tokens_own_bytes(tokenizer):
     engine = SimpleNamespace(tokenizer=tokenizer, context_length=64)
-    serving = OpenAIServing(engine, ServerArgs().http, chat_template=None)
+    serving = OpenAIServing(engine, ServerArgs().http, chat_template=ChatTemplate(tokenizer))
     ids = tokenizer("日本 😀", add_special_tokens=False).input_ids
     meta = {"output_token_logprobs": [(-0.5, i) for i in ids],
             "output_top_logprobs": [[(-0.5, i)] for i in ids]}
@@ -163,12 +163,22 @@ def chat(server, **body):
     return asyncio.run(run())
 
 
-def test_without_a_parser_tools_are_a_400_unless_tool_choice_is_none(tokenizer):
+def test_without_a_parser_tools_take_the_built_in_format(tokenizer):
+    """The tiny tokenizer's ChatML template teaches no call format: the server describes the
+    tools and the built-in (qwen25) format in the system message, reads calls in it, and
+    forces it for tool_choice 'required'."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    server, engine = serving(tokenizer, [call], parser=None)
+    assert server.tools.info() == {"tool_call_format": "qwen25",
+                                   "tool_call_format_source": "built-in",
+                                   "tools_shown_by": "system message"}
+    reply = chat(server, tools=[WEATHER])
+    (made,) = reply["choices"][0]["message"]["tool_calls"]
+    assert made["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert "<tools>" in tokenizer.decode(engine.calls[0]["input_ids"])
+    chat(server, tools=[WEATHER], tool_choice="required")
+    assert "<tool_call>" in engine.calls[1]["sampling_params"]["ebnf"]
     server, engine = serving(tokenizer, ["Sunny."], parser=None)
-    with pytest.raises(APIError) as info:
-        chat(server, tools=[WEATHER])
-    assert (info.value.status, info.value.param) == (400, "tools")
-    assert "--tool-call-parser" in info.value.message
     reply = chat(server, tools=[WEATHER], tool_choice="none", messages=[*USER, *CALLED])
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": "Sunny."}
     prompt = tokenizer.decode(engine.calls[0]["input_ids"])

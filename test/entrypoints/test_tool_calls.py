@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -50,7 +51,7 @@ REQUESTS = {  # name -> request fields
 
 @pytest.fixture(scope="module")
 def servers():
-    with demo_servers(["--tool-call-parser", "qwen25"]) as both:
+    with demo_servers() as both:  # no tool flag: the demo's template teaches no format
         yield both
 
 
@@ -88,6 +89,12 @@ def assert_valid_calls(answer: dict, names: set[str]) -> None:
     for name, arguments in answer["calls"]:
         assert name in names
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_the_server_says_which_format_it_reads(servers):
+    info = httpx.get(f"{servers['plain'].base_url}/get_server_info").json()
+    assert (info["tool_call_format"], info["tool_call_format_source"]) == ("qwen25", "built-in")
+    assert info["tools_shown_by"] == "system message"
 
 
 def test_required_gives_a_call_with_valid_arguments(plain_answers):

@@ -160,7 +160,8 @@ def test_a_template_without_tools_is_told_about_them_in_the_system_message(token
         f"<|im_start|>user\n{RESPONSES}<|im_end|>\n"
         "<|im_start|>assistant\n")
     llama = tool_call_format("llama3")
-    text = template.render(TOOL_TURNS, tools=[WEATHER], tool_format=llama)
+    text = template.render(TOOL_TURNS, tools=[WEATHER],
+                           tool_format=template.choose_tool_format("llama3"))
     assert text.startswith(f"<|im_start|>system\n{llama.instructions([WEATHER])}<|im_end|>\n")
     assert ('<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}; '
             '{"name": "get_weather", "parameters": {"city": "Rome"}}<|im_end|>') in text
@@ -189,3 +190,23 @@ def test_builtin_templates_write_calls_and_results_in_their_parsers_format(token
     # Built-ins do not list tools themselves: the system message does.
     system = chatml.render(TOOL_TURNS[:1], tools=[WEATHER]).split("<|im_start|>user")[0]
     assert system.startswith("<|im_start|>system\n") and json.dumps(WEATHER) in system
+
+
+def test_the_call_format_comes_from_the_flag_or_the_template(tokenizer):
+    def chosen(template, parser=None):
+        choice = ChatTemplate(tokenizer, template).choose_tool_format(parser)
+        return choice.format.name, choice.source, choice.in_template
+
+    assert chosen(QWEN25_STYLE) == ("qwen25", "chat template", True)
+    assert chosen(BUILTIN_TEMPLATES["llama-3-instruct"]) == ("llama3", "chat template", False)
+    assert chosen(BUILTIN_TEMPLATES["chatml"]) == ("qwen25", "chat template", False)
+    assert chosen(None) == ("qwen25", "built-in", False)  # the tiny tokenizer's ChatML
+    # A parser that is not the template's own format: the system message teaches it.
+    assert chosen(QWEN25_STYLE, "llama3") == ("llama3", "--tool-call-parser", False)
+    assert chosen(QWEN25_STYLE, "hermes") == ("qwen25", "--tool-call-parser", True)
+    # A template that shows tools in a format the server does not know: without a parser
+    # the built-in format is taught; with one, the template is trusted to teach it.
+    unknown = "{%- if tools %}{{ tools | tojson }}{%- endif %}" + BUILTIN_TEMPLATES["chatml"][
+        BUILTIN_TEMPLATES["chatml"].index("{%- if add_generation_prompt"):]
+    assert chosen(unknown) == ("qwen25", "built-in", False)
+    assert chosen(unknown, "llama3") == ("llama3", "--tool-call-parser", True)

@@ -20,7 +20,6 @@ from sgl_jax.server_args import HttpConfig
 from sgl_jax.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sgl_jax.tokenizer.reasoning import ReasoningParser
 from sgl_jax.tokenizer.token_bytes import TokenBytes
-from sgl_jax.tokenizer.tool_calls import tool_call_format
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +43,12 @@ class OpenAIServing:
         self.context_length = engine.context_length
         self._token_texts: dict[int, str] = {}
         self._token_bytes = TokenBytes(engine.tokenizer)
-        self.tool_format = (None if config.tool_call_parser is None
-                            else tool_call_format(config.tool_call_parser))
+        # Tools work without a flag: the format comes from the chat template when it
+        # teaches one, else the built-in one is taught in the system message.
+        self.tools = chat_template.choose_tool_format(config.tool_call_parser)
+        logger.info("Tool calls: %s format (from %s; tools shown by the %s)",
+                    self.tools.format.name, self.tools.source,
+                    self.tools.info()["tools_shown_by"])
 
     # ------------------------------------------------------------------ models
 
@@ -66,7 +69,6 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(request.model)
-        self._check_tool_parser(request)
         prompt_ids = self._chat_prompt(request)
         max_tokens = self._max_tokens([len(prompt_ids)], request.requested_max_tokens,
                                       "max_tokens", "messages")
@@ -84,30 +86,24 @@ class OpenAIServing:
             return self._chat_stream(head, request, result)
         return self._chat_response(head, request, _as_list(result))
 
-    def _check_tool_parser(self, request: ChatCompletionRequest) -> None:
-        if request.offered_tools and self.tool_format is None:
-            raise bad_request("this server was started without --tool-call-parser, so it "
-                              "cannot read tool calls; send tool_choice 'none', or start it "
-                              "with --tool-call-parser", "tools")
-
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         messages = [m.template_dict() for m in request.messages]
         try:
             return self.chat_template.encode(
-                messages, tools=request.offered_tools, tool_format=self.tool_format,
+                messages, tools=request.offered_tools, tool_format=self.tools,
                 template_kwargs=request.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
 
     def _tool_grammar(self, request: ChatCompletionRequest) -> dict[str, str]:
-        """tool_choice 'required' or a named function: a grammar for calls in the parser's
+        """tool_choice 'required' or a named function: a grammar for calls in the server's
         format (one call, or several with parallel_tool_calls), each to one of the forced
         tools with arguments valid against its parameters."""
         forced = request.forced_tools
         if not forced:
             return {}
         parallel = request.max_tool_calls is None
-        return {"ebnf": self.tool_format.grammar(forced, parallel=parallel)}
+        return {"ebnf": self.tools.format.grammar(forced, parallel=parallel)}
 
     def _chat_output(self, request: ChatCompletionRequest) -> ChatOutput:
         """A fresh splitter for one choice."""
@@ -117,7 +113,7 @@ class OpenAIServing:
         tools = None
         if request.offered_tools:
             names = [tool["function"]["name"] for tool in request.offered_tools]
-            tools = self.tool_format.parser(names, request.max_tool_calls)
+            tools = self.tools.format.parser(names, request.max_tool_calls)
         return ChatOutput(reasoning, tools)
 
     def _chat_response(self, head: dict, request: ChatCompletionRequest,
