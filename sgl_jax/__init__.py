@@ -8,12 +8,13 @@ from sgl_jax.import_noise import silence_import_noise
 silence_import_noise()
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "__version__"]
+__all__ = ["LLM", "Engine", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # Imported lazily so that `import sgl_jax.testing` does not pull in JAX and transformers.
-    if name == "Engine":
+    # `LLM` is the Engine under the name SGLang's examples use (`sgl.LLM(model=...)`).
+    if name in ("Engine", "LLM"):
         from sgl_jax.entrypoints.engine import Engine
 
         return Engine

@@ -17,6 +17,11 @@ DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.
 ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+# Accepted names whose drafting this version does not have: why, and so what it would need.
+UNSUPPORTED_DRAFTS = {
+    "NEXTN": "it drafts with the target's own multi-token-prediction (NextN) layers "
+             "(DeepSeek-V3, MiMo, GLM-4.5), which this version does not load or run",
+}
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 # SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "hermes", "llama3_json")
@@ -184,6 +189,11 @@ class ServerArgs:
                              f"{self.dist_init_addr!r}")
 
     def _validate_speculative(self) -> None:
+        if self.speculative_algorithm in UNSUPPORTED_DRAFTS:
+            raise NotImplementedError(
+                f"--speculative-algorithm {self.speculative_algorithm} is not supported: "
+                f"{UNSUPPORTED_DRAFTS[self.speculative_algorithm]}; use EAGLE3, EAGLE or "
+                f"STANDALONE with --speculative-draft-model-path")
         if not self.speculative_draft_model_path:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
                              "--speculative-draft-model-path")

@@ -156,6 +156,9 @@ def test_help_groups_and_documents_every_flag():
 @pytest.mark.parametrize("extra, message", [
     (["--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", "d"],
      "--speculative-algorithm NEXTN is not supported"),
+    (["--speculative-algorithm", "nextn"],  # no draft path: NEXTN would not need one
+     "--speculative-algorithm NEXTN is not supported: it drafts with the target's own "
+     "multi-token-prediction"),
     (["--tp-size", "4"], "--tp-size 4 needs 4 devices, but JAX sees 1 cpu device(s)"),
 ])
 def test_launch_refuses_unavailable_features_before_loading(extra, message, caplog, tmp_path):

@@ -72,8 +72,12 @@ class Engine:
     """Loads a model once and serves generation requests from any thread or event loop."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        """`model_path`: a local directory, a Hugging Face id or a .gguf file; None serves
-        the built-in demo model."""
+        """`model_path` (or `model`, as SGLang's examples spell it): a local directory, a
+        Hugging Face id or a .gguf file; None serves the built-in demo model."""
+        if "model" in server_args:
+            if model_path is not None:
+                raise TypeError("give the model as model_path or as model, not both")
+            model_path = server_args.pop("model")
         if model_path is None:
             model_path = str(demo_model_path())
             server_args["served_model_name"] = (server_args.get("served_model_name")
@@ -555,18 +559,8 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
 _RUNNER_STEPS = ("step", "launch", "reset_penalty_slot")
 _SPEC_STEPS = ("prefill", "round", "catch_up", "draft_trees", "masked_verify")
 
-_UNSUPPORTED_DRAFTS = {
-    "NEXTN": "multi-token-prediction heads (DeepSeek / MiMo NextN layers) are not implemented",
-}
-
-
 def _check_available(args: ServerArgs) -> None:
     """Refuse, before anything loads, settings whose feature this version does not have."""
-    if args.speculative_algorithm in _UNSUPPORTED_DRAFTS:
-        raise NotImplementedError(
-            f"--speculative-algorithm {args.speculative_algorithm} is not supported: "
-            f"{_UNSUPPORTED_DRAFTS[args.speculative_algorithm]}; use EAGLE3, EAGLE or STANDALONE"
-        )
     if args.device is not None:
         _check_device(args.device)
 
