@@ -287,3 +287,23 @@ def test_past_calls_reach_the_template_with_arguments_as_objects(tokenizer):
     prompt = tokenizer.decode(engine.calls[0]["input_ids"])
     assert (f"<|im_start|>assistant\n{PARIS_BLOCK}<|im_end|>\n<|im_start|>user\n"
             "<tool_response>\n20 C\n</tool_response><|im_end|>") in prompt
+
+
+def test_json_object_with_a_schema_constrains_to_that_schema():
+    """instructor's JSON_SCHEMA mode sends {"type": "json_object", "schema": ...}."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    sent = request(response_format={"type": "json_object", "schema": schema})
+    assert json.loads(sent.sampling_params(16)["json_schema"]) == schema
+    plain = request(response_format={"type": "json_object"})
+    assert json.loads(plain.sampling_params(16)["json_schema"]) == {"type": "object"}
+    for bad, param, words in [
+        ({"type": "json_schema", "json_schema": {"name": "x"}, "schema": schema},
+         "response_format", "json_object' only"),
+        ({"type": "json_object", "schema": schema, "strict": True}, "response_format.strict",
+         "unknown field"),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            request(response_format=bad)
+        error = from_validation_error(info.value)
+        assert error.param == param and words in error.message, error.message

@@ -195,18 +195,25 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # An extension several hosted OpenAI-compatible APIs accept (instructor's JSON_SCHEMA mode
+    # sends it): json_object constrained to this schema.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("response_format needs json_schema exactly when its type is "
                              "'json_schema'")
+        if self.schema_ is not None and self.type != "json_object":
+            raise ValueError("response_format.schema goes with type 'json_object' only (for "
+                             "'json_schema', put it in json_schema.schema)")
         return self
 
     def grammar(self) -> dict[str, str]:
         """The engine's grammar field for this format ({} for plain text)."""
         if self.type == "json_object":
-            return {"json_schema": ANY_JSON_OBJECT}
+            return {"json_schema": ANY_JSON_OBJECT if self.schema_ is None
+                    else json.dumps(self.schema_)}
         if self.type == "json_schema":
             return {"json_schema": json.dumps(self.json_schema.schema_)}
         return {}
