@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec-shape", default="3,1,4",
                         help="num_steps,topk,num_draft_tokens of the speculative rows")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="time the synchronous engine loop instead (the rows say 'sync')")
     return parser.parse_args(argv)
 
 
@@ -186,7 +188,8 @@ def round_replay_ms(spec, batch: int, context: int, steps: int, read_each: bool)
 
 
 def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
-    engine = make_engine(model_path, batch)
+    engine = make_engine(model_path, batch,
+                         disable_overlap_schedule=args.disable_overlap_schedule)
     try:
         vocab = engine.model.config.vocab_size
         prompts = random_prompts(batch, PROMPT_LEN, vocab, seed=batch)
@@ -198,14 +201,16 @@ def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
         floor = replay_ms(runner, chunks, args.steps, read_each=True)
     finally:
         engine.shutdown()
-    return {"model": label, "kind": "decode", "batch": batch, "engine_ms": engine_ms,
+    return {"model": label, "kind": _kind("decode", args), "batch": batch,
+            "engine_ms": engine_ms,
             "device_ms": device, "floor_ms": floor, "steps": steps,
             "engine_over_floor": engine_ms / floor, "engine_over_device": engine_ms / device}
 
 
 def bench_speculative(batch: int, args) -> dict:
     steps, topk, draft_tokens = (int(x) for x in args.spec_shape.split(","))
-    engine = make_engine(None, batch, speculative_algorithm="EAGLE3",
+    engine = make_engine(None, batch, disable_overlap_schedule=args.disable_overlap_schedule,
+                         speculative_algorithm="EAGLE3",
                          speculative_num_steps=steps, speculative_eagle_topk=topk,
                          speculative_num_draft_tokens=draft_tokens,
                          speculative_adaptive=False)
@@ -218,10 +223,14 @@ def bench_speculative(batch: int, args) -> dict:
         floor = round_replay_ms(engine._spec, batch, context, rounds_timed, read_each=True)
     finally:
         engine.shutdown()
-    return {"model": "demo", "kind": f"round {args.spec_shape.replace(',', '/')}",
+    return {"model": "demo", "kind": _kind(f"round {args.spec_shape.replace(',', '/')}", args),
             "batch": batch, "engine_ms": engine_ms, "device_ms": device, "floor_ms": floor,
             "steps": rounds, "engine_over_floor": engine_ms / floor,
             "engine_over_device": engine_ms / device}
+
+
+def _kind(step: str, args) -> str:
+    return f"{step} (sync)" if args.disable_overlap_schedule else step
 
 
 def print_row(row: dict) -> None:
