@@ -286,6 +286,7 @@ class Engine:
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are running."""
         def flush(scheduler: Scheduler) -> bool:
+            scheduler.settle_if_idle()
             if scheduler.has_work:
                 return False
             scheduler.cache.flush()

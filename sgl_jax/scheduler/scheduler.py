@@ -128,6 +128,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.prefill.waiting or self._in_flight)
 
+    def settle_if_idle(self) -> None:
+        """With no request running or waiting, the step in flight holds only rows of requests
+        that have finished: read it now, so the caller sees an idle scheduler."""
+        if not (self.running or self.prefill.waiting):
+            self._settle()
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
