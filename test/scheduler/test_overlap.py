@@ -13,6 +13,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.engines import walk_away_mid_run
 
 SMALL = dict(dtype="float32", page_size=4, precompile_token_paddings=[16, 64, 256],
              precompile_bs_paddings=[1, 2, 4, 8], max_prefill_tokens=256,
@@ -156,19 +157,7 @@ def test_retraction_in_a_small_pool(model_dir, engines):
 
 def test_aborts_mid_run_free_every_page(engines):
     for engine in engines:
-        prompts = random_prompts(4, [20, 7, 33])
-        streams = [engine.generate(input_ids=p, sampling_params=greedy(200), stream=True)
-                   for p in prompts]
-        for stream in streams:
-            next(stream)
-        streams[1].close()  # walks away while the others run
-        rest = engine.generate(input_ids=prompts[2], sampling_params=greedy(5))
-        assert len(rest["output_ids"]) == 5
-        for stream in (streams[0], streams[2]):
-            stream.close()
-        deadline = time.time() + 10
-        while engine.get_server_info()["num_running_reqs"] and time.time() < deadline:
-            time.sleep(0.05)
+        walk_away_mid_run(engine, random_prompts(4, [20, 7, 33]))
         assert pages_all_free(engine)
 
 

@@ -9,7 +9,6 @@ STANDALONE draft is a noisy copy of the target, so rounds accept runs of varying
 
 import contextlib
 import json
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from sgl_jax import Engine
 from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.engines import walk_away_mid_run
 
 SMALL = dict(dtype="float32", page_size=4, precompile_token_paddings=[16, 64, 256],
              precompile_bs_paddings=[1, 2, 4, 8], max_prefill_tokens=256,
@@ -157,19 +157,7 @@ def test_grammar_constrained_requests(engines):
 
 def test_aborts_mid_run_return_every_page(engines):
     for engine in engines:
-        prompts = random_prompts(4, [20, 7, 33])
-        streams = [engine.generate(input_ids=p, sampling_params=greedy(200), stream=True)
-                   for p in prompts]
-        for stream in streams:
-            next(stream)
-        streams[1].close()  # walks away while the others run
-        rest = engine.generate(input_ids=prompts[2], sampling_params=greedy(5))
-        assert len(rest["output_ids"]) == 5
-        for stream in (streams[0], streams[2]):
-            stream.close()
-        deadline = time.time() + 10
-        while engine.get_server_info()["num_running_reqs"] and time.time() < deadline:
-            time.sleep(0.05)
+        walk_away_mid_run(engine, random_prompts(4, [20, 7, 33]))
         assert all_returned(engine)
 
 
