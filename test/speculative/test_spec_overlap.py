@@ -169,21 +169,21 @@ def test_retraction_in_a_small_pool(paths):
         assert all(e.get_server_info()["num_retractions"] > 0 for e in pair)
 
 
-def test_adaptive_rounds_with_catch_ups(paths):
-    """EAGLE3 with the adaptive policy scripted to mix plain streaks (drafts left behind, then
-    caught up) with speculative rounds of two shapes."""
-    adaptive = dict(SMALL, skip_server_warmup=False, precompile_token_paddings=[16, 64],
-                    precompile_bs_paddings=[1, 4], max_prefill_tokens=64, page_size=16)
+def test_plain_streaks_and_catch_ups(paths):
+    """EAGLE3 with the policy scripted to mix plain streaks (drafts left behind, then caught
+    up, some at the catch-up's width) with speculative rounds. Without warm-up the menu is
+    plain and the flags' shape, compiled when first used."""
     shape = dict(speculative_num_steps=3, speculative_eagle_topk=2,
                  speculative_num_draft_tokens=6)
     results = []
-    for overlap in (True, False):  # one after the other: each warms up every shape
+    for overlap in (True, False):
         with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                     speculative_draft_model_path=str(paths["eagle3"]),
-                    disable_overlap_schedule=not overlap, **shape, **adaptive) as engine:
+                    disable_overlap_schedule=not overlap, **shape, **SMALL) as engine:
             policy = engine._loop.scheduler.speculative.policy
+            assert engine._spec.defers_draft  # plain rounds leave the draft behind
             script = iter(([PLAIN] * 3 + [engine._spec.shape] * 2 + [PLAIN] * 10
-                           + [policy.shapes[1]]) * 100)
+                           + [engine._spec.shape]) * 100)
             policy.choose = lambda records, bucket, script=script, **_: next(script)
             results.append(emitted(engine.generate(
                 input_ids=random_prompts(5, [5, 30, 12, 50]),
