@@ -24,3 +24,24 @@ def walk_away_mid_run(engine: Any, prompts: list[list[int]], *, timeout_s: float
     deadline = time.time() + timeout_s
     while engine.get_server_info()["num_running_reqs"] and time.time() < deadline:
         time.sleep(0.05)
+
+
+def printable_stop(text: str) -> str:
+    """Three printable characters from the second half of text, first seen there."""
+    for start in range(len(text) // 2, len(text) - 3):
+        stop = text[start: start + 3]
+        if stop.isprintable() and "\ufffd" not in stop and text.index(stop) == start:
+            return stop
+    raise AssertionError(f"no printable stop string in {text!r}")
+
+
+def every_stop_rule(ids: list[int], stop: str) -> list[dict[str, Any]]:
+    """Greedy sampling parameters for six requests, each ending by another rule: a stop token
+    (ids: a greedy output of the first prompt), max_new_tokens, a stop token held back by
+    min_new_tokens, EOS if it comes, one token, and the stop string `stop`."""
+    def greedy(n: int, **extra: Any) -> dict[str, Any]:
+        return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra}
+
+    return [greedy(24, stop_token_ids=[ids[5]]), greedy(9),
+            greedy(20, stop_token_ids=[ids[0]], min_new_tokens=4),
+            {"temperature": 0, "max_new_tokens": 30}, greedy(1), greedy(20, stop=[stop])]

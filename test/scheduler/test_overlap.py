@@ -13,7 +13,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.testing import write_tiny_checkpoint
-from sgl_jax.testing.engines import walk_away_mid_run
+from sgl_jax.testing.engines import every_stop_rule, printable_stop, walk_away_mid_run
 
 SMALL = dict(dtype="float32", page_size=4, precompile_token_paddings=[16, 64, 256],
              precompile_bs_paddings=[1, 2, 4, 8], max_prefill_tokens=256,
@@ -94,28 +94,12 @@ def test_greedy_batches_with_every_stop_rule(engines):
     first = both(engines, input_ids=prompts[0], sampling_params=greedy(24))[0]
     ids = first[0]
     stop = printable_stop(both(engines, input_ids=[40, 41], sampling_params=greedy(20))[0][1])
-    params = [
-        greedy(24, stop_token_ids=[ids[5]]),  # ends mid-run; its next step already ran
-        greedy(9),  # max_new_tokens
-        greedy(20, stop_token_ids=[ids[0]], min_new_tokens=4),
-        {"temperature": 0, "max_new_tokens": 30},  # EOS of the tiny tokenizer, if it comes
-        greedy(1),
-        greedy(20, stop=[stop]),
-    ]
+    params = every_stop_rule(ids, stop)  # the first ends mid-run; its next step already ran
     outputs = both(engines, input_ids=[prompts[0]] + prompts[1:-1] + [[40, 41]],
                    sampling_params=params)
     assert outputs[0][0] == ids[: ids.index(ids[5]) + 1]
     assert len(outputs[1][0]) == 9 and len(outputs[4][0]) == 1
     assert outputs[5][2] == {"type": "stop", "matched": stop}
-
-
-def printable_stop(text: str) -> str:
-    """Three printable characters from the second half of text, first seen there."""
-    for start in range(len(text) // 2, len(text) - 3):
-        stop = text[start: start + 3]
-        if stop.isprintable() and "\ufffd" not in stop and text.index(stop) == start:
-            return stop
-    raise AssertionError(f"no printable stop string in {text!r}")
 
 
 def test_stop_string_cuts_where_it_did(engines):

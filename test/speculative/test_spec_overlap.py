@@ -17,7 +17,7 @@ from sgl_jax import Engine
 from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
-from sgl_jax.testing.engines import walk_away_mid_run
+from sgl_jax.testing.engines import every_stop_rule, printable_stop, walk_away_mid_run
 
 SMALL = dict(dtype="float32", page_size=4, precompile_token_paddings=[16, 64, 256],
              precompile_bs_paddings=[1, 2, 4, 8], max_prefill_tokens=256,
@@ -122,17 +122,8 @@ def test_greedy_batches_with_every_stop_rule(engines):
     prompts = random_prompts(0, [5, 70, 12, 130, 3, 40])  # 130: a chunked prefill
     ids = both(engines, input_ids=prompts[0], sampling_params=greedy(24))[0][0]
     text = both(engines, input_ids=[40, 41], sampling_params=greedy(20))[0][1]
-    stop = next(text[i: i + 3] for i in range(len(text) // 2, len(text) - 3)
-                if text[i: i + 3].isprintable() and "\ufffd" not in text[i: i + 3]
-                and text.index(text[i: i + 3]) == i)
-    params = [
-        greedy(24, stop_token_ids=[ids[5]]),  # ends inside an accepted run
-        greedy(9),  # max_new_tokens inside a run
-        greedy(20, stop_token_ids=[ids[0]], min_new_tokens=4),
-        {"temperature": 0, "max_new_tokens": 30},  # EOS of the tiny tokenizer, if it comes
-        greedy(1),
-        greedy(20, stop=[stop]),
-    ]
+    stop = printable_stop(text)
+    params = every_stop_rule(ids, stop)  # the first ends inside an accepted run
     outputs = both(engines, input_ids=[prompts[0]] + prompts[1:-1] + [[40, 41]],
                    sampling_params=params)
     assert outputs[0][0] == ids[: ids.index(ids[5]) + 1]
