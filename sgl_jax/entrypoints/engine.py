@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -328,6 +329,11 @@ class Engine:
             self._sender.close()
             shutdown_distributed()
         self._runner.kv_cache = []
+        # Compiled programs, with the JIT code each maps into the process, sit in reference
+        # cycles among the scheduler and its runners: collect them now rather than at some later
+        # cyclic collection, so engines built one after another stay within the process's
+        # memory and its limit on memory mappings (XLA:CPU aborts past it).
+        gc.collect()
 
     def __enter__(self) -> Engine:
         return self

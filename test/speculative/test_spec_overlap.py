@@ -57,8 +57,10 @@ def engine_pair(paths, algorithm, draft, shape, **extra):
         yield overlapped, sync
 
 
-@pytest.fixture(scope="module", params=["chain", "tree"])
+@pytest.fixture(scope="class", params=["chain", "tree"])
 def engines(request, paths):
+    """One engine pair per shape, closed when its class ends: every pair alive at once would
+    hold tens of thousands of JIT code mappings in one process."""
     with engine_pair(paths, "STANDALONE", "noisy",
                      CHAIN if request.param == "chain" else TREE) as pair:
         yield pair
@@ -95,61 +97,64 @@ def both(engines, **request):
     return [exact for exact, _ in overlapped]
 
 
-def test_a_round_is_dispatched_before_the_last_one_is_read(engines):
-    for engine, ahead in zip(engines, (True, False), strict=True):
-        events = []
-        spec = engine._spec
-        launch = spec.round
+class TestSharedEnginePairs:
+    """Cases on the module's STANDALONE pair, chain and tree."""
 
-        def logged_round(*args, launch=launch, events=events, **kwargs):
-            events.append("launch")
-            pending = launch(*args, **kwargs)
-            read = pending.result
-            pending.result = lambda: (events.append("read"), read())[1]
-            return pending
+    def test_a_round_is_dispatched_before_the_last_one_is_read(self, engines):
+        for engine, ahead in zip(engines, (True, False), strict=True):
+            events = []
+            spec = engine._spec
+            launch = spec.round
 
-        engine._loop.call(lambda s, spec=spec, logged=logged_round: setattr(spec, "round",
-                                                                            logged))
-        try:
-            engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(20))
-        finally:
-            engine._loop.call(lambda s, spec=spec: delattr(spec, "round"))
-        assert (events[:3] == ["launch", "launch", "read"]) is ahead
-        assert events.count("launch") == events.count("read") >= 3
+            def logged_round(*args, launch=launch, events=events, **kwargs):
+                events.append("launch")
+                pending = launch(*args, **kwargs)
+                read = pending.result
+                pending.result = lambda: (events.append("read"), read())[1]
+                return pending
 
-
-def test_greedy_batches_with_every_stop_rule(engines):
-    prompts = random_prompts(0, [5, 70, 12, 130, 3, 40])  # 130: a chunked prefill
-    ids = both(engines, input_ids=prompts[0], sampling_params=greedy(24))[0][0]
-    text = both(engines, input_ids=[40, 41], sampling_params=greedy(20))[0][1]
-    stop = printable_stop(text)
-    params = every_stop_rule(ids, stop)  # the first ends inside an accepted run
-    outputs = both(engines, input_ids=[prompts[0]] + prompts[1:-1] + [[40, 41]],
-                   sampling_params=params)
-    assert outputs[0][0] == ids[: ids.index(ids[5]) + 1]
-    assert len(outputs[1][0]) == 9 and len(outputs[4][0]) == 1
-    assert outputs[5][2] == {"type": "stop", "matched": stop}
-    assert outputs[5][1] == text[: text.index(stop)]
+            engine._loop.call(lambda s, spec=spec, logged=logged_round: setattr(spec, "round",
+                                                                                logged))
+            try:
+                engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(20))
+            finally:
+                engine._loop.call(lambda s, spec=spec: delattr(spec, "round"))
+            assert (events[:3] == ["launch", "launch", "read"]) is ahead
+            assert events.count("launch") == events.count("read") >= 3
 
 
-def test_seeded_sampling_and_logprobs(engines):
-    sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 16,
-               "ignore_eos": True, "seed": 1234}
-    params = [sampled, dict(sampled, seed=7, temperature=0.7), greedy(12)]
-    both(engines, input_ids=random_prompts(1, [9, 30, 4]), sampling_params=params,
-         return_logprob=True, top_logprobs_num=2)
+    def test_greedy_batches_with_every_stop_rule(self, engines):
+        prompts = random_prompts(0, [5, 70, 12, 130, 3, 40])  # 130: a chunked prefill
+        ids = both(engines, input_ids=prompts[0], sampling_params=greedy(24))[0][0]
+        text = both(engines, input_ids=[40, 41], sampling_params=greedy(20))[0][1]
+        stop = printable_stop(text)
+        params = every_stop_rule(ids, stop)  # the first ends inside an accepted run
+        outputs = both(engines, input_ids=[prompts[0]] + prompts[1:-1] + [[40, 41]],
+                       sampling_params=params)
+        assert outputs[0][0] == ids[: ids.index(ids[5]) + 1]
+        assert len(outputs[1][0]) == 9 and len(outputs[4][0]) == 1
+        assert outputs[5][2] == {"type": "stop", "matched": stop}
+        assert outputs[5][1] == text[: text.index(stop)]
 
 
-def test_grammar_constrained_requests(engines):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    params = [greedy(40, json_schema=schema), greedy(30), greedy(40, regex="[ab]{3,12}")]
-    both(engines, input_ids=random_prompts(2, [6, 11, 8]), sampling_params=params)
+    def test_seeded_sampling_and_logprobs(self, engines):
+        sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 16,
+                   "ignore_eos": True, "seed": 1234}
+        params = [sampled, dict(sampled, seed=7, temperature=0.7), greedy(12)]
+        both(engines, input_ids=random_prompts(1, [9, 30, 4]), sampling_params=params,
+             return_logprob=True, top_logprobs_num=2)
 
 
-def test_aborts_mid_run_return_every_page(engines):
-    for engine in engines:
-        walk_away_mid_run(engine, random_prompts(4, [20, 7, 33]))
-        assert all_returned(engine)
+    def test_grammar_constrained_requests(self, engines):
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        params = [greedy(40, json_schema=schema), greedy(30), greedy(40, regex="[ab]{3,12}")]
+        both(engines, input_ids=random_prompts(2, [6, 11, 8]), sampling_params=params)
+
+
+    def test_aborts_mid_run_return_every_page(self, engines):
+        for engine in engines:
+            walk_away_mid_run(engine, random_prompts(4, [20, 7, 33]))
+            assert all_returned(engine)
 
 
 def test_retraction_in_a_small_pool(paths):
