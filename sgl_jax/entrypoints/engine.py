@@ -362,7 +362,7 @@ class Engine:
             for i in range(p.n):
                 seed = (base_seed + i * _SEED_STRIDE) % 2**32
                 req = self._new_req(ids, p, seed, return_logprob, top_logprobs_num)
-                req.grammar = p.grammar and self._grammars.matcher(*p.grammar)
+                req.grammar = p.grammar and self._grammars.constraint(*p.grammar)
                 reqs.append(req)
         return reqs, single
 

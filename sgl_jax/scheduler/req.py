@@ -43,7 +43,7 @@ class Req:
     # root in num_inflight and kv_len; the round decides how many of num_steps more).
     inflight_extra: int = 0
     state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
-    grammar: Any = None  # constrained requests: their llguidance matcher (sgl_jax.grammar)
+    grammar: Any = None  # constrained requests: their sgl_jax.grammar.Constraint
 
     # Speculative decoding (the draft's root lives in the request's slot on the device):
     # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.

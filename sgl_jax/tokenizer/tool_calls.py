@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_jax.grammar import JSON_STYLE
+from sgl_jax.json_bounds import bounded_schema
 
 _ALIASES = {"hermes": "qwen25", "llama3_json": "llama3"}
 _ARGUMENT_KEYS = ("arguments", "parameters")
@@ -294,7 +295,7 @@ def _call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, A
                 "required": ["name", arguments_key], "additionalProperties": False}
                for tool in tools]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"x-guidance": JSON_STYLE, **schema}
+    return {"x-guidance": JSON_STYLE, **bounded_schema(schema)}
 
 
 def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def test_tree_bitmasks_equal_a_fresh_matcher_walked_down_each_path(tmp_path):
     tokenizer = write_tiny_tokenizer(tmp_path)
     grammars = GrammarCompiler(tokenizer, TINY_VOCAB_SIZE, [ENDOFTEXT_ID])
     grammar = ("regex", "[ab][cd]x")
-    matcher = grammars.matcher(*grammar)
+    matcher = grammars.constraint(*grammar)
     a, b, c, d, x = (tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abcdx")
     # root -> a -> c, root -> b, root -> x (forbidden) -> c
     tokens = np.array([0, a, b, x, c, c], np.int32)
@@ -113,7 +113,7 @@ def test_tree_bitmasks_equal_a_fresh_matcher_walked_down_each_path(tmp_path):
         if path is None:  # the grammar forbids the path: every id, never reached
             assert (got[node] == -1).all()
             continue
-        fresh = grammars.matcher(*grammar)
+        fresh = grammars.constraint(*grammar)
         assert all(fresh.consume_token(t) for t in path)
         expected = np.zeros((1, words), np.int32)
         fill_bitmasks([(fresh, 0)], expected)
@@ -121,6 +121,22 @@ def test_tree_bitmasks_equal_a_fresh_matcher_walked_down_each_path(tmp_path):
     after = np.zeros((1, words), np.int32)
     fill_bitmasks([(matcher, 0)], after)  # the matcher was rolled back to the root
     assert (after[0] == got[0]).all()
+
+
+def test_a_model_that_loves_a_digit_still_ends_its_json(engines):
+    """A bias toward '1' would write the number forever; the number bounds end it (19
+    integer digits), the JSON completes, and speculation commits the same tokens."""
+    plain, spec = engines
+    one = plain.tokenizer.encode("1", add_special_tokens=False)[0]
+    schema = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"],
+              "additionalProperties": False}
+    params = [{**constrained(json_schema=json.dumps(schema)), "logit_bias": {str(one): 30.0},
+               "max_new_tokens": 64}]
+    out = run(plain, params)[0]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}, out["text"]
+    number = json.loads(out["text"])["n"]
+    assert out["text"].startswith('{"n": ' + "1" * 19) and number >= 1e18
+    assert run(spec, params)[0]["output_ids"] == out["output_ids"]
 
 
 def test_ebnf_output_is_in_the_language(engines):
@@ -157,7 +173,7 @@ def test_a_dead_end_allows_only_eos_and_finishes_with_grammar_error(tmp_path):
     params = SamplingParams(regex="yes", max_new_tokens=8)
     req = Req("r", [5], params, 0, frozenset([ENDOFTEXT_ID]), 64,
               IncrementalDetokenizer(tokenizer, prompt_ids=[5]),
-              grammar=grammars.matcher(*params.grammar), slot=0)
+              grammar=grammars.constraint(*params.grammar), slot=0)
     no = tokenizer.encode("no", add_special_tokens=False)[0]
     assert not req.grammar.consume_token(no)  # the matcher is now at a dead end
     table = SlotTable(1, 4, TINY_VOCAB_SIZE)
