@@ -6,6 +6,9 @@ takes that road (`"population": 1111111111...` until max_tokens). Two bounds clo
 - Strings: a string schema without `maxLength` gets `MAX_STRING_LENGTH`, and free values
   (`json_object`'s) are strings of at most that length too; the schema rewrite is exact,
   llguidance enforces it.
+- Keys: an object schema that lists its properties takes no others unless it says so
+  (`additionalProperties`), as OpenAI's strict mode and xgrammar (SGLang's and vLLM's
+  default) read such schemas: a small model otherwise invents keys until max_tokens.
 - Numbers: JSON schema has no keyword for a number's digits, so the host checks them. The
   integer part holds at most `MAX_INTEGER_DIGITS` (every int64), a number with a fraction at
   most `MAX_SIGNIFICANT_DIGITS` significant digits (float64's precision: its shortest repr
@@ -29,13 +32,18 @@ MAX_LEADING_ZEROS = 20  # fraction zeros before the first significant digit
 MAX_EXPONENT_DIGITS = 3
 
 _FREE_VALUE = "sgl_jax_bounded_value"
+# An object schema with one of these decides itself which other keys it takes.
+_OPEN_OBJECT_KEYWORDS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 
 
 def bounded_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` with MAX_STRING_LENGTH on each string schema that has no maxLength."""
+    """`schema` with MAX_STRING_LENGTH on each string schema that has no maxLength, and each
+    object schema that lists its properties closed to others unless it says otherwise."""
     if not isinstance(schema, dict):
         return schema
     bounded = {key: _bounded_part(key, value) for key, value in schema.items()}
+    if "properties" in schema and not _OPEN_OBJECT_KEYWORDS & schema.keys():
+        bounded["additionalProperties"] = False
     types = schema.get("type")
     if ("string" == types or isinstance(types, list) and "string" in types) and \
             "maxLength" not in schema and "enum" not in schema and "const" not in schema:

@@ -106,3 +106,18 @@ def test_a_string_ends_at_the_length_bound(tmp_path, kind):
         return constraint.matcher.validate_tokens(ids) == len(ids)
 
     assert takes(MAX_STRING_LENGTH) and not takes(MAX_STRING_LENGTH + 2)
+
+
+def test_objects_that_list_their_properties_take_no_others():
+    schema = {"type": "object", "properties": {
+        "closed": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "patterned": {"type": "object", "patternProperties": {"^x": {}}, "properties": {}},
+        "free": {"type": "object"}}}
+    bounded = bounded_schema(schema)
+    props = bounded["properties"]
+    assert bounded["additionalProperties"] is False
+    assert props["closed"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["patterned"]
+    assert "additionalProperties" not in props["free"]
