@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs(**vars(cli))  # validates every value
         resolve_chat_template(args.chat_template)  # a bad name or path fails before loading
+        if args.dp_size > 1:
+            from sgl_jax.entrypoints.router import serve_replicas
+
+            return serve_replicas(args, sys.argv[1:] if argv is None else argv)
         _select_platform(args)
         from sgl_jax.entrypoints.engine import Engine  # loads JAX after the platform choice
         from sgl_jax.entrypoints.http_server import create_app

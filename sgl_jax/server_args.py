@@ -23,6 +23,7 @@ UNSUPPORTED_DRAFTS = {
              "(DeepSeek-V3, MiMo, GLM-4.5), which this version does not load or run",
 }
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "hermes", "llama3_json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -86,6 +87,8 @@ class ServerArgs:
     nnodes: int = 1  # processes (usually hosts) that form the mesh together
     node_rank: int = 0  # this process's index among them; rank 0 serves HTTP
     dist_init_addr: str | None = None  # host:port of rank 0's coordinator, with nnodes > 1
+    dp_size: int = 1  # replicas of the server behind SGLang's router (the launcher's job)
+    router_policy: str = "cache_aware"
     # Speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -134,7 +137,7 @@ class ServerArgs:
             "dtype": DTYPE_CHOICES, "device": (None, *DEVICE_CHOICES),
             "attention_backend": (None, *ATTENTION_BACKEND_CHOICES),
             "speculative_algorithm": (None, *SPECULATIVE_ALGORITHMS),
-            "reasoning_parser": (None, *REASONING_PARSERS),
+            "reasoning_parser": (None, *REASONING_PARSERS), "router_policy": ROUTER_POLICIES,
             "tool_call_parser": (None, *TOOL_CALL_PARSERS), "log_level": LOG_LEVELS,
         }
         for name, allowed in choices.items():
@@ -145,7 +148,7 @@ class ServerArgs:
 
     def _validate_ranges(self) -> None:
         positive = ("page_size", "max_running_requests", "max_prefill_tokens",
-                    "decode_log_interval", "tp_size", "nnodes")
+                    "decode_log_interval", "tp_size", "nnodes", "dp_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -180,6 +183,10 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes) = [0, {self.nnodes}), got "
                              f"{self.node_rank}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise NotImplementedError(
+                "--dp-size with --nnodes > 1 is not supported: start the replicas on each host "
+                "and SGLang's router in front of them by hand (docs/parallel.md)")
         if self.nnodes == 1:
             return
         host, _, port = (self.dist_init_addr or "").rpartition(":")
@@ -372,6 +379,12 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
                             "the same command on each with its own --node-rank")
     group.add_argument("--node-rank", type=int, default=0,
                        help="this process's index in [0, nnodes); rank 0 serves HTTP")
+    group.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=1,
+                       help="replicas of the server, each on its own --tp-size devices, "
+                            "behind SGLang's router on --port (pip install "
+                            "\"sgl-jax[router]\")")
+    group.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                       help="how the router picks a replica with --dp-size")
     group.add_argument("--dist-init-addr", default=None,
                        help="HOST:PORT of rank 0, where the nodes meet (needed with "
                             "--nnodes > 1); PORT + 1 carries the scheduled steps")

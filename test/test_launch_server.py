@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from sgl_jax import launch_server
+from sgl_jax.entrypoints import router
+from sgl_jax.server_args import ServerArgs
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.server import launch_server as start_server
 
@@ -20,6 +22,11 @@ BAD_VALUES = [
     (["--page-size", "0"], "page_size must be >= 1, got 0"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
       "--speculative-accept-threshold-acc", "0"], "speculative_accept_threshold_acc"),
+    (["--dp-size", "0"], "dp_size must be >= 1, got 0"),
+    (["--dp-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"],
+     "--dp-size with --nnodes > 1 is not supported"),
+    (["--dp-size", "2", "--device", "tpu"], "--dp-size on TPU is not supported"),
+    (["--dp-size", "2", "--tp-size", "2", "--device", "gpu"], "needs 4 GPUs"),
 ]
 TORCH_MESSAGE = "PyTorch was not found"
 TPU_MESSAGE = "Unable to initialize backend 'tpu'"
@@ -32,6 +39,32 @@ def test_a_bad_value_is_one_cannot_start_line(argv, message, caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith("cannot start: ")
     assert message in errors[0]
+
+
+def test_dp_size_without_the_router_names_the_extra(caplog, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "sglang_router"
+                        else find_spec(name, *rest))
+    caplog.set_level(logging.ERROR)
+    assert launch_server.main(["--dp-size", "2"]) == 2
+    [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error == ("cannot start: --dp-size needs SGLang's router, which is not installed: "
+                     'pip install "sgl-jax[router]"')
+
+
+def test_replicas_get_the_flags_but_the_launchers_and_their_own_gpus(monkeypatch):
+    argv = ["--model-path", "m", "--dp-size", "2", "--port=30000", "--tp", "2", "--host",
+            "0.0.0.0", "--router-policy=random", "--dtype", "float32"]
+    assert router.replica_argv(argv) == ["--model-path", "m", "--tp", "2", "--dtype",
+                                         "float32"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    args = ServerArgs(dp_size=2, tp_size=2, device="gpu")
+    assert router.replica_device_envs(args) == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert router.replica_device_envs(ServerArgs(dp_size=3, device="cpu")) == [{}] * 3
 
 
 def test_a_bad_value_exits_2_without_a_traceback():

@@ -90,6 +90,10 @@ class Engine:
                 server_args["speculative_draft_model_path"] = str(demo_draft_path())
                 logger.info("No draft given: using the demo model's trained EAGLE3 head")
         args = ServerArgs(model_path=model_path, **server_args)
+        if args.dp_size > 1:
+            raise ValueError(f"dp_size {args.dp_size}: an Engine is one replica; "
+                             "`python -m sgl_jax.launch_server --dp-size N` starts N behind a "
+                             "router")
         if not args.disable_compilation_cache:
             enable_compilation_cache(args.compilation_cache_dir)
         init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)  # before any device use

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sgl_jax.entrypoints.router import free_port
+
 
 @dataclass
 class ServerProcess:
@@ -24,12 +25,6 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

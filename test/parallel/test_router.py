@@ -1,0 +1,178 @@
+"""Replicas behind SGLang's router (`sglang-router`, the real Rust binary from its wheel): two
+tiny-model servers with the cache-aware policy answer every request kind through the router
+as they answer directly, share the requests, and survive one of them being killed; and
+`--dp-size 2` starts the same from one command and stops it all."""
+
+import concurrent.futures
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.server import free_port, launch_server
+
+pytest.importorskip("sglang_router")  # the test extra installs it; CI always has it
+
+SERVER_FLAGS = ["--dtype", "float32", "--precompile-token-paddings", "64,256",
+                "--precompile-bs-paddings", "1,4,16", "--max-prefill-tokens", "256",
+                "--skip-server-warmup", "--context-length", "512", "--enable-metrics",
+                "--served-model-name", "tiny"]
+# The router checks each replica every second and drops it after two failed checks.
+ROUTER_FLAGS = ["--policy", "cache_aware", "--health-check-interval-secs", "1",
+                "--health-failure-threshold", "2", "--log-level", "warn"]
+GREEDY = {"temperature": 0, "max_tokens": 12}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    """(router url, [replica A, replica B]): two servers and the router started by hand."""
+    flags = ["--model-path", str(model_dir), *SERVER_FLAGS]
+    with launch_server(flags) as a, launch_server(flags) as b:
+        port = free_port()
+        router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router",
+                                   "--worker-urls", a.base_url, b.base_url, "--host",
+                                   "127.0.0.1", "--port", str(port), *ROUTER_FLAGS])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: healthy(url) and chat(url, "ready?").choices, 120)
+            yield url, [a, b]
+        finally:
+            router.terminate()
+            router.wait(timeout=30)
+
+
+def wait_until(condition, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (OSError, openai.APIError, httpx.HTTPError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def chat(url: str, text: str, **fields):
+    return client(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], **{**GREEDY, **fields})
+
+
+def every_kind(url: str) -> dict:
+    """One answer of each request kind, as plain data."""
+    openai_client = client(url)
+    stream = openai_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream it"}], stream=True,
+        **GREEDY)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    completion = openai_client.completions.create(model="tiny", prompt="Once upon",
+                                                  **GREEDY)
+    generate = httpx.post(f"{url}/generate", timeout=120, json={
+        "text": "The sky is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    structured = chat(url, "A number, please.", response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}, max_tokens=24)
+    tool = chat(url, "Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                parallel_tool_calls=False, max_tokens=40)
+    return {"chat": chat(url, "What is the capital of France?").choices[0].message.content,
+            "stream": streamed, "completion": completion.choices[0].text,
+            "generate": generate.json()["text"],
+            "json": json.loads(structured.choices[0].message.content),
+            "tool": [(c.function.name, json.loads(c.function.arguments))
+                     for c in tool.choices[0].message.tool_calls]}
+
+
+def requests_served(replica) -> float:
+    text = httpx.get(f"{replica.base_url}/metrics").text
+    return sum(float(m) for m in re.findall(r"^sgl_jax_requests_total\{.*\} (\S+)$", text,
+                                            re.MULTILINE))
+
+
+def server_info(replica) -> dict:
+    return httpx.get(f"{replica.base_url}/get_server_info").json()
+
+
+def test_every_request_kind_through_the_router_equals_the_direct_answer(cluster):
+    url, (a, _) = cluster
+    through_router = every_kind(url)
+    assert through_router == every_kind(a.base_url)
+    assert through_router["tool"][0][0] == "get_weather"
+
+
+def test_requests_are_shared_by_both_replicas(cluster):
+    url, replicas = cluster
+    before = [requests_served(r) for r in replicas]
+    prompts = [f"Tell me about topic number {i} in detail, with examples." for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda p: chat(url, p, max_tokens=24), prompts))
+    assert all(a.choices[0].message.content is not None for a in answers)
+    served = [requests_served(r) - b for r, b in zip(replicas, before, strict=True)]
+    assert sum(served) == len(prompts) and min(served) > 0, served
+
+
+def test_a_killed_replica_is_routed_around(cluster):
+    """Runs last in the module: it kills replica B mid-run."""
+    url, (a, b) = cluster
+    long = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        in_flight = [pool.submit(ended_cleanly, url, f"long story {i}", long) for i in range(8)]
+        wait_until(lambda: server_info(b)["num_running_reqs"] > 0, 60)
+        b.process.kill()
+        outcomes = [f.result(timeout=180) for f in in_flight]  # none hangs
+    assert all(outcome in ("answered", "error") for outcome in outcomes), outcomes
+    time.sleep(3)  # two failed health checks
+    later = [chat(url, f"after the loss {i}") for i in range(6)]
+    assert all(answer.choices for answer in later)
+    wait_until(lambda: server_info(a)["kv_pages_in_use"] == 0, 60)
+    assert server_info(a)["num_running_reqs"] == 0
+
+
+def ended_cleanly(url: str, text: str, fields: dict) -> str:
+    """'answered' or 'error' for a request whose replica may die under it."""
+    try:
+        stream = client(url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": text}], stream=True,
+            temperature=0, **fields)
+        finished = [c.choices[0].finish_reason for c in stream if c.choices]
+        return "answered" if finished and finished[-1] else "error"
+    except (openai.APIError, httpx.HTTPError):
+        return "error"
+
+
+def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_path):
+    flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--dp-size", "2",
+             "--router-policy", "round_robin"]
+    with launch_server(flags, timeout_s=600) as launcher:
+        answers = [chat(launcher.base_url, f"question {i}") for i in range(4)]
+        assert all(answer.choices for answer in answers)
+        ports = [int(p) for p in re.findall(r"Starting replica \d on port (\d+)", launcher.log())]
+        assert len(ports) == 2 and all(healthy(f"http://127.0.0.1:{p}") for p in ports)
+    assert not any(healthy(f"http://127.0.0.1:{p}") for p in ports)  # stopped with it
