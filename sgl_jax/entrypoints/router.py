@@ -137,7 +137,7 @@ def free_port() -> int:
 def _wait_healthy(replicas: Sequence[tuple[subprocess.Popen, str]]) -> None:
     deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
     for rank, (process, url) in enumerate(replicas):
-        while not _healthy(url):
+        while not healthy(url):
             if process.poll() is not None:
                 raise ValueError(f"replica {rank} exited with code {process.returncode} while "
                                  "starting (its log is above)")
@@ -147,7 +147,7 @@ def _wait_healthy(replicas: Sequence[tuple[subprocess.Popen, str]]) -> None:
             time.sleep(0.5)
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
             return response.status == 200

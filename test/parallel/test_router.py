@@ -9,12 +9,12 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import httpx
 import openai
 import pytest
 
+from sgl_jax.entrypoints.router import healthy
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.server import free_port, launch_server
 
@@ -37,14 +37,6 @@ WEATHER = {"type": "function", "function": {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
