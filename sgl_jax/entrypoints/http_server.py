@@ -19,7 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax.entrypoints.engine import Engine
 from sgl_jax.entrypoints.metrics import ServerMetrics
-from sgl_jax.entrypoints.native_api import GenerateRequest, generate_stream, model_info
+from sgl_jax.entrypoints.native_api import (
+    GenerateRequest,
+    generate_stream,
+    model_info,
+    with_token_texts,
+)
 from sgl_jax.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.entrypoints.openai.serving import OpenAIServing, sse
@@ -143,21 +148,29 @@ def _add_native_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
+        if body.model is not None:
+            serving.check_model(body.model)
         try:
             result = await engine.async_generate(**body.engine_kwargs())
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+        token_text = serving.token_text if body.return_text_in_logprobs else None
         if body.stream:
-            return stream_response(generate_stream(result))
-        return JSONResponse(result)
+            return stream_response(generate_stream(result, token_text))
+        return JSONResponse(result if token_text is None else with_token_texts(result, token_text))
 
+    # SGLang's current names first (its router reads them), then the older ones.
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return model_info(engine, serving.config.served_model_name)
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        return {**engine.get_server_info(), **serving.tools.info()}
+        # The served name as resolved (the flag's default is the model path).
+        return {**engine.get_server_info(), **serving.tools.info(),
+                "served_model_name": serving.config.served_model_name}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

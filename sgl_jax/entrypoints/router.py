@@ -112,6 +112,8 @@ def router_command(args: ServerArgs, urls: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
             "--policy", args.router_policy, "--host", args.host, "--port", str(args.port),
             "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S),
+            # its metrics port is fixed otherwise, and a second router on the host fails
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", "warn" if args.log_level in ("warning", "error") else "info"]
 
 

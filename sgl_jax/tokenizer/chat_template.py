@@ -152,12 +152,14 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], *,
                tools: list[dict[str, Any]] | None = None,
                tool_format: ToolFormatChoice | None = None, add_generation_prompt: bool = True,
-               template_kwargs: dict[str, Any] | None = None) -> str:
+               template_kwargs: dict[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text for `messages`: {"role", "content"} with string content, plus
         "tool_calls" (arguments as dicts) on assistant turns and "tool_call_id" on tool
         turns. `tools` (OpenAI tool dicts) are offered to the model; `tool_format` (default:
         choose_tool_format without a parser) is how calls are written where the template
-        cannot write them itself."""
+        cannot write them itself. `continue_final_message`: the prompt ends inside the last
+        message (no end of turn, no new turn), so the output extends it."""
         reserved = _RESERVED_KWARGS & set(template_kwargs or {})
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}")
@@ -169,7 +171,8 @@ class ChatTemplate:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, chat_template=self.template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(template_kwargs or {}),
             )
         except (TemplateError, ValueError) as exc:  # the template refused these messages
             raise ChatTemplateError(f"the chat template could not render these messages: "

@@ -36,6 +36,11 @@ class ReasoningParser:
             return "", self._answer()
         return "", ""
 
+    @property
+    def reasoning_ended(self) -> bool:
+        """The output is past its reasoning (the block closed, or there was none)."""
+        return self._mode == "content"
+
     def finish(self) -> tuple[str, str]:
         """Release whatever is held back at the end of the output."""
         held, self._held = self._held, ""

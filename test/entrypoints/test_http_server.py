@@ -278,11 +278,11 @@ def test_the_openai_client_sees_the_same_errors(client):
 
 @pytest.mark.parametrize("path, content, status, code", [
     ("/v1/chat/completions", "{not json", 400, "invalid_json"),
-    ("/v1/chat/completions", json.dumps({"messages": USER}), 400, "missing_parameter"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL}), 400, "missing_parameter"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": ""}), 400, "invalid_value"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [10**6]}), 400,
      "invalid_request"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True}), 400,
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "suffix": "!"}), 400,
      "unsupported_parameter"),
     ("/generate", json.dumps({"text": "x", "input_ids": [1]}), 400, "invalid_value"),
     ("/generate", json.dumps({"text": "x", "sampling_params": {"temprature": 0}}), 400,

@@ -274,6 +274,23 @@ def test_streams_add_up_to_the_whole_answers_for_every_choice(tokenizer):
     assert whole[2]["message"]["content"] == "Checking.\nDone."
 
 
+def test_stream_reasoning_false_sends_the_reasoning_whole(tokenizer):
+    """SGLang's stream_reasoning: false holds the reasoning back until its block closes."""
+    outputs = ["<think>Paris is the capital, so say Paris.</think>\n\nParis.",
+               "<think>Cut off while still thinking"]
+    server, _ = serving(tokenizer, outputs, reasoning="qwen3")
+    whole = chat(server, n=2)["choices"]
+    chunks = chat(server, n=2, stream=True, stream_reasoning=False)
+    for choice in whole:
+        deltas = [c["choices"][0]["delta"] for c in chunks
+                  if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+        assert reasoning == [choice["message"]["reasoning_content"]]
+        assert "".join(d.get("content", "") for d in deltas) == choice["message"]["content"]
+    streamed = accumulate(chat(server, n=2, stream=True))
+    assert streamed[0]["reasoning"] == whole[0]["message"]["reasoning_content"]
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
     server, _ = serving(tokenizer, [f"{PARIS_BLOCK}\n{PARIS_BLOCK}"])
     message = chat(server, tools=[WEATHER], parallel_tool_calls=False)["choices"][0]["message"]

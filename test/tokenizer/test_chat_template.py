@@ -53,6 +53,14 @@ def test_template_kwargs_reach_the_template(tokenizer):
         template.render(MESSAGES, template_kwargs={"tokenize": True})
 
 
+def test_continue_final_message_leaves_the_last_message_open(tokenizer):
+    started = [*MESSAGES, {"role": "assistant", "content": "The capital is"}]
+    text = ChatTemplate(tokenizer).render(started, continue_final_message=True)
+    closed = ChatTemplate(tokenizer).render(started, add_generation_prompt=False)
+    assert text.endswith("<|im_start|>assistant\nThe capital is")
+    assert closed.startswith(text) and closed != text  # the turn's end is all that is cut
+
+
 def test_chatml_and_llama3_render_each_turn(tokenizer):
     chatml = ChatTemplate(tokenizer, BUILTIN_TEMPLATES["chatml"]).render(MESSAGES)
     assert chatml == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"

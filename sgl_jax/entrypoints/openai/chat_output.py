@@ -14,10 +14,14 @@ from sgl_jax.tokenizer.tool_calls import ToolCall, ToolCallParser
 class ChatOutput:
     """Splits one choice's text; a stream feeds its deltas in order to one instance."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, *,
+                 stream_reasoning: bool = True):
         self._reasoning = reasoning
         self._tools = tools
         self.num_calls = 0
+        # stream_reasoning false: deltas hold the reasoning back until it is whole.
+        self._stream_reasoning = stream_reasoning
+        self._held_reasoning = ""
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole output as a chat.completion message."""
@@ -35,6 +39,8 @@ class ChatOutput:
         certain yet). A call arrives in one piece: index, id, type, name and arguments."""
         first_index = self.num_calls
         reasoning, content, calls = self._split(text, final)
+        if self._reasoning is not None and not self._stream_reasoning:
+            reasoning = self._whole_reasoning(reasoning, final)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
@@ -48,6 +54,14 @@ class ChatOutput:
     def finish_reason(self, reason: str) -> str:
         """An output that made calls and ended by itself finished to call tools."""
         return "tool_calls" if reason == "stop" and self.num_calls else reason
+
+    def _whole_reasoning(self, reasoning: str, final: bool) -> str:
+        """All the reasoning once its block has closed (or the output ended), else ""."""
+        self._held_reasoning += reasoning
+        if not (final or self._reasoning.reasoning_ended):
+            return ""
+        whole, self._held_reasoning = self._held_reasoning, ""
+        return whole
 
     def _split(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         reasoning, content, calls = "", text, []

@@ -35,11 +35,12 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {error['msg']}",
                         code="invalid_json")
     cause = error.get("ctx", {}).get("error")
-    if isinstance(cause, UnsupportedFieldError):
-        return APIError(400, str(cause), param=cause.field, code="unsupported_parameter")
-    if isinstance(cause, FieldError):
-        return APIError(400, str(cause), param=cause.field, code="invalid_value")
-    param = ".".join(str(part) for part in error["loc"] if not _is_union_tag(part)) or None
+    path = [str(part) for part in error["loc"] if not _is_union_tag(part)]
+    if isinstance(cause, FieldError):  # the field, within the object that was checked
+        code = ("unsupported_parameter" if isinstance(cause, UnsupportedFieldError)
+                else "invalid_value")
+        return APIError(400, str(cause), param=".".join([*path, cause.field]), code=code)
+    param = ".".join(path) or None
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = f"unknown field '{param}'"

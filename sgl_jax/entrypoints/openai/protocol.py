@@ -1,10 +1,11 @@
-"""OpenAI request schemas. Every field is declared: an unknown one is refused by pydantic, and
-an OpenAI field this server does not implement is refused by name, never silently dropped."""
+"""OpenAI request schemas, with SGLang's extensions. Every field is declared: an unknown one is
+refused by pydantic, and a known field this server does not implement is refused by name unless
+it is left at a value that means "unused", never silently dropped."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,8 +21,14 @@ from sgl_jax.grammar import ANY_JSON_OBJECT
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS
 from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
-# OpenAI fields we know but do not implement, with the values that mean "not used".
-_UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
+# The model name SGLang's schemas default to; its clients send it.
+DEFAULT_MODEL = "default"
+
+# Fields this server knows but does not implement: field -> the values that leave it unused,
+# which are accepted (and dropped); any other value is a 400 naming the field.
+Unused = dict[str, tuple[Any, ...]]
+
+_OPENAI_CHAT_UNIMPLEMENTED: Unused = {
     "functions": (None, []),  # deprecated by OpenAI for tools
     "function_call": (None, "none"),
     "audio": (None,),
@@ -32,9 +39,60 @@ _UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "metadata": (None, {}),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
+}
+_OPENAI_COMPLETION_UNIMPLEMENTED: Unused = {"suffix": (None, ""), "best_of": (None, 1)}
+
+# SGLang's request fields this server accepts only at their defaults, one list per endpoint.
+# SGLang's router forwards several of them (return_hidden_states, log_metrics, ...) with their
+# default values on every request; the fields SGLang has that we implement are declared on
+# the schemas instead.
+_SGLANG_OPENAI_COMMON: Unused = {  # in both of SGLang's OpenAI-style schemas
+    "return_hidden_states": (False,), "return_routed_experts": (False,),
+    "routed_experts_start_len": (0,), "return_cached_tokens_details": (False,),
+    "return_token_ids": (False,), "stop_regex": (None,), "lora_path": (None,),
+    "session_id": (None,), "session_params": (None,), "custom_params": (None,),
+    "custom_logit_processor": (None,), "images_config": (None,), "bootstrap_host": (None,),
+    "bootstrap_port": (None,), "bootstrap_room": (None,), "routed_dp_rank": (None,),
+    "disagg_prefill_dp_rank": (None,), "data_parallel_rank": (None,), "rid": (None,),
+    "extra_key": (None,), "cache_salt": (None,), "ngram_corpus_id": (None,),
+    "priority": (None,),
+}
+SGLANG_CHAT_DEFAULT_ONLY: Unused = {
+    **_SGLANG_OPENAI_COMMON, "return_prompt_token_ids": (False,), "return_meta_info": (False,),
+    "task": (None,), "max_dynamic_patch": (None,), "min_dynamic_patch": (None,),
+    "use_audio_in_video": (False,), "input_ids": (None,),
+    "reasoning": (None,),  # read by SGLang as another spelling of reasoning_effort
+}
+SGLANG_COMPLETION_DEFAULT_ONLY: Unused = {**_SGLANG_OPENAI_COMMON, "custom_labels": (None,)}
+SGLANG_GENERATE_DEFAULT_ONLY: Unused = {
+    "rid": (None,), "session_id": (None,), "input_embeds": (None,), "image_data": (None,),
+    "video_data": (None,), "audio_data": (None,), "mm_hashes": (None,),
+    "mm_content_hashes": (None,), "use_audio_in_video": (False,), "video_config": (None,),
+    "logprob_start_len": (None, -1), "token_ids_logprob": (None,),
+    "return_sampling_mask": (None, False), "return_flat_raw_top_logprobs": (False,),
+    "return_flat_raw_top_logprobs_b64": (False,), "log_metrics": (True,),
+    "return_hidden_states": (False,), "return_routed_experts": (False,),
+    "routed_experts_start_len": (0,), "return_indexer_topk": (False,), "modalities": (None,),
+    "session_params": (None,), "lora_path": (None,), "lora_id": (None,),
+    "custom_logit_processor": (None,), "positional_embed_overrides": (None,),
+    "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
+    "bootstrap_pair_key": (None,), "decode_tp_size": (None,), "routed_dp_rank": (None,),
+    "data_parallel_rank": (None,), "disagg_prefill_dp_rank": (None,),
+    "kv_router_hint": (None,), "routing_key": (None,), "conversation_id": (None,),
+    "http_worker_ipc": (None,), "background": (False,), "require_reasoning": (False,),
+    "max_thinking_tokens": (None,), "priority": (None,), "extra_key": (None,),
+    "no_logs": (False,), "custom_labels": (None,), "return_bytes": (False,),
+    "return_entropy": (False,), "return_prompt_token_ids": (False,),
+    "external_trace_header": (None,), "received_time": (None,),
+    "need_wait_for_mm_inputs": (None,), "num_items_assigned": (None,),
+    "encoder_urls": (None,), "max_dynamic_patch": (None,), "min_dynamic_patch": (None,),
+    "image_max_dynamic_patch": (None,), "video_max_dynamic_patch": (None,),
+    "images_config": (None,), "multi_item_delimiter_indices": (None,), "cache_salt": (None,),
+}
+# Keys of /generate's sampling_params (SGLang's SamplingParams).
+SGLANG_SAMPLING_DEFAULT_ONLY: Unused = {
+    "stop_regex": (None,), "structural_tag": (None,), "custom_params": (None,),
+    "stream_interval": (None,),
 }
 
 
@@ -48,33 +106,58 @@ class FieldError(ValueError):
 
 
 class UnsupportedFieldError(FieldError):
-    def __init__(self, field: str):
-        super().__init__(field, f"'{field}' is not supported by this server")
+    def __init__(self, field: str, message: str | None = None):
+        super().__init__(field, message or f"'{field}' is not supported by this server")
 
 
-def _refuse_unimplemented(data: Any) -> Any:
-    if isinstance(data, dict):
-        for field, unused in _UNIMPLEMENTED_FIELDS.items():
-            if field in data and data[field] not in unused:
-                raise UnsupportedFieldError(field)
-    return data
+def drop_unused(data: Any, unused: Unused) -> Any:
+    """`data` without the fields of `unused` that hold an unused value; any other value of
+    one of them raises UnsupportedFieldError."""
+    if not isinstance(data, dict) or not unused.keys() & data.keys():
+        return data
+    for field in unused.keys() & data.keys():
+        if not any(_same_json(data[field], value) for value in unused[field]):
+            allowed = " or ".join(json.dumps(value) for value in unused[field])
+            raise UnsupportedFieldError(field, f"'{field}' is not supported by this server; "
+                                               f"leave it out or send {allowed}")
+    return {key: value for key, value in data.items() if key not in unused}
 
 
-class _Strict(BaseModel):
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: false is not 0, and 1 is not true."""
+    return type(a) is type(b) and a == b
+
+
+class StrictSchema(BaseModel):
     # Strict: a string is not a number and a number is not a string (JSON types as sent).
     model_config = ConfigDict(extra="forbid", strict=True)
+    # Known fields this schema accepts only while unused (see `Unused`).
+    unused_fields: ClassVar[Unused] = {}
+    # Fields whose null means their default (SGLang declares them optional, defaulting to null).
+    null_means_default: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_unused(cls, data: Any) -> Any:
+        data = drop_unused(data, cls.unused_fields)
+        if isinstance(data, dict) and cls.null_means_default:
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in cls.null_means_default)}
+        return data
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictSchema):
+    unused_fields = {"continuous_usage_stats": (False,)}  # SGLang's: usage in every chunk
+
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictSchema):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictSchema):
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
 
@@ -90,7 +173,7 @@ class FunctionCall(_Strict):
         return arguments
 
 
-class ToolCallMessage(_Strict):
+class ToolCallMessage(StrictSchema):
     """A call an assistant turn made, sent back in the conversation."""
 
     id: str
@@ -103,12 +186,14 @@ class ToolCallMessage(_Strict):
         return {"id": self.id, "type": "function", "function": function}
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictSchema):
     # "developer" is OpenAI's newer name for the system role; "tool" carries a call's result.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None only on an assistant turn with calls
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this answers
+    name: str | None = None  # the participant's name, for templates that show it
+    reasoning_content: str | None = None  # an assistant turn's reasoning (SGLang's field)
 
     @model_validator(mode="before")
     @classmethod
@@ -145,31 +230,32 @@ class ChatMessage(_Strict):
                                    "content": self.text()}
         if self.tool_calls:
             message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
+        optional = {"tool_call_id": self.tool_call_id, "name": self.name,
+                    "reasoning_content": self.reasoning_content}
+        message.update({key: value for key, value in optional.items() if value is not None})
         return message
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictSchema):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None  # required and named calls follow the schema, strict or not
 
 
-class Tool(_Strict):
+class Tool(StrictSchema):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictSchema):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictSchema):
     type: Literal["function"]
     function: NamedFunction
 
@@ -185,14 +271,14 @@ ToolChoice = Annotated[
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictSchema):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
     strict: bool | None = None  # the schema is always enforced, strict or not
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictSchema):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
     # An extension several hosted OpenAI-compatible APIs accept (instructor's JSON_SCHEMA mode
@@ -219,10 +305,10 @@ class ResponseFormat(_Strict):
         return {}
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictSchema):
     """Fields shared by chat and text completions (OpenAI's, then SGLang/vLLM extensions)."""
 
-    model: str
+    model: str = DEFAULT_MODEL  # optional, as in SGLang
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
@@ -241,16 +327,12 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the stop string that ended the output in its text
     # Structured outputs: OpenAI's response_format, or SGLang's regex and ebnf (one of them).
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        return _refuse_unimplemented(data)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
@@ -258,17 +340,21 @@ class _SamplingFields(_Strict):
             raise ValueError("top_k must be -1 (off) or >= 1")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
-        if len(self.grammar()) > 1:
-            raise ValueError("pass at most one of response_format (json_object or "
-                             "json_schema), regex and ebnf")
+        if len(self._grammars()) > 1:
+            raise ValueError(f"pass at most one of {self._grammar_fields}")
         return self
 
+    _grammar_fields: ClassVar[str] = "response_format (json_object or json_schema), regex and ebnf"
+
+    def _grammars(self) -> list[tuple[str, str]]:
+        """(engine grammar field, text) for each grammar the request names."""
+        chosen = [] if self.response_format is None else [*self.response_format.grammar().items()]
+        return chosen + [(k, v) for k, v in (("regex", self.regex), ("ebnf", self.ebnf))
+                         if v is not None]
+
     def grammar(self) -> dict[str, str]:
-        """The engine's grammar field(s) the request names."""
-        chosen = {} if self.response_format is None else self.response_format.grammar()
-        chosen.update({k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf))
-                       if v is not None})
-        return chosen
+        """The engine's grammar field the request names, if any."""
+        return dict(self._grammars())
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The engine's sampling parameters; an OpenAI seed of any size maps to 32 bits."""
@@ -281,7 +367,7 @@ class _SamplingFields(_Strict):
             "seed": None if self.seed is None else self.seed % 2**32,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "n": self.n,
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias, **self.grammar(),
         }
 
@@ -291,6 +377,11 @@ class _SamplingFields(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    unused_fields = {**_OPENAI_CHAT_UNIMPLEMENTED, **SGLANG_CHAT_DEFAULT_ONLY}
+    # SGLang's chat defaults these to null: the model's generation config, else the usual
+    # default (this server always uses the usual default).
+    null_means_default = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
@@ -302,6 +393,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True  # false: at most one call
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # with --reasoning-parser: split out reasoning_content
+    stream_reasoning: bool = True  # false: a stream sends the reasoning in one delta, once whole
+    continue_final_message: bool = False  # extend the last (assistant) message, no new turn
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -309,6 +402,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("pass max_tokens or max_completion_tokens, not both")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise FieldError("continue_final_message", "continue_final_message needs an "
+                                                       "assistant message last")
         return self
 
     @model_validator(mode="after")
@@ -364,13 +460,27 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
+    unused_fields = {**_OPENAI_COMPLETION_UNIMPLEMENTED, **SGLANG_COMPLETION_DEFAULT_ONLY}
+
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # each choice's text starts with its prompt
+    json_schema: str | None = None  # SGLang's: the output is JSON valid against this schema
+
+    _grammar_fields = "response_format (json_object or json_schema), json_schema, regex and ebnf"
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if self.prompt == "" or self.prompt == [""]:
             raise ValueError("prompt must not be empty")
+        if self.echo and self.logprobs is not None:
+            # OpenAI's answer would carry the prompt's logprobs, which are not computed here.
+            raise UnsupportedFieldError("echo", "echo together with logprobs is not supported "
+                                                "by this server")
         return self
+
+    def _grammars(self) -> list[tuple[str, str]]:
+        named = [("json_schema", self.json_schema)] if self.json_schema is not None else []
+        return super()._grammars() + named

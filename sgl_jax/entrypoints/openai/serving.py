@@ -14,7 +14,11 @@ from typing import Any
 from sgl_jax.entrypoints.engine import Engine
 from sgl_jax.entrypoints.openai.chat_output import ChatOutput
 from sgl_jax.entrypoints.openai.errors import APIError, bad_request
-from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sgl_jax.entrypoints.openai.protocol import (
+    DEFAULT_MODEL,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from sgl_jax.grammar import GrammarError
 from sgl_jax.server_args import HttpConfig
 from sgl_jax.tokenizer.chat_template import ChatTemplate, ChatTemplateError
@@ -23,8 +27,9 @@ from sgl_jax.tokenizer.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
-# Accepted in place of the served name, as SGLang does (clients written for it send "default").
-DEFAULT_MODEL_ALIAS = "default"
+# Accepted in place of the served name: SGLang's default, which its clients send, and what
+# SGLang's router sends for a request that named no model.
+MODEL_ALIASES = (DEFAULT_MODEL, "unknown")
 # A grammar that no token could continue ends the output as a stop; /generate says why.
 _FINISH_REASONS = {"stop": "stop", "length": "length", "grammar_error": "stop"}
 
@@ -53,7 +58,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ models
 
     def check_model(self, name: str) -> None:
-        if name not in (self.config.served_model_name, DEFAULT_MODEL_ALIAS):
+        if name != self.config.served_model_name and name not in MODEL_ALIASES:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{self.config.served_model_name}'",
                            param="model", code="model_not_found")
@@ -91,7 +96,8 @@ class OpenAIServing:
         try:
             return self.chat_template.encode(
                 messages, tools=request.offered_tools, tool_format=self.tools,
-                template_kwargs=request.chat_template_kwargs)
+                template_kwargs=request.chat_template_kwargs,
+                continue_final_message=request.continue_final_message)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
 
@@ -114,7 +120,7 @@ class OpenAIServing:
         if request.offered_tools:
             names = [tool["function"]["name"] for tool in request.offered_tools]
             tools = self.tools.format.parser(names, request.max_tool_calls)
-        return ChatOutput(reasoning, tools)
+        return ChatOutput(reasoning, tools, stream_reasoning=request.stream_reasoning)
 
     def _chat_response(self, head: dict, request: ChatCompletionRequest,
                        outputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,7 +172,7 @@ class OpenAIServing:
         return {"content": content}
 
     def _token_logprob(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._token_text(token)
+        text = self.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(self._token_bytes(token))}
 
     # ------------------------------------------------------------------ text completions
@@ -187,11 +193,12 @@ class OpenAIServing:
         )
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": self.config.served_model_name}
+        echoes = self._echoes(request, prompts)
         if request.stream:
-            return self._completion_stream(head, request, result)
+            return self._completion_stream(head, request, result, echoes)
         outputs = _as_list(result)
         choices = [
-            {"index": index, "text": out["text"],
+            {"index": index, "text": echoes[index] + out["text"],
              "logprobs": (self._completion_logprobs(out["meta_info"])
                           if request.logprobs is not None else None),
              "finish_reason": _finish_reason(out["meta_info"])}
@@ -212,13 +219,26 @@ class OpenAIServing:
             return ids
         return prompt
 
+    def _echoes(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What each choice's text starts with: its prompt with echo, else nothing. Choices
+        are prompt-major, n per prompt; token-id prompts are decoded."""
+        if not request.echo:
+            return [""] * (len(prompts) * request.n)
+        texts = request.prompt if isinstance(request.prompt, list) else [request.prompt]
+        if not isinstance(texts[0], str):
+            texts = [self.tokenizer.decode(ids) for ids in prompts]
+        return [text for text in texts for _ in range(request.n)]
+
     async def _completion_stream(self, head: dict, request: CompletionRequest,
-                                 chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+                                 chunks: AsyncIterator[dict[str, Any]], echoes: list[str]
+                                 ) -> AsyncIterator[str]:
         finals: dict[int, dict[str, Any]] = {}  # index -> final meta_info
         offsets: dict[int, int] = {}
         async with aclosing(chunks):
             async for chunk in chunks:
                 index, meta = chunk["index"], chunk["meta_info"]
+                text = echoes[index] + chunk["text"]
+                echoes[index] = ""  # the echoed prompt goes out once, ahead of the output
                 finished = "finish_reason" in meta
                 if finished:
                     finals[index] = meta
@@ -226,9 +246,9 @@ class OpenAIServing:
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = self._completion_logprobs(meta, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(chunk["text"])
-                if chunk["text"] or finished or (logprobs and logprobs["tokens"]):
-                    choice = {"index": index, "text": chunk["text"], "logprobs": logprobs,
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                if text or finished or (logprobs and logprobs["tokens"]):
+                    choice = {"index": index, "text": text, "logprobs": logprobs,
                               "finish_reason": _finish_reason(meta) if finished else None}
                     yield sse({**head, "choices": [choice]})
         if request.include_usage:
@@ -236,7 +256,7 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     def _completion_logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
-        tokens = [self._token_text(t) for _, t in meta["output_token_logprobs"]]
+        tokens = [self.token_text(t) for _, t in meta["output_token_logprobs"]]
         offsets = []
         for text in tokens:
             offsets.append(start)
@@ -244,7 +264,7 @@ class OpenAIServing:
         return {
             "tokens": tokens,
             "token_logprobs": [lp for lp, _ in meta["output_token_logprobs"]],
-            "top_logprobs": [{self._token_text(t): lp for lp, t in top}
+            "top_logprobs": [{self.token_text(t): lp for lp, t in top}
                              for top in meta["output_top_logprobs"]],
             "text_offset": offsets,
         }
@@ -281,7 +301,8 @@ class OpenAIServing:
         except RuntimeError as exc:  # the engine is shutting down
             raise APIError(503, str(exc), code="unavailable") from exc
 
-    def _token_text(self, token: int) -> str:
+    def token_text(self, token: int) -> str:
+        """A token's own text (cached)."""
         text = self._token_texts.get(token)
         if text is None:
             text = self._token_texts[token] = self.tokenizer.decode([token])
