@@ -10,6 +10,7 @@ import re
 import string
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -141,16 +142,21 @@ def test_requests_are_shared_by_both_replicas(cluster):
 
 
 def test_a_killed_replica_is_routed_around(cluster):
-    """Runs last in the module: it kills replica B mid-run."""
+    """Runs last in the module: it kills replica B while it streams."""
     url, (a, b) = cluster
-    long = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+    # Long enough that no stream ends between B's first chunk and the kill.
+    long = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}
+    streaming = threading.Semaphore(0)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        in_flight = [pool.submit(ended_cleanly, url, prompt, long)
+        in_flight = [pool.submit(ended_cleanly, url, prompt, long, streaming)
                      for prompt in unrelated_prompts(8, seed=1)]
-        wait_until(lambda: server_info(b)["num_running_reqs"] > 0, 60)
+        for _ in in_flight:
+            assert streaming.acquire(timeout=120), "a stream never started"
+        wait_until(lambda: server_info(b)["num_running_reqs"] > 0, 30)  # B has its share
         b.process.kill()
-        outcomes = [f.result(timeout=180) for f in in_flight]  # none hangs
+        outcomes = [f.result(timeout=300) for f in in_flight]  # none hangs
     assert all(outcome in ("answered", "error") for outcome in outcomes), outcomes
+    assert "error" in outcomes  # B's streams were cut, and said so
     time.sleep(3)  # two failed health checks
     later = [chat(url, f"after the loss {i}") for i in range(6)]
     assert all(answer.choices for answer in later)
@@ -158,18 +164,28 @@ def test_a_killed_replica_is_routed_around(cluster):
     assert server_info(a)["num_running_reqs"] == 0
 
 
-def ended_cleanly(url: str, text: str, fields: dict) -> str:
-    """'answered' or 'error' for a request whose replica may die under it."""
+def ended_cleanly(url: str, text: str, fields: dict, streaming: threading.Semaphore) -> str:
+    """'answered' or 'error' for a streamed request whose replica may die under it; releases
+    `streaming` once its first chunk has come."""
+    started = False
     try:
         stream = client(url).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": text}], stream=True,
             temperature=0, **fields)
-        finished = [c.choices[0].finish_reason for c in stream if c.choices]
+        finished = []
+        for chunk in stream:
+            if not started:
+                started = True
+                streaming.release()
+            finished += [c.finish_reason for c in chunk.choices]
         return "answered" if finished and finished[-1] else "error"
     except Exception as exc:  # the client's error, or its HTTP stack's (a cut stream)
         if type(exc).__module__.split(".")[0] in ("openai", "httpx", "httpx2", "httpcore"):
             return "error"
         raise
+    finally:
+        if not started:
+            streaming.release()  # never block the test on a request that failed to start
 
 
 def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_path):
