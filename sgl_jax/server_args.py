@@ -183,10 +183,9 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes) = [0, {self.nnodes}), got "
                              f"{self.node_rank}")
-        if self.dp_size > 1 and self.nnodes > 1:
-            raise NotImplementedError(
-                "--dp-size with --nnodes > 1 is not supported: start the replicas on each host "
-                "and SGLang's router in front of them by hand (docs/parallel.md)")
+        if self.dp_size > 1 and self.dp_size % self.nnodes:
+            raise ValueError(f"--dp-size {self.dp_size} replicas do not split evenly over "
+                             f"--nnodes {self.nnodes}")
         if self.nnodes == 1:
             return
         host, _, port = (self.dist_init_addr or "").rpartition(":")
@@ -380,9 +379,9 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--node-rank", type=int, default=0,
                        help="this process's index in [0, nnodes); rank 0 serves HTTP")
     group.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=1,
-                       help="replicas of the server, each on its own --tp-size devices, "
-                            "behind SGLang's router on --port (pip install "
-                            "\"sgl-jax[router]\")")
+                       help="replicas of the server, each on its own --tp-size devices "
+                            "(with --nnodes, dp-size / nnodes on each node), behind SGLang's "
+                            "router on rank 0's --port (pip install \"sgl-jax[router]\")")
     group.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                        help="how the router picks a replica with --dp-size")
     group.add_argument("--dist-init-addr", default=None,

@@ -23,8 +23,8 @@ BAD_VALUES = [
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
       "--speculative-accept-threshold-acc", "0"], "speculative_accept_threshold_acc"),
     (["--dp-size", "0"], "dp_size must be >= 1, got 0"),
-    (["--dp-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"],
-     "--dp-size with --nnodes > 1 is not supported"),
+    (["--dp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"],
+     "--dp-size 3 replicas do not split evenly over --nnodes 2"),
     (["--dp-size", "2", "--device", "tpu"], "--dp-size on TPU is not supported"),
     (["--dp-size", "2", "--tp-size", "2", "--device", "gpu"], "needs 4 GPUs"),
 ]
@@ -55,9 +55,10 @@ def test_dp_size_without_the_router_names_the_extra(caplog, monkeypatch):
                      'pip install "sgl-jax[router]"')
 
 
-def test_replicas_get_the_flags_but_the_launchers_and_their_own_gpus(monkeypatch):
+def test_replicas_get_the_flags_but_the_launchers_and_their_nodes_own_gpus(monkeypatch):
     argv = ["--model-path", "m", "--dp-size", "2", "--port=30000", "--tp", "2", "--host",
-            "0.0.0.0", "--router-policy=random", "--dtype", "float32"]
+            "0.0.0.0", "--router-policy=random", "--nnodes", "2", "--node-rank=1",
+            "--dist-init-addr", "10.0.0.1:5000", "--dtype", "float32"]
     assert router.replica_argv(argv) == ["--model-path", "m", "--tp", "2", "--dtype",
                                          "float32"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
@@ -65,6 +66,10 @@ def test_replicas_get_the_flags_but_the_launchers_and_their_own_gpus(monkeypatch
     assert router.replica_device_envs(args) == [{"CUDA_VISIBLE_DEVICES": "4,5"},
                                                 {"CUDA_VISIBLE_DEVICES": "6,7"}]
     assert router.replica_device_envs(ServerArgs(dp_size=3, device="cpu")) == [{}] * 3
+    over_two_nodes = ServerArgs(dp_size=4, tp_size=2, device="gpu", nnodes=2, node_rank=1,
+                                dist_init_addr="10.0.0.1:5000")  # 2 replicas on each node
+    assert router.replica_device_envs(over_two_nodes) == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                          {"CUDA_VISIBLE_DEVICES": "6,7"}]
 
 
 def test_a_bad_value_exits_2_without_a_traceback():

@@ -6,11 +6,16 @@ own process on its own `--tp-size` devices, listening on a free local port; SGLa
 them, with its routing policy, health checks and retries. The launcher stops every process
 when it is stopped or when the router exits; a replica that dies is the router's to route
 around.
+
+Over `--nnodes M`, each node's launcher (the same command with its own `--node-rank`) starts
+N / M replicas on that node's devices; the other ranks report their replicas' addresses to
+rank 0 at `--dist-init-addr`, whose router serves them all, and stop theirs when rank 0 stops.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -27,33 +32,130 @@ from sgl_jax.server_args import ServerArgs
 logger = logging.getLogger("sgl_jax.router")
 
 ROUTER_EXTRA = 'pip install "sgl-jax[router]"'
-# Flags the launcher answers itself; each replica gets the rest unchanged.
+# Flags the launcher answers itself; each replica (one node's) gets the rest unchanged.
 _LAUNCHER_FLAGS = {"--dp-size": True, "--dp": True, "--router-policy": True, "--port": True,
-                   "--host": True}  # flag: takes a value
+                   "--host": True, "--nnodes": True, "--node-rank": True,
+                   "--dist-init-addr": True}  # flag: takes a value
 REPLICA_START_TIMEOUT_S = 1800  # a large model's load and warm-up
 # The router checks each replica this often, so a dead one leaves the rotation in seconds.
 HEALTH_CHECK_INTERVAL_S = 2
 
 
 def serve_replicas(args: ServerArgs, argv: Sequence[str]) -> int:
-    """Start args.dp_size replicas and the router; run until stopped. Returns an exit code."""
-    _require_router()
+    """Start this node's share of args.dp_size replicas; rank 0 also starts the router in
+    front of every node's replicas. Runs until stopped; returns an exit code."""
+    if args.node_rank == 0:
+        _require_router()
     device_envs = replica_device_envs(args)
-    replicas = [_start_replica(argv, env, rank) for rank, env in enumerate(device_envs)]
-    processes = [process for process, _ in replicas]
-    _stop_on_signals()
-    try:
-        urls = [url for _, url in replicas]
-        _wait_healthy(replicas)
-        router = subprocess.Popen(router_command(args, urls))
-        processes.append(router)
-        logger.info("Serving %d replicas (%s) behind SGLang's router on http://%s:%d",
-                    len(urls), ", ".join(urls), args.host, args.port)
-        return router.wait()
-    except _Stopped:
-        return 0
-    finally:
-        _terminate(processes)
+    first = args.node_rank * len(device_envs)
+    with _Meeting(args) as meeting:
+        replicas = [_start_replica(argv, env, first + i, meeting.bind_host,
+                                   meeting.advertised_host)
+                    for i, env in enumerate(device_envs)]
+        processes = [process for process, _ in replicas]
+        _stop_on_signals()
+        try:
+            _wait_healthy(replicas)
+            local_urls = [url for _, url in replicas]
+            if args.node_rank > 0:
+                meeting.report(local_urls)
+                return meeting.wait_for_rank_0(processes)
+            urls = local_urls + meeting.gather()
+            router = subprocess.Popen(router_command(args, urls))
+            processes.append(router)
+            logger.info("Serving %d replicas (%s) behind SGLang's router on http://%s:%d",
+                        len(urls), ", ".join(urls), args.host, args.port)
+            return router.wait()
+        except _Stopped:
+            return 0
+        finally:
+            _terminate(processes)
+
+
+class _Meeting:
+    """How the launchers of --nnodes > 1 find each other: rank 0 listens on
+    --dist-init-addr's port; every other rank connects, sends its replicas' URLs as one JSON
+    line and keeps the connection open. Rank 0 closing it (its router exited or it was
+    stopped) stops the other ranks' replicas. With one node there is nothing to meet."""
+
+    def __init__(self, args: ServerArgs):
+        self.nnodes, self.node_rank = args.nnodes, args.node_rank
+        self.connections: list[socket.socket] = []
+        self.listener: socket.socket | None = None
+        if self.nnodes == 1:
+            self.bind_host = self.advertised_host = "127.0.0.1"
+            return
+        host, _, port = args.dist_init_addr.rpartition(":")
+        self.rank_0 = (host.strip("[]"), int(port))
+        # Replicas of a multi-node launch serve the router on another host.
+        self.bind_host, self.advertised_host = "0.0.0.0", _address_towards(self.rank_0)
+        if self.node_rank == 0:
+            self.listener = socket.create_server(("", self.rank_0[1]))
+            self.listener.settimeout(REPLICA_START_TIMEOUT_S)
+
+    def __enter__(self) -> _Meeting:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sock in [*self.connections, *([self.listener] if self.listener else [])]:
+            sock.close()
+
+    def gather(self) -> list[str]:
+        """Rank 0: the replica URLs every other rank reports, in rank order."""
+        reports: dict[int, list[str]] = {}
+        while len(reports) < self.nnodes - 1:
+            try:
+                connection, _ = self.listener.accept()
+            except TimeoutError:
+                raise ValueError(f"only nodes {sorted(reports)} of 1..{self.nnodes - 1} "
+                                 f"reported their replicas in {REPLICA_START_TIMEOUT_S} s"
+                                 ) from None
+            self.connections.append(connection)
+            report = json.loads(connection.makefile().readline())
+            reports[report["node_rank"]] = report["urls"]
+            logger.info("Node %d serves replicas %s", report["node_rank"],
+                        ", ".join(report["urls"]))
+        return [url for rank in sorted(reports) for url in reports[rank]]
+
+    def report(self, urls: list[str]) -> None:
+        """Rank > 0: send this node's replica URLs to rank 0, which may not listen yet."""
+        deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+        while True:
+            try:
+                connection = socket.create_connection(self.rank_0, timeout=10)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"rank 0 did not answer at {self.rank_0} in "
+                                     f"{REPLICA_START_TIMEOUT_S} s") from None
+                time.sleep(1)
+        connection.settimeout(None)
+        connection.sendall((json.dumps({"node_rank": self.node_rank, "urls": urls}) + "\n"
+                            ).encode())
+        self.connections.append(connection)
+
+    def wait_for_rank_0(self, replicas: Sequence[subprocess.Popen]) -> int:
+        """Rank > 0: serve until rank 0 hangs up (0) or every local replica exits (1)."""
+        connection = self.connections[0]
+        connection.settimeout(1)
+        while any(process.poll() is None for process in replicas):
+            try:
+                if not connection.recv(1):
+                    logger.info("Rank 0 hung up: stopping this node's replicas")
+                    return 0
+            except TimeoutError:
+                continue
+            except OSError:  # rank 0's host went away
+                logger.info("Lost rank 0: stopping this node's replicas")
+                return 0
+        return 1
+
+
+def _address_towards(peer: tuple[str, int]) -> str:
+    """This host's address on the route to `peer` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(peer)
+        return probe.getsockname()[0]
 
 
 def _require_router() -> None:
@@ -65,21 +167,22 @@ def _require_router() -> None:
 def replica_device_envs(args: ServerArgs) -> list[dict[str, str]]:
     """Environment overrides giving each replica its own tp_size devices (GPU); on the CPU
     the replicas share the host."""
+    local = args.dp_size // args.nnodes  # this node's share of the replicas
     device = args.device or ("gpu" if _visible_gpus() else "cpu")
     if device == "cpu":
-        return [{} for _ in range(args.dp_size)]
+        return [{} for _ in range(local)]
     if device == "tpu":
         raise NotImplementedError(
             "--dp-size on TPU is not supported: start one server per chip group "
             "(TPU_VISIBLE_CHIPS) and SGLang's router in front of them (docs/parallel.md)")
     gpus = _visible_gpus()
-    needed = args.dp_size * args.tp_size
+    needed = local * args.tp_size
     if needed > len(gpus):
+        per_node = f" per node ({args.nnodes} nodes)" if args.nnodes > 1 else ""
         raise ValueError(f"--dp-size {args.dp_size} x --tp-size {args.tp_size} needs {needed} "
-                         f"GPUs, {len(gpus)} visible")
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[rank * args.tp_size:
-                                                    (rank + 1) * args.tp_size])}
-            for rank in range(args.dp_size)]
+                         f"GPUs{per_node}, {len(gpus)} visible")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * args.tp_size: (i + 1) * args.tp_size])}
+            for i in range(local)]
 
 
 def _visible_gpus() -> list[str]:
@@ -117,16 +220,16 @@ def router_command(args: ServerArgs, urls: Sequence[str]) -> list[str]:
             "--log-level", "warn" if args.log_level in ("warning", "error") else "info"]
 
 
-def _start_replica(argv: Sequence[str], env: dict[str, str], rank: int
-                   ) -> tuple[subprocess.Popen, str]:
+def _start_replica(argv: Sequence[str], env: dict[str, str], rank: int, bind_host: str,
+                   advertised_host: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "sgl_jax.launch_server", *replica_argv(argv),
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", bind_host, "--port", str(port)]
     logger.info("Starting replica %d on port %d%s", rank, port,
                 f" ({env})" if env else "")
     # Its own process group: Ctrl+C reaches the launcher, which stops replicas in order.
     process = subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}"
+    return process, f"http://{advertised_host}:{port}"
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """Replicas behind SGLang's router (`sglang-router`, the real Rust binary from its wheel): two
 tiny-model servers with the cache-aware policy answer every request kind through the router
 as they answer directly, share the requests, and survive one of them being killed; and
-`--dp-size 2` starts the same from one command and stops it all."""
+`--dp-size 2` starts the same from one command (or one per node) and stops it all."""
 
 import concurrent.futures
 import json
@@ -113,8 +113,8 @@ def unrelated_prompts(count: int, seed: int) -> list[str]:
     return ["".join(rng.choices(string.ascii_letters + " ", k=60)) for _ in range(count)]
 
 
-def requests_served(replica) -> float:
-    text = httpx.get(f"{replica.base_url}/metrics").text
+def requests_served(replica_url: str) -> float:
+    text = httpx.get(f"{replica_url}/metrics").text
     return sum(float(m) for m in re.findall(r"^sgl_jax_requests_total\{.*\} (\S+)$", text,
                                             re.MULTILINE))
 
@@ -132,12 +132,12 @@ def test_every_request_kind_through_the_router_equals_the_direct_answer(cluster)
 
 def test_requests_are_shared_by_both_replicas(cluster):
     url, replicas = cluster
-    before = [requests_served(r) for r in replicas]
+    before = [requests_served(r.base_url) for r in replicas]
     prompts = unrelated_prompts(12, seed=0)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda p: chat(url, p, max_tokens=24), prompts))
     assert all(a.choices[0].message.content is not None for a in answers)
-    served = [requests_served(r) - b for r, b in zip(replicas, before, strict=True)]
+    served = [requests_served(r.base_url) - b for r, b in zip(replicas, before, strict=True)]
     assert sum(served) == len(prompts) and min(served) > 0, served
 
 
@@ -197,3 +197,30 @@ def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_pa
         ports = [int(p) for p in re.findall(r"Starting replica \d on port (\d+)", launcher.log())]
         assert len(ports) == 2 and all(healthy(f"http://127.0.0.1:{p}") for p in ports)
     assert not any(healthy(f"http://127.0.0.1:{p}") for p in ports)  # stopped with it
+
+
+def test_dp_size_over_two_nodes_serves_both_nodes_replicas(model_dir, tmp_path):
+    """Two launchers on this host stand in for two nodes: rank 1 reports its replica to
+    rank 0, whose router serves both; stopping rank 0 stops rank 1's replica too."""
+    meeting = f"127.0.0.1:{free_port()}"
+    flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--dp-size", "2", "--nnodes", "2",
+             "--dist-init-addr", meeting, "--router-policy", "round_robin"]
+    rank_1_log = tmp_path / "rank1.log"
+    with open(rank_1_log, "w") as log:
+        rank_1 = subprocess.Popen([sys.executable, "-m", "sgl_jax.launch_server", *flags,
+                                   "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with launch_server([*flags, "--node-rank", "0"], timeout_s=600) as rank_0:
+            [port_0] = re.findall(r"Starting replica 0 on port (\d+)", rank_0.log())
+            [port_1] = re.findall(r"Starting replica 1 on port (\d+)", rank_1_log.read_text())
+            replicas = [f"http://127.0.0.1:{port}" for port in (port_0, port_1)]
+            before = [requests_served(url) for url in replicas]
+            answers = [chat(rank_0.base_url, f"question {i}") for i in range(4)]
+            assert all(answer.choices for answer in answers)
+            served = [requests_served(url) - b for url, b in zip(replicas, before, strict=True)]
+            assert served == [2, 2]  # round robin over both nodes' replicas
+        assert rank_1.wait(timeout=60) == 0  # rank 0 hung up, so rank 1 stopped
+        assert not healthy(f"http://127.0.0.1:{port_1}")
+    finally:
+        if rank_1.poll() is None:
+            rank_1.kill()
