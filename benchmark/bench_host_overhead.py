@@ -114,11 +114,25 @@ def engine_ms_per_step(engine, prompts, short: int, steps: int) -> tuple[float, 
 # --------------------------------------------------------------------------- the programs
 
 
-def decode_chunks(batch: int, context: int, page_size: int) -> list[SeqChunk]:
-    """b decode rows at `context` tokens, all over the same pages (a step's cost does not
-    depend on which pages it reads)."""
-    pages = list(range(1, -(-(context + 1) // page_size) + 1))
-    return [SeqChunk([1], context, pages) for _ in range(batch)]
+def row_pages(batch: int, context: int, page_size: int, num_pages: int) -> np.ndarray:
+    """i32[batch, pages each]: each row's own KV pages for `context` tokens plus a round's
+    lookahead. Rows never share pages, as a served batch's requests do not: rows reading
+    one set of pages would find them in the CPU's caches and run faster than any batch the
+    engine serves."""
+    each = -(-context // page_size)
+    if 1 + batch * each > num_pages:
+        raise ValueError(f"{batch} rows of {each} pages need more than the pool's {num_pages}")
+    return 1 + np.arange(batch * each, dtype=np.int32).reshape(batch, each)  # page 0: null
+
+
+def num_kv_pages(runner) -> int:
+    return runner.kv_cache[0][0].shape[0]  # a Llama-shaped model: every layer has pages
+
+
+def decode_chunks(batch: int, context: int, runner) -> list[SeqChunk]:
+    """b decode rows at `context` tokens, each over its own pages."""
+    pages = row_pages(batch, context + 1, runner.page_size, num_kv_pages(runner))
+    return [SeqChunk([1], context, list(row)) for row in pages]
 
 
 def replay_ms(runner, chunks: list[SeqChunk], steps: int, read_each: bool) -> float:
@@ -156,9 +170,10 @@ def round_replay_ms(spec, batch: int, context: int, steps: int, read_each: bool)
     from sgl_jax.speculative.spec_runner import RoundRows
 
     padded = spec.target.buckets.batch_padding(batch)
-    pages = np.arange(1, -(-(context + spec.lookahead) // spec.page_size) + 1, dtype=np.int32)
+    pages = row_pages(batch, context + spec.lookahead, spec.page_size,
+                      num_kv_pages(spec.target))
     page_table = np.zeros((padded, spec.target.buckets.pages_per_seq), np.int32)
-    page_table[:batch, : len(pages)] = pages
+    page_table[:batch, : pages.shape[1]] = pages
     real = np.arange(padded) < batch
     rows = RoundRows(slots=np.where(real, np.arange(padded), -1).astype(np.int32),
                      page_table=page_table, kv_lens=np.where(real, context, 0).astype(np.int32),
@@ -195,8 +210,7 @@ def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
         prompts = random_prompts(batch, PROMPT_LEN, vocab, seed=batch)
         engine_ms, steps = engine_ms_per_step(engine, prompts, args.short, args.steps)
         runner = engine._runner
-        chunks = decode_chunks(batch, PROMPT_LEN + args.short + args.steps // 2,
-                               runner.page_size)
+        chunks = decode_chunks(batch, PROMPT_LEN + args.short + args.steps // 2, runner)
         device = replay_ms(runner, chunks, args.steps, read_each=False)
         floor = replay_ms(runner, chunks, args.steps, read_each=True)
     finally:
