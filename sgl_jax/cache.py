@@ -30,4 +30,18 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     # process can read an entry another one (a replica, a test worker) is still writing,
     # and a torn executable aborts the reader.
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+    _date_undated_entries(directory)
     return directory
+
+
+def _date_undated_entries(directory: Path) -> None:
+    """Give an access time to every entry written without one (by a process without the size
+    limit, such as an older sgl-jax). JAX's eviction reads every entry's access time before
+    it writes a new one, so one undated entry made every later write fail. Undated entries
+    count as the oldest: they are evicted first."""
+    if not directory.is_dir():
+        return
+    for entry in directory.glob("*-cache"):
+        access_time = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+        if not access_time.exists():
+            access_time.write_bytes((0).to_bytes(8, "little"))  # JAX's format: ns, LE

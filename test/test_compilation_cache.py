@@ -1,0 +1,35 @@
+"""The persistent compilation cache stays writable when it holds entries written without an
+access time (by a process without the size limit, such as an older sgl-jax): JAX's eviction
+reads every entry's access time before each write."""
+
+import pytest
+
+from sgl_jax.cache import COMPILATION_CACHE_BYTES, _date_undated_entries
+
+lru_cache = pytest.importorskip("jax._src.lru_cache")  # the cache JAX writes through
+
+
+def test_an_undated_entry_no_longer_blocks_writes(tmp_path):
+    (tmp_path / "old-program-cache").write_bytes(b"compiled long ago")
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=COMPILATION_CACHE_BYTES)
+    with pytest.raises(FileNotFoundError):  # what every write met before
+        cache.put("new-program", b"just compiled")
+    _date_undated_entries(tmp_path)
+    cache.put("new-program", b"just compiled")
+    assert cache.get("new-program") == b"just compiled"
+    assert cache.get("old-program") == b"compiled long ago"
+
+
+def test_undated_entries_are_evicted_first(tmp_path):
+    (tmp_path / "old-program-cache").write_bytes(b"x" * 40)
+    _date_undated_entries(tmp_path)
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=100)
+    cache.put("recent", b"y" * 40)
+    cache.put("newest", b"z" * 40)  # over the limit: the oldest entry goes
+    assert cache.get("old-program") is None
+    assert cache.get("recent") == b"y" * 40 and cache.get("newest") == b"z" * 40
+
+
+def test_a_missing_directory_is_left_to_jax(tmp_path):
+    _date_undated_entries(tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()
