@@ -27,6 +27,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
+from sgl_jax.parallel.multihost import connect_when_listening
 from sgl_jax.server_args import ServerArgs
 
 logger = logging.getLogger("sgl_jax.router")
@@ -119,17 +120,8 @@ class _Meeting:
 
     def report(self, urls: list[str]) -> None:
         """Rank > 0: send this node's replica URLs to rank 0, which may not listen yet."""
-        deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
-        while True:
-            try:
-                connection = socket.create_connection(self.rank_0, timeout=10)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise ValueError(f"rank 0 did not answer at {self.rank_0} in "
-                                     f"{REPLICA_START_TIMEOUT_S} s") from None
-                time.sleep(1)
-        connection.settimeout(None)
+        connection = connect_when_listening(self.rank_0, REPLICA_START_TIMEOUT_S,
+                                            "rank 0's launcher")
         connection.sendall((json.dumps({"node_rank": self.node_rank, "urls": urls}) + "\n"
                             ).encode())
         self.connections.append(connection)

@@ -62,21 +62,29 @@ class StepSender:
             self._peers = []
 
 
+def connect_when_listening(address: tuple[str, int], timeout_s: float, what: str
+                           ) -> socket.socket:
+    """A blocking connection to `address`, retried while its peer is still starting (a
+    TimeoutError naming `what` after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection(address, timeout=5.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} at {address} did not answer within "
+                                   f"{timeout_s:.0f} s") from None
+            time.sleep(0.2)
+    sock.settimeout(None)  # an idle peer may send nothing for as long as it likes
+    return sock
+
+
 class StepReceiver:
     """A follower's end: connects to rank 0 (retrying while it is still starting)."""
 
     def __init__(self, address: tuple[str, int], timeout: float = 600.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._sock = socket.create_connection(address, timeout=5.0)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank 0's step channel at {address} did not answer "
-                                       f"within {timeout:.0f} s") from None
-                time.sleep(0.2)
-        self._sock.settimeout(None)  # an idle server sends nothing for as long as it likes
+        self._sock = connect_when_listening(address, timeout, "rank 0's step channel")
 
     def receive(self) -> tuple | None:
         """The next call, or None once rank 0 stops or goes away."""
