@@ -25,8 +25,10 @@ def _release_compiled_programs():
 
 
 # The modules that take minutes on the 2-core CI machine, longest first (measured with
-# --durations). xdist hands whole modules to its workers in collection order, so these start
-# first and the run does not end on one long module while the other worker idles.
+# --durations). With --no-loadscope-reorder xdist hands whole modules to its workers in
+# collection order (by default it starts those with the most tests, and these few-test
+# modules came last), so these start first and the run does not end on one long module
+# while the other worker idles.
 LONG_MODULES = (
     "speculative/test_adaptive_speculation.py", "speculative/test_spec_overlap.py",
     "speculative/test_speculative_engine.py", "speculative/test_hybrid_speculative.py",
