@@ -32,10 +32,11 @@ def _release_compiled_programs():
 LONG_MODULES = (
     "speculative/test_adaptive_speculation.py", "speculative/test_spec_overlap.py",
     "speculative/test_speculative_engine.py", "speculative/test_hybrid_speculative.py",
-    "entrypoints/test_structured_outputs.py", "benchmark/test_bench_speculative.py",
-    "parallel/test_tp_fa.py", "parallel/test_tp_native.py", "parallel/test_router.py",
-    "entrypoints/test_client_libraries.py", "benchmark/test_bench_round_parts.py",
-    "training/test_train_demo.py", "models/test_qwen3_next.py", "training/test_trainer.py",
+    "parallel/test_tp_native.py", "benchmark/test_bench_speculative.py",
+    "parallel/test_tp_fa.py", "entrypoints/test_structured_outputs.py",
+    "parallel/test_router.py", "entrypoints/test_client_libraries.py",
+    "benchmark/test_bench_round_parts.py", "test_examples.py", "models/test_qwen3_next.py",
+    "training/test_train_demo.py", "training/test_trainer.py",
 )
 
 
