@@ -19,7 +19,7 @@ from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import cached_draft_keys, write_tiny_eagle3_draft
 from sgl_jax.testing.server import launch_server
 
-BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 4],
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[4],
             max_prefill_tokens=64, context_length=256, page_size=16)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 MAX_NEW = [40, 33, 48, 25]
