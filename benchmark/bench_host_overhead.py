@@ -5,13 +5,15 @@ For each batch size b, b random prompts generate greedily with `ignore_eos` thro
 `Engine.generate`. The engine's ms per step is the difference between a run of
 `--short` + `--steps` new tokens and one of `--short`, over `--steps` (so prefill, start and
 finish cancel out); a speculative round's is that difference over the rounds it took.
-Beside it, on the engine's own runner and compiled programs:
+Beside it, the same two runs replayed: a third run of each records every call of the
+engine's dispatch methods (the runner's `launch`; the speculative runner's `prefill` and
+`round`) with its arguments, and
 
-- device: the same step program (a decode batch of b rows at the run's mean context)
-  dispatched `--steps` times back to back, each call's output feeding the next, read once
-  at the end: what the device needs, with no host work between steps;
-- floor: the same program called in a Python loop that reads each step's tokens back to
-  the host and feeds them in as the next inputs: the best a synchronous loop can do.
+- device: the recorded calls dispatched again back to back, read once at the end: what
+  the device needs for exactly the engine's steps (each request's own pages, its lengths
+  and roots as the device kept them), with no host work between them;
+- floor: the same calls in a Python loop that reads each one's results back before the
+  next: the best a synchronous loop over the same programs can do.
 
 The tiny model is a random Llama as transformers writes it (2 layers, hidden 64, vocab 512);
 the demo model is SmolLM2-135M-Instruct (float32), plain and with its shipped EAGLE3 head.
@@ -25,15 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import copy
 import json
 import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 try:
@@ -43,11 +44,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import sgl_jax
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
-import jax  # noqa: E402
 from bench_one_batch import int_list, machine_info, random_prompts  # noqa: E402
-
-from sgl_jax.model_executor.forward_batch import SeqChunk  # noqa: E402
-from sgl_jax.model_executor.model_runner import greedy_sampling_batch  # noqa: E402
 
 TINY_LLAMA = dict(num_hidden_layers=2)  # the "llama" test preset: hidden 64, vocab 512
 PROMPT_LEN = 8
@@ -95,108 +92,69 @@ def scheduler_counters(engine) -> tuple[int]:
     return engine._require_loop().call(lambda scheduler: (scheduler.stats.num_decode_steps,))
 
 
-def engine_ms_per_step(engine, prompts, short: int, steps: int) -> tuple[float, int]:
-    """(ms per decode step or round, steps or rounds counted) from the difference of a long
-    and a short run, each the faster of two."""
+def engine_and_replay_ms(engine, owner, dispatches: tuple[str, ...], prompts: list[list[int]],
+                         short: int, steps: int) -> tuple[float, float, float, int]:
+    """(engine, device, floor) ms per decode step or round, and the steps or rounds counted.
+    Each is the difference between a run of `short` + `steps` new tokens and one of `short`
+    over the steps between them: the engine's from its runs (the faster of two), device and
+    floor from replays of the calls of `owner`'s `dispatches` that a third run made."""
     engine_run_seconds(engine, prompts, short + steps)  # first runs of every program
-    times, counts = {}, {}
+    seconds, calls, counts = {}, {}, {}
     for new in (short, short + steps):
-        best = float("inf")
-        for _ in range(2):
-            before = scheduler_counters(engine)[0]
-            best = min(best, engine_run_seconds(engine, prompts, new))
-            counts[new] = scheduler_counters(engine)[0] - before
-        times[new] = best
-    steps_taken = counts[short + steps] - counts[short]
-    return 1e3 * (times[short + steps] - times[short]) / steps_taken, steps_taken
+        seconds[new] = min(engine_run_seconds(engine, prompts, new) for _ in range(2))
+        before = scheduler_counters(engine)[0]
+        with recorded_dispatches(owner, dispatches) as calls[new]:
+            engine_run_seconds(engine, prompts, new)
+        counts[new] = scheduler_counters(engine)[0] - before
+    taken = counts[short + steps] - counts[short]
+
+    def per_step(run_seconds) -> float:
+        return 1e3 * (run_seconds(short + steps) - run_seconds(short)) / taken
+
+    def replayed(read_each: bool):
+        return lambda new: min(replay_seconds(calls[new], read_each) for _ in range(2))
+
+    return per_step(seconds.get), per_step(replayed(False)), per_step(replayed(True)), taken
 
 
-# --------------------------------------------------------------------------- the programs
+# --------------------------------------------------------------------------- the replay
 
 
-def row_pages(batch: int, context: int, page_size: int, num_pages: int) -> np.ndarray:
-    """i32[batch, pages each]: each row's own KV pages for `context` tokens plus a round's
-    lookahead. Rows never share pages, as a served batch's requests do not: rows reading
-    one set of pages would find them in the CPU's caches and run faster than any batch the
-    engine serves."""
-    each = -(-context // page_size)
-    if 1 + batch * each > num_pages:
-        raise ValueError(f"{batch} rows of {each} pages need more than the pool's {num_pages}")
-    return 1 + np.arange(batch * each, dtype=np.int32).reshape(batch, each)  # page 0: null
+@contextlib.contextmanager
+def recorded_dispatches(owner, names: tuple[str, ...]) -> Iterator[list[tuple]]:
+    """Every call of `owner`'s methods `names` while open, in order, as (method, args,
+    kwargs), the arguments deep-copied (the engine updates its host arrays in place between
+    steps): a replay feeds the programs exactly what the engine fed them, each request's own
+    scattered pages and the lengths and roots the device keeps per slot included. Set while
+    the engine thread is idle, between runs."""
+    calls = []
+
+    def recorder(method):
+        def record(*args, **kwargs):
+            calls.append((method, copy.deepcopy(args), copy.deepcopy(kwargs)))
+            return method(*args, **kwargs)
+        return record
+
+    for name in names:
+        setattr(owner, name, recorder(getattr(owner, name)))
+    try:
+        yield calls
+    finally:
+        for name in names:
+            delattr(owner, name)  # the class's method again
 
 
-def num_kv_pages(runner) -> int:
-    return runner.kv_cache[0][0].shape[0]  # a Llama-shaped model: every layer has pages
-
-
-def decode_chunks(batch: int, context: int, runner) -> list[SeqChunk]:
-    """b decode rows at `context` tokens, each over its own pages."""
-    pages = row_pages(batch, context + 1, runner.page_size, num_kv_pages(runner))
-    return [SeqChunk([1], context, list(row)) for row in pages]
-
-
-def replay_ms(runner, chunks: list[SeqChunk], steps: int, read_each: bool) -> float:
-    """ms per call of the runner's compiled decode program for `chunks`: back to back (the
-    device's time), or reading each step's tokens back and feeding them in (the floor)."""
-    from sgl_jax.model_executor.forward_batch import build_forward_batch
-
-    shape = runner.buckets.shape_for(chunks)
-    batch = build_forward_batch(chunks, page_size=runner.page_size, shape=shape)
-    rows = shape.num_logits
-    sampling = greedy_sampling_batch(rows, runner.config.vocab_size)
-    no_slots, emits = np.full(rows, -1, np.int32), np.ones(rows, bool)
-
-    def run(count: int) -> float:
-        step_batch = batch
-        start = time.perf_counter()
-        for _ in range(count):
-            pending = runner.launch(step_batch, sampling, no_slots, no_slots, emits, rows,
-                                    want_top_logprobs=False, want_logprobs=False)
-            if read_each:
-                tokens = pending.result().tokens
-                step_batch = dataclasses.replace(step_batch, input_ids=tokens)
-        pending.result()
-        jax.block_until_ready(runner.kv_cache)
-        return time.perf_counter() - start
-
-    run(3)
-    return 1e3 * min(run(steps) for _ in range(2)) / steps
-
-
-def round_replay_ms(spec, batch: int, context: int, steps: int, read_each: bool) -> float:
-    """ms per speculative round of the flags' shape on b rows at `context`: the round program
-    dispatched back to back (device), or through SpecRunner.round, which reads every round's
-    results back (floor)."""
-    from sgl_jax.speculative.spec_runner import RoundRows
-
-    padded = spec.target.buckets.batch_padding(batch)
-    pages = row_pages(batch, context + spec.lookahead, spec.page_size,
-                      num_kv_pages(spec.target))
-    page_table = np.zeros((padded, spec.target.buckets.pages_per_seq), np.int32)
-    page_table[:batch, : pages.shape[1]] = pages
-    real = np.arange(padded) < batch
-    rows = RoundRows(slots=np.where(real, np.arange(padded), -1).astype(np.int32),
-                     page_table=page_table, kv_lens=np.where(real, context, 0).astype(np.int32),
-                     root_tokens=real.astype(np.int32), min_new_tokens=np.zeros(padded, np.int32),
-                     state_slots=np.zeros(padded, np.int32))
-    sampling = greedy_sampling_batch(padded, spec.vocab_size)
-    program = spec._rounds[spec.shape]
-
-    def run(count: int) -> float:
-        start = time.perf_counter()
-        for _ in range(count):
-            if read_each:
-                spec.round(rows, sampling, False, num_rows=batch).result()
-                continue
-            (spec.target.kv_cache, spec.draft_kv, spec.slot_state, spec.target.last_tokens,
-             _) = program(spec.target.model.params, spec.draft.params, spec.target.kv_cache,
-                          spec.draft_kv, spec.slot_state, spec.target.last_tokens, rows,
-                          sampling, np.bool_(False))
-        jax.block_until_ready((spec.target.kv_cache, spec.draft_kv))
-        return time.perf_counter() - start
-
-    run(3)
-    return 1e3 * min(run(steps) for _ in range(2)) / steps
+def replay_seconds(calls: list[tuple], read_each: bool) -> float:
+    """Seconds to dispatch recorded calls again back to back, reading only the last one's
+    results (the device's time: each program waits on the state the one before wrote), or
+    each one's before the next (the floor: a synchronous loop over the same programs)."""
+    start = time.perf_counter()
+    for method, args, kwargs in calls:
+        pending = method(*args, **kwargs)
+        if read_each:
+            pending.result()
+    pending.result()
+    return time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------- rows
@@ -206,19 +164,12 @@ def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
     engine = make_engine(model_path, batch,
                          disable_overlap_schedule=args.disable_overlap_schedule)
     try:
-        vocab = engine.model.config.vocab_size
-        prompts = random_prompts(batch, PROMPT_LEN, vocab, seed=batch)
-        engine_ms, steps = engine_ms_per_step(engine, prompts, args.short, args.steps)
-        runner = engine._runner
-        chunks = decode_chunks(batch, PROMPT_LEN + args.short + args.steps // 2, runner)
-        device = replay_ms(runner, chunks, args.steps, read_each=False)
-        floor = replay_ms(runner, chunks, args.steps, read_each=True)
+        prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
+        timings = engine_and_replay_ms(engine, engine._runner, ("launch",), prompts,
+                                       args.short, args.steps)
     finally:
         engine.shutdown()
-    return {"model": label, "kind": _kind("decode", args), "batch": batch,
-            "engine_ms": engine_ms,
-            "device_ms": device, "floor_ms": floor, "steps": steps,
-            "engine_over_floor": engine_ms / floor, "engine_over_device": engine_ms / device}
+    return result_row(label, _kind("decode", args), batch, *timings)
 
 
 def bench_speculative(batch: int, args) -> dict:
@@ -230,17 +181,19 @@ def bench_speculative(batch: int, args) -> dict:
                          speculative_adaptive=False)
     try:
         prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
-        engine_ms, rounds = engine_ms_per_step(engine, prompts, args.short, args.steps)
-        context = PROMPT_LEN + args.short + args.steps // 2
-        rounds_timed = max(8, rounds // 2)
-        device = round_replay_ms(engine._spec, batch, context, rounds_timed, read_each=False)
-        floor = round_replay_ms(engine._spec, batch, context, rounds_timed, read_each=True)
+        timings = engine_and_replay_ms(engine, engine._spec, ("prefill", "round"), prompts,
+                                       args.short, args.steps)
     finally:
         engine.shutdown()
-    return {"model": "demo", "kind": _kind(f"round {args.spec_shape.replace(',', '/')}", args),
-            "batch": batch, "engine_ms": engine_ms, "device_ms": device, "floor_ms": floor,
-            "steps": rounds, "engine_over_floor": engine_ms / floor,
-            "engine_over_device": engine_ms / device}
+    return result_row("demo", _kind(f"round {args.spec_shape.replace(',', '/')}", args), batch,
+                      *timings)
+
+
+def result_row(model: str, kind: str, batch: int, engine_ms: float, device_ms: float,
+               floor_ms: float, steps: int) -> dict:
+    return {"model": model, "kind": kind, "batch": batch, "engine_ms": engine_ms,
+            "device_ms": device_ms, "floor_ms": floor_ms, "steps": steps,
+            "engine_over_floor": engine_ms / floor_ms, "engine_over_device": engine_ms / device_ms}
 
 
 def _kind(step: str, args) -> str:
@@ -274,8 +227,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(bench_plain(None, "demo", batch, args))
         print_row(rows[-1])
     for batch in args.demo_batch_sizes if "spec" in wanted else []:
-            rows.append(bench_speculative(batch, args))
-            print_row(rows[-1])
+        rows.append(bench_speculative(batch, args))
+        print_row(rows[-1])
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_info(), "rows": rows},
                                               indent=1))
