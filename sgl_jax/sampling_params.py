@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
 from sgl_jax.grammar import GRAMMAR_KINDS
+
+logger = logging.getLogger(__name__)
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 LOGIT_BIAS_RANGE = 100.0  # biases are clamped to [-100, 100], as OpenAI's range
@@ -97,6 +100,30 @@ def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
         _require(_is_number(value), "logit_bias", "a map from token ids to numbers", value)
         pairs.append((token, min(max(float(value), -LOGIT_BIAS_RANGE), LOGIT_BIAS_RANGE)))
     return tuple(sorted(pairs))
+
+
+# The sampling fields a model's generation_config.json may give defaults for, as SGLang's
+# and vLLM's OpenAI servers read them.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The defaults a model's generation config sets for MODEL_DEFAULT_FIELDS. transformers'
+    `top_k` 0 (off) is -1 here; a value these parameters would refuse is left out, with a
+    warning, so the model still serves. `do_sample` is not read (nor by SGLang or vLLM)."""
+    defaults = {}
+    for name in MODEL_DEFAULT_FIELDS:
+        value = generation_config.get(name)
+        if value is None:
+            continue
+        value = -1 if name == "top_k" and value == 0 else value
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            logger.warning("generation_config.json: %s is ignored (%s)", name, exc)
+            continue
+        defaults[name] = value
+    return defaults
 
 
 def _require(ok: bool, name: str, rule: str, value: Any) -> None:

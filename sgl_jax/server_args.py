@@ -56,6 +56,9 @@ class HttpConfig:
     tool_call_parser: str | None
 
 
+SAMPLING_DEFAULTS = ("model", "openai")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     # Model and tokenizer
@@ -107,6 +110,9 @@ class ServerArgs:
     chat_template: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # What the OpenAI endpoints use for a sampling field a request leaves out or sends null:
+    # the model's generation_config.json, else OpenAI's default ("openai": always OpenAI's).
+    sampling_defaults: str = "model"
     enable_metrics: bool = False
     # Misc
     random_seed: int | None = None
@@ -139,6 +145,7 @@ class ServerArgs:
             "speculative_algorithm": (None, *SPECULATIVE_ALGORITHMS),
             "reasoning_parser": (None, *REASONING_PARSERS), "router_policy": ROUTER_POLICIES,
             "tool_call_parser": (None, *TOOL_CALL_PARSERS), "log_level": LOG_LEVELS,
+            "sampling_defaults": SAMPLING_DEFAULTS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -434,6 +441,11 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
                             "<tool_call> blocks; llama3 / llama3_json: Llama 3.1 JSON); "
                             "default: detected from the chat template, else qwen25 taught "
                             "in the system message")
+    group.add_argument("--sampling-defaults", default="model", choices=SAMPLING_DEFAULTS,
+                       help="defaults of temperature, top_p, top_k, min_p and "
+                            "repetition_penalty for OpenAI requests that leave them out: the "
+                            "model's generation_config.json where it sets them (model), or "
+                            "OpenAI's always (openai)")
 
 
 def _add_logging_args(group: argparse._ArgumentGroup) -> None:

@@ -48,7 +48,7 @@ from sgl_jax.parallel.multihost import (
     channel_address,
     follow,
 )
-from sgl_jax.sampling_params import SamplingParams
+from sgl_jax.sampling_params import SamplingParams, model_sampling_defaults
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.engine_loop import EngineLoop
 from sgl_jax.scheduler.prefill_manager import PrefillLimits
@@ -106,7 +106,15 @@ class Engine:
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir,
                                         trust_remote_code=args.trust_remote_code)
         self.context_length = args.context_length or self.model.config.max_position_embeddings
-        self.eos_ids = self._collect_eos_ids()
+        generation_config = self._generation_config()
+        self.eos_ids = self._collect_eos_ids(generation_config)
+        # Defaults of the OpenAI endpoints' sampling fields (the Engine's own calls keep
+        # SamplingParams' defaults, as SGLang's do).
+        self.openai_sampling_defaults = (model_sampling_defaults(generation_config)
+                                         if args.sampling_defaults == "model" else {})
+        if self.openai_sampling_defaults:
+            logger.info("OpenAI requests default to the model's generation config: %s",
+                        self.openai_sampling_defaults)
         self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
                                          self.eos_ids)
         self._rng = np.random.default_rng(args.random_seed)
@@ -542,13 +550,15 @@ class Engine:
         for req in list(scheduler.running) + list(scheduler.prefill.waiting):
             scheduler.abort(req.rid, f"internal error: {exc!r}")
 
-    def _collect_eos_ids(self) -> frozenset[int]:
+    def _generation_config(self) -> dict[str, Any]:
+        path = Path(self.model.model_dir) / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _collect_eos_ids(self, generation_config: dict[str, Any]) -> frozenset[int]:
         """EOS ids from config.json, generation_config.json and the tokenizer, together."""
         ids = set(self.model.config.eos_token_ids)
-        generation_config = Path(self.model.model_dir) / "generation_config.json"
-        if generation_config.is_file():
-            eos = json.loads(generation_config.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos = generation_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)

@@ -13,6 +13,7 @@ from sgl_jax.entrypoints.openai.errors import APIError, from_validation_error
 from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest
 from sgl_jax.entrypoints.openai.serving import OpenAIServing
 from sgl_jax.grammar import GrammarCompiler
+from sgl_jax.sampling_params import SamplingParams, model_sampling_defaults
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.testing.tokenizer import ENDOFTEXT_ID, write_tiny_tokenizer
 from sgl_jax.tokenizer.chat_template import ChatTemplate
@@ -24,7 +25,7 @@ def tokenizer(tmp_path_factory):
 
 
 def test_chat_logprobs_bytes_are_the_tokens_own_bytes(tokenizer):
-    engine = SimpleNamespace(tokenizer=tokenizer, context_length=64)
+    engine = SimpleNamespace(tokenizer=tokenizer, context_length=64, openai_sampling_defaults={})
     serving = OpenAIServing(engine, ServerArgs().http, chat_template=ChatTemplate(tokenizer))
     ids = tokenizer("日本 😀", add_special_tokens=False).input_ids
     meta = {"output_token_logprobs": [(-0.5, i) for i in ids],
@@ -54,6 +55,21 @@ CALLED = [{"role": "assistant", "content": None, "tool_calls": [
 def request(**body) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate_json(json.dumps(
         {"model": "default", "messages": USER, **body}))
+
+
+def test_sampling_defaults_come_after_the_request_and_before_the_engines():
+    model = model_sampling_defaults({"temperature": 0.6, "top_p": 0.95, "top_k": 0,
+                                     "repetition_penalty": 3.0, "max_new_tokens": 5})
+    # transformers' top_k 0 is off; a penalty the engine refuses (and max_new_tokens,
+    # not a sampling default here) is left out
+    assert model == {"temperature": 0.6, "top_p": 0.95, "top_k": -1}
+    chosen = request(top_p=None, min_p=0.1).sampling_params(16, model)
+    assert {k: chosen[k] for k in ("temperature", "top_p", "top_k", "min_p")} == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": -1, "min_p": 0.1}
+    # --sampling-defaults openai: no server defaults, the engine's own apply
+    engine_defaults = SamplingParams.from_dict(request().sampling_params(16, {}))
+    assert (engine_defaults.temperature, engine_defaults.top_p) == (1.0, 1.0)
+    assert ServerArgs.from_cli(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
 
 
 BAD_TOOL_REQUESTS = [  # (body changes, param, words)
@@ -124,6 +140,7 @@ class ReplayEngine:
     def __init__(self, tokenizer, outputs: list[str], finish: str = "stop"):
         self.tokenizer = tokenizer
         self.context_length = self.max_request_tokens = 4096
+        self.openai_sampling_defaults = {}
         self.outputs, self.finish = outputs, finish
         self.calls: list[dict] = []
         self._grammars = GrammarCompiler(tokenizer, 512, [ENDOFTEXT_ID])
@@ -311,9 +328,9 @@ def test_json_object_with_a_schema_constrains_to_that_schema():
     schema = {"type": "object", "properties": {"city": {"type": "string"}},
               "required": ["city"]}
     sent = request(response_format={"type": "json_object", "schema": schema})
-    assert json.loads(sent.sampling_params(16)["json_schema"]) == schema
+    assert json.loads(sent.sampling_params(16, {})["json_schema"]) == schema
     plain = request(response_format={"type": "json_object"})
-    assert json.loads(plain.sampling_params(16)["json_schema"]) == {"type": "object"}
+    assert json.loads(plain.sampling_params(16, {})["json_schema"]) == {"type": "object"}
     for bad, param, words in [
         ({"type": "json_schema", "json_schema": {"name": "x"}, "schema": schema},
          "response_format", "json_object' only"),

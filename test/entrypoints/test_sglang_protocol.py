@@ -52,9 +52,17 @@ ROUTER_GENERATE = {"text": "Hello", "model": None,
                    "return_bytes": False, "return_entropy": False}
 
 
+# Qwen3's own generation_config.json sampling defaults (the card's recommendation).
+QWEN3_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    generation_config = path / "generation_config.json"
+    generation_config.write_text(json.dumps({
+        **json.loads(generation_config.read_text()), "do_sample": True, **QWEN3_DEFAULTS}))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +237,38 @@ def test_sampling_seed_is_sglangs_name_for_seed(server):
     outputs = [post(server, "/generate", {**ROUTER_GENERATE, "sampling_params": {
         **params, name: 7}}).json()["output_ids"] for name in ("seed", "sampling_seed")]
     assert outputs[0] == outputs[1]
+
+
+def test_left_out_sampling_fields_default_to_the_models_generation_config(client, server):
+    """As SGLang's and vLLM's OpenAI servers: a chat or completion that leaves temperature,
+    top_p and top_k out, or sends them null, samples as with the generation config's values;
+    /generate keeps SamplingParams' own defaults."""
+    openai_defaults = {"temperature": 1.0, "top_p": 1.0, "extra_body": {"top_k": -1}}
+    model_defaults = {"temperature": 0.6, "top_p": 0.95, "extra_body": {"top_k": 20}}
+    nulls = {"temperature": None, "top_p": None, "extra_body": {"top_k": None}}
+
+    def chat(**fields):
+        extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+        return client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=24, seed=11, extra_body=extra,
+            **fields).choices[0].message.content
+
+    left_out = chat()
+    assert left_out == chat(**nulls) == chat(**model_defaults) != chat(**openai_defaults)
+
+    def complete(**fields):
+        extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+        return client.completions.create(model=MODEL, prompt="The capital", max_tokens=24,
+                                         seed=11, extra_body=extra, **fields).choices[0].text
+
+    assert complete() == complete(**model_defaults) != complete(**openai_defaults)
+
+    def generate(params):
+        body = {**ROUTER_GENERATE, "text": "The capital", "sampling_params": {
+            "max_new_tokens": 24, "ignore_eos": True, "seed": 11, **params}}
+        return post(server, "/generate", body).json()["output_ids"]
+
+    assert generate({}) == generate({"temperature": 1.0}) != generate(QWEN3_DEFAULTS)
 
 
 # ---------------------------------------------------------------------- refused

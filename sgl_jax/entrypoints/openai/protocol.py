@@ -5,6 +5,7 @@ it is left at a value that means "unused", never silently dropped."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -19,7 +20,7 @@ from pydantic import (
 
 from sgl_jax.grammar import ANY_JSON_OBJECT
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS
-from sgl_jax.sampling_params import MAX_LOGIT_BIAS
+from sgl_jax.sampling_params import MAX_LOGIT_BIAS, MODEL_DEFAULT_FIELDS
 
 # The model name SGLang's schemas default to; its clients send it.
 DEFAULT_MODEL = "default"
@@ -309,8 +310,10 @@ class _SamplingFields(StrictSchema):
     """Fields shared by chat and text completions (OpenAI's, then SGLang/vLLM extensions)."""
 
     model: str = DEFAULT_MODEL  # optional, as in SGLang
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # null or left out (as with top_k, min_p, repetition_penalty): the server's default
+    # (its --sampling-defaults: the model's generation config, else OpenAI's)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     stop: Stop = None
     stream: bool = False
@@ -320,9 +323,9 @@ class _SamplingFields(StrictSchema):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None  # recorded in the request log
     # Extensions
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -356,14 +359,17 @@ class _SamplingFields(StrictSchema):
         """The engine's grammar field the request names, if any."""
         return dict(self._grammars())
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
-        """The engine's sampling parameters; an OpenAI seed of any size maps to 32 bits."""
+    def sampling_params(self, max_new_tokens: int,
+                        defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """The engine's sampling parameters, `defaults` (the server's, for fields of
+        MODEL_DEFAULT_FIELDS) where the request sets none; the engine's own defaults where
+        neither does. An OpenAI seed of any size maps to 32 bits."""
+        chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS}
         return {
+            **defaults, **{name: value for name, value in chosen.items() if value is not None},
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty,
             "seed": None if self.seed is None else self.seed % 2**32,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "n": self.n,
@@ -378,9 +384,6 @@ class _SamplingFields(StrictSchema):
 
 class ChatCompletionRequest(_SamplingFields):
     unused_fields = {**_OPENAI_CHAT_UNIMPLEMENTED, **SGLANG_CHAT_DEFAULT_ONLY}
-    # SGLang's chat defaults these to null: the model's generation config, else the usual
-    # default (this server always uses the usual default).
-    null_means_default = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)

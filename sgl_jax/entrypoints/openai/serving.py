@@ -46,6 +46,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self.context_length = engine.context_length
+        self.sampling_defaults = engine.openai_sampling_defaults
         self._token_texts: dict[int, str] = {}
         self._token_bytes = TokenBytes(engine.tokenizer)
         # Tools work without a flag: the format comes from the chat template when it
@@ -81,7 +82,8 @@ class OpenAIServing:
         _log_request(rid, request.user, len(prompt_ids))
         result = await self._generate(
             input_ids=prompt_ids,
-            sampling_params={**request.sampling_params(max_tokens), **self._tool_grammar(request)},
+            sampling_params={**request.sampling_params(max_tokens, self.sampling_defaults),
+                             **self._tool_grammar(request)},
             stream=request.stream, return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
             grammar_field="tools" if request.forced_tools else None,
@@ -187,7 +189,8 @@ class OpenAIServing:
         _log_request(rid, request.user, sum(len(p) for p in prompts))
         top = request.logprobs or 0
         result = await self._generate(
-            input_ids=prompts, sampling_params=request.sampling_params(max_tokens),
+            input_ids=prompts,
+            sampling_params=request.sampling_params(max_tokens, self.sampling_defaults),
             stream=request.stream, return_logprob=request.logprobs is not None,
             top_logprobs_num=top,
         )
