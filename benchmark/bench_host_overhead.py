@@ -111,10 +111,10 @@ def engine_and_replay_ms(engine, owner, dispatches: tuple[str, ...], prompts: li
     def per_step(run_seconds) -> float:
         return 1e3 * (run_seconds(short + steps) - run_seconds(short)) / taken
 
-    def replayed(read_each: bool):
-        return lambda new: min(replay_seconds(calls[new], read_each) for _ in range(2))
+    def replay_ms(read_each: bool) -> float:
+        return per_step(lambda new: min(replay_seconds(calls[new], read_each) for _ in range(2)))
 
-    return per_step(seconds.get), per_step(replayed(False)), per_step(replayed(True)), taken
+    return per_step(seconds.get), replay_ms(read_each=False), replay_ms(read_each=True), taken
 
 
 # --------------------------------------------------------------------------- the replay

@@ -54,6 +54,7 @@ class HttpConfig:
     chat_template: str | None  # a file, a template name, or None for the tokenizer's own
     reasoning_parser: str | None
     tool_call_parser: str | None
+    sampling_defaults: str  # "model": generation_config.json's where it sets them; "openai"
 
 
 SAMPLING_DEFAULTS = ("model", "openai")
@@ -266,6 +267,7 @@ class ServerArgs:
             served_model_name=self.served_model_name or self.model_path or "default",
             enable_metrics=self.enable_metrics, chat_template=self.chat_template,
             reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser,
+            sampling_defaults=self.sampling_defaults,
         )
 
     def to_dict(self) -> dict:

@@ -108,13 +108,9 @@ class Engine:
         self.context_length = args.context_length or self.model.config.max_position_embeddings
         generation_config = self._generation_config()
         self.eos_ids = self._collect_eos_ids(generation_config)
-        # Defaults of the OpenAI endpoints' sampling fields (the Engine's own calls keep
-        # SamplingParams' defaults, as SGLang's do).
-        self.openai_sampling_defaults = (model_sampling_defaults(generation_config)
-                                         if args.sampling_defaults == "model" else {})
-        if self.openai_sampling_defaults:
-            logger.info("OpenAI requests default to the model's generation config: %s",
-                        self.openai_sampling_defaults)
+        # What the model's generation config recommends, for the OpenAI endpoints (the
+        # Engine's own calls keep SamplingParams' defaults, as SGLang's do).
+        self.model_sampling_defaults = model_sampling_defaults(generation_config)
         self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
                                          self.eos_ids)
         self._rng = np.random.default_rng(args.random_seed)

@@ -25,7 +25,7 @@ def tokenizer(tmp_path_factory):
 
 
 def test_chat_logprobs_bytes_are_the_tokens_own_bytes(tokenizer):
-    engine = SimpleNamespace(tokenizer=tokenizer, context_length=64, openai_sampling_defaults={})
+    engine = SimpleNamespace(tokenizer=tokenizer, context_length=64, model_sampling_defaults={})
     serving = OpenAIServing(engine, ServerArgs().http, chat_template=ChatTemplate(tokenizer))
     ids = tokenizer("日本 😀", add_special_tokens=False).input_ids
     meta = {"output_token_logprobs": [(-0.5, i) for i in ids],
@@ -140,7 +140,7 @@ class ReplayEngine:
     def __init__(self, tokenizer, outputs: list[str], finish: str = "stop"):
         self.tokenizer = tokenizer
         self.context_length = self.max_request_tokens = 4096
-        self.openai_sampling_defaults = {}
+        self.model_sampling_defaults = {}
         self.outputs, self.finish = outputs, finish
         self.calls: list[dict] = []
         self._grammars = GrammarCompiler(tokenizer, 512, [ENDOFTEXT_ID])

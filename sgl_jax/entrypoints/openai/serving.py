@@ -46,7 +46,11 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self.context_length = engine.context_length
-        self.sampling_defaults = engine.openai_sampling_defaults
+        self.sampling_defaults = (engine.model_sampling_defaults
+                                  if config.sampling_defaults == "model" else {})
+        if self.sampling_defaults:
+            logger.info("OpenAI requests default to the model's generation config: %s",
+                        self.sampling_defaults)
         self._token_texts: dict[int, str] = {}
         self._token_bytes = TokenBytes(engine.tokenizer)
         # Tools work without a flag: the format comes from the chat template when it
