@@ -150,9 +150,10 @@ def test_a_killed_replica_is_routed_around(cluster):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         in_flight = [pool.submit(ended_cleanly, url, prompt, long, streaming)
                      for prompt in unrelated_prompts(8, seed=1)]
-        for _ in in_flight:
-            assert streaming.acquire(timeout=120), "a stream never started"
-        wait_until(lambda: server_info(b)["num_running_reqs"] > 0, 30)  # B has its share
+        assert streaming.acquire(timeout=120), "no stream started"
+        # B has its share running (polled at once: on the tiny model a 900-token stream can
+        # end while the other replica's streams are still starting)
+        wait_until(lambda: server_info(b)["num_running_reqs"] > 0, 60)
         b.process.kill()
         outcomes = [f.result(timeout=300) for f in in_flight]  # none hangs
     assert all(outcome in ("answered", "error") for outcome in outcomes), outcomes
