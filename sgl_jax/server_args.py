@@ -208,7 +208,8 @@ class ServerArgs:
                 f"--speculative-algorithm {self.speculative_algorithm} is not supported: "
                 f"{UNSUPPORTED_DRAFTS[self.speculative_algorithm]}; use EAGLE3, EAGLE or "
                 f"STANDALONE with --speculative-draft-model-path")
-        if not self.speculative_draft_model_path:
+        demo_head = self.model_path is None and self.speculative_algorithm == "EAGLE3"
+        if not self.speculative_draft_model_path and not demo_head:  # the demo ships its head
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
                              "--speculative-draft-model-path")
         spec = self.speculative

@@ -15,7 +15,8 @@ from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.server import launch_server as start_server
 
 BAD_VALUES = [
-    (["--speculative-algorithm", "EAGLE3"], "needs --speculative-draft-model-path"),
+    (["--model-path", "m", "--speculative-algorithm", "EAGLE3"],
+     "needs --speculative-draft-model-path"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
       "--speculative-num-draft-tokens", "8", "--speculative-eagle-topk", "1"],
      "must be num_steps + 1"),

@@ -93,8 +93,18 @@ def test_speculative_defaults_chain_and_tree():
     assert tree.speculative.num_draft_tokens == 8
 
 
+def test_the_demo_model_takes_eagle3_without_a_draft_path():
+    """README's demo command: the demo model ships its own head (the Engine fills it in)."""
+    args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3", "--speculative-num-steps",
+                                "3", "--speculative-eagle-topk", "4"])
+    assert args.model_path is None and args.speculative_draft_model_path is None
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs.from_cli(["--speculative-algorithm", "EAGLE"])  # no demo head of that kind
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-algorithm", "EAGLE3"], "needs --speculative-draft-model-path"),
+    (["--model-path", "m", "--speculative-algorithm", "EAGLE3"],
+     "needs --speculative-draft-model-path"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
       "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
       "--speculative-num-draft-tokens", "6"], "must be num_steps + 1 = 4"),

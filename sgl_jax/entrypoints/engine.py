@@ -166,6 +166,9 @@ class Engine:
             num_state_slots=num_state_slots,
         )
         self._spec = None if draft is None else make_spec_runner(args, self._runner, draft)
+        # Kept apart from the runners, which shutdown() lets go of.
+        self._lookahead = self._spec.lookahead if self._spec else 0
+        self.speculative = self._spec is not None
         if not args.skip_server_warmup:  # every rank compiles the same buckets
             (self._spec or self._runner).warmup()
         self._sender: StepSender | None = None
@@ -188,7 +191,7 @@ class Engine:
             max_prefill_tokens=min(args.max_prefill_tokens, buckets.max_tokens),
             chunk_size=min(args.chunk_size, buckets.max_tokens),
             max_running_requests=buckets.max_seqs,
-            completion_lookahead=self._spec.lookahead if self._spec else 0,
+            completion_lookahead=self._lookahead,
             prompt_ends_in_prefill=self._spec is not None,
         )
         scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
@@ -221,7 +224,7 @@ class Engine:
         logger.info("Rank %d: rank 0 stopped after %d steps", args.node_rank, steps)
         shutdown_distributed()
         self._loop = None
-        self._runner.kv_cache = []
+        self._release_device_state()
 
     def _buckets(self) -> Buckets:
         args = self.server_args
@@ -284,11 +287,6 @@ class Engine:
         pool = self._allocator.capacity * self.server_args.page_size - self._lookahead
         return min(self.context_length, pool)
 
-    @property
-    def _lookahead(self) -> int:
-        """KV slots past a request's tokens that a verify round needs."""
-        return 0 if self._spec is None else self._spec.lookahead
-
     def abort(self, rid: str) -> None:
         self._require_loop().submit(lambda scheduler: scheduler.abort(rid))
 
@@ -336,11 +334,17 @@ class Engine:
         if self._sender is not None:
             self._sender.close()
             shutdown_distributed()
-        self._runner.kv_cache = []
-        # Compiled programs, with the JIT code each maps into the process, sit in reference
-        # cycles among the scheduler and its runners: collect them now rather than at some later
-        # cyclic collection, so engines built one after another stay within the process's
-        # memory and its limit on memory mappings (XLA:CPU aborts past it).
+        self._release_device_state()
+
+    def _release_device_state(self) -> None:
+        """Let go of the runners: the KV cache, the parameters' last users and every compiled
+        program. XLA:CPU maps each compiled kernel's code into the process apart (about three
+        memory mappings a kernel, a few hundred a program), and the kernel allows a process
+        65530 mappings: an Engine kept after shutdown must not keep its programs, or a second
+        Engine built in the same process would crash while it compiles. The runners sit in
+        reference cycles (their jitted functions close over them): collect them now rather
+        than at some later cyclic collection."""
+        self._runner = self._spec = None
         gc.collect()
 
     def __enter__(self) -> Engine:
@@ -416,7 +420,7 @@ class Engine:
         bad += [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if self._spec is not None and params.uses_penalties:
+        if self.speculative and params.uses_penalties:
             raise ValueError("frequency_penalty, presence_penalty and repetition_penalty are "
                              "not supported with speculative decoding; leave them at their "
                              "defaults or start the server without --speculative-algorithm")

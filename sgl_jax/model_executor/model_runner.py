@@ -43,6 +43,7 @@ from sgl_jax.model_executor.forward_batch import (
 )
 from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
 from sgl_jax.models.loader import LoadedModel
+from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,7 @@ class ModelRunner:
         shapes = [s for s in (self.buckets.all_shapes() if shapes is None else shapes)
                   if s not in self._sampling_programs]
         workers = max(1, min(4, os.cpu_count() or 1))
+        forecast = WarmupForecast(len(shapes))
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(shapes), desc="Compiling step buckets", unit="bucket") as bar:
             pending = {}
@@ -236,6 +238,7 @@ class ModelRunner:
                 pending[shape] = packing, pool.submit(lowered.compile)
             for shape, (packing, future) in pending.items():
                 self._sampling_programs[shape] = packing, future.result()
+                forecast.compiled()
                 bar.update()
         self.reset_penalty_slot(0, [])
         logger.info("Warm-up done: %d compilations", self.num_compilations)

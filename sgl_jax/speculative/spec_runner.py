@@ -77,6 +77,7 @@ from sgl_jax.model_executor.model_runner import (
     greedy_sampling_batch,
 )
 from sgl_jax.models import qwen3_next
+from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.drafts import DraftModel, TreeShape, allocate_draft_cache, grow_tree
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
@@ -335,8 +336,9 @@ class SpecRunner:
         sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
         if self.defers_draft:  # rounds where no request has a draft: the target's decode steps
             self.target.warmup([s for s in shapes if s.q_block == 1])
-        with tqdm(total=len(sizes) * (len(self.shapes) + 1) + len(shapes),
-                  desc="Compiling speculative buckets", unit="bucket") as bar:
+        total = len(sizes) * (len(self.shapes) + 1) + len(shapes)
+        forecast = WarmupForecast(total)
+        with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
             for size in sizes:
                 rows = self._dummy_rows(size)
                 sampling = greedy_sampling_batch(size, self.vocab_size)
@@ -345,6 +347,7 @@ class SpecRunner:
                     self.round_seconds[shape, size] = _fastest_seconds(
                         lambda rows=rows, shape=shape, sampling=sampling: self.round(
                             rows, sampling, False, shape).result())
+                    forecast.compiled()
                     bar.update()
                 tree = self.draft_trees(rows)
                 self.masked_verify(rows, sampling, False, tree,
@@ -352,6 +355,7 @@ class SpecRunner:
                 if self.defers_draft:
                     self.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, self.feature_width)))
                                    for slot in range(size)])
+                forecast.compiled()
                 bar.update()
             for shape in shapes:
                 chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
@@ -362,6 +366,7 @@ class SpecRunner:
                 self.prefill(chunks, greedy_sampling_batch(count, self.vocab_size),
                              np.zeros(count, bool), False, [0] * count,
                              np.full(count, -1, np.int32)).result()
+                forecast.compiled()
                 bar.update()
         # Warm-up rounds wrote scratch into the slots; no request reads a slot before its
         # prefill writes its root.

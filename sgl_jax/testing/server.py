@@ -64,7 +64,7 @@ def demo_servers(extra_flags: list[str] = ()) -> Iterator[dict[str, ServerProces
     DEMO_FLAGS and `extra_flags`; the test is skipped when the demo model is not installed."""
     import pytest
 
-    from sgl_jax.demo import demo_draft_path, demo_model_path
+    from sgl_jax.demo import demo_model_path
 
     try:
         demo_model_path()
@@ -73,8 +73,8 @@ def demo_servers(extra_flags: list[str] = ()) -> Iterator[dict[str, ServerProces
     flags = [*DEMO_FLAGS, *extra_flags]
     with contextlib.ExitStack() as stack:
         plain = stack.enter_context(launch_server(flags))
-        spec = stack.enter_context(launch_server([
-            *flags, *DEMO_SPEC_FLAGS, "--speculative-draft-model-path", str(demo_draft_path())]))
+        # As README.md starts it: without a draft path the demo serves its own head.
+        spec = stack.enter_context(launch_server([*flags, *DEMO_SPEC_FLAGS]))
         yield {"plain": plain, "spec": spec}
 
 

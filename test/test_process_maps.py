@@ -1,0 +1,71 @@
+"""Compiled programs and the process's memory mappings: an Engine gives its programs back at
+shutdown, so engines built one after another in one process never pile up mappings (XLA:CPU
+maps every compiled kernel apart and crashes past vm.max_map_count), and a warm-up that would
+come near the limit says so first."""
+
+import json
+import logging
+
+import pytest
+
+from sgl_jax import Engine, process_maps
+from sgl_jax.process_maps import WarmupForecast, mapping_count, mapping_limit
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+pytestmark = pytest.mark.skipif(mapping_count() is None, reason="needs Linux's /proc")
+
+TREE = dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=4,
+            speculative_num_draft_tokens=8)
+SMALL = dict(dtype="float32", precompile_token_paddings=[16], precompile_bs_paddings=[1],
+             max_prefill_tokens=16, chunked_prefill_size=16)
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("maps")
+    target = write_tiny_checkpoint(root / "llama", "llama")
+    config = json.loads((target / "config.json").read_text())
+    return target, write_tiny_eagle3_draft(root / "llama-eagle3", config)
+
+
+def tree_engine(paths, **extra) -> Engine:
+    target, draft = paths
+    return Engine(model_path=str(target), speculative_draft_model_path=str(draft), **TREE,
+                  **SMALL, **extra)
+
+
+def test_ten_tree_engines_in_a_row_give_their_mappings_back(paths):
+    outputs = []
+    for _ in range(10):
+        before = mapping_count()
+        engine = tree_engine(paths, skip_server_warmup=True)  # programs compile on first use
+        outputs.append(engine.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY)
+                       ["output_ids"])
+        in_use = mapping_count()
+        engine.shutdown()  # `engine` still names it: shutdown alone must let go
+        after = mapping_count()
+        assert in_use - before > 300  # the compiled programs took mappings...
+        assert after <= 1.1 * before, (before, in_use, after)  # ...and gave them back
+    assert all(out == outputs[0] for out in outputs)
+
+
+def test_a_warmup_that_would_come_near_the_limit_warns(paths, monkeypatch, caplog):
+    # A limit just above today's count: the first compiled programs project past it.
+    monkeypatch.setattr(process_maps, "mapping_limit", lambda: mapping_count() + 200)
+    with caplog.at_level(logging.WARNING, logger="sgl_jax.process_maps"):
+        tree_engine(paths).shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sgl_jax.process_maps"]
+    assert len(warnings) == 2  # the target's decode steps, then the speculative programs
+    assert "vm.max_map_count" in warnings[0] and "--precompile-bs-paddings" in warnings[0]
+
+
+def test_the_forecast_projects_the_mean_cost_of_the_programs_so_far(caplog):
+    forecast = WarmupForecast(10, limit=10**9)
+    forecast.start, forecast.done = 1000, 3
+    assert forecast.projected(1300) == 1300 + 100 * 7
+    with caplog.at_level(logging.WARNING, logger="sgl_jax.process_maps"):
+        forecast.compiled()  # far from a limit of 10**9: quiet
+    assert not caplog.records
+    assert mapping_limit() is None or mapping_limit() > 0
