@@ -6,6 +6,7 @@ come near the limit says so first."""
 import json
 import logging
 
+import numpy as np
 import pytest
 
 from sgl_jax import Engine, process_maps
@@ -69,3 +70,29 @@ def test_the_forecast_projects_the_mean_cost_of_the_programs_so_far(caplog):
         forecast.compiled()  # far from a limit of 10**9: quiet
     assert not caplog.records
     assert mapping_limit() is None or mapping_limit() > 0
+
+
+def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
+    """Warm-up on a CPU compiles and times the smallest batch bucket only; the first batch
+    of eight times bucket 8 between rounds, with padding rows that leave the running
+    requests untouched: a draft that predicts everything (the target itself) still gives
+    exactly plain greedy decoding, through rounds of bucket 8's programs."""
+    target, _ = paths
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (3, 20, 7, 12, 5, 9)]
+    buckets = dict(SMALL, precompile_bs_paddings=[1, 8], precompile_token_paddings=[16, 64],
+                   max_prefill_tokens=64)
+    with Engine(model_path=str(target), skip_server_warmup=True, **buckets) as engine:
+        plain = [o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                          sampling_params=GREEDY)]
+    with Engine(model_path=str(target), speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=str(target), speculative_num_steps=3,
+                speculative_eagle_topk=1, **buckets) as engine:
+        timed = engine._spec.round_seconds
+        assert {bucket for _, bucket in timed} == {1}
+        outputs = [o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                            sampling_params=GREEDY)]
+        assert {bucket for _, bucket in timed} == {1, 8}
+        rounds = engine.get_server_info()["spec_rounds_by_shape"]
+    assert outputs == plain
+    assert rounds["3/1/4"] > rounds["plain"]

@@ -170,7 +170,7 @@ class Engine:
         self._lookahead = self._spec.lookahead if self._spec else 0
         self.speculative = self._spec is not None
         if not args.skip_server_warmup:  # every rank compiles the same buckets
-            (self._spec or self._runner).warmup()
+            self._warmup()
         self._sender: StepSender | None = None
         if args.node_rank > 0:
             self._follow_rank0()
@@ -200,6 +200,19 @@ class Engine:
                                                         and args.speculative.adaptive),
                               overlap=not args.disable_overlap_schedule)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
+
+    def _warmup(self) -> None:
+        """Compile the step programs before serving. XLA:CPU maps every compiled kernel into
+        the process apart, a few hundred mappings a program, and a process may have 65530:
+        there a speculative server warms only its smallest batch bucket and leaves the
+        programs few batches need to their first use (each larger bucket is compiled and
+        timed when a batch first needs it). Elsewhere every program is compiled now."""
+        if self._spec is None:
+            self._runner.warmup()
+        elif jax.default_backend() == "cpu":
+            self._spec.warmup(self._runner.buckets.bs_paddings[:1], rare_programs=False)
+        else:
+            self._spec.warmup()
 
     def _mirror_to_followers(self) -> tuple[ModelRunner, SpecRunner | None]:
         """With several nodes, rank 0's scheduler calls go to every rank (see multihost)."""
@@ -578,7 +591,7 @@ def _add_all(reqs: list[Req]) -> Callable[[Scheduler], None]:
 
 # What the scheduler calls on the device, and so what followers replay.
 _RUNNER_STEPS = ("step", "launch", "reset_penalty_slot")
-_SPEC_STEPS = ("prefill", "round", "catch_up", "draft_trees", "masked_verify")
+_SPEC_STEPS = ("prefill", "round", "catch_up", "draft_trees", "masked_verify", "time_bucket")
 
 def _check_available(args: ServerArgs) -> None:
     """Refuse, before anything loads, settings whose feature this version does not have."""

@@ -60,6 +60,7 @@ class LaunchedRound:
     defers: bool  # a plain round that leaves the drafting requests' drafts behind
     output: PendingRound | PendingStep  # a PendingStep: the target's own decode step
     launched_at: float
+    compiled: bool = False  # its dispatch compiled a program: its time says nothing of a round
 
 
 class SpecDecoder:
@@ -86,8 +87,17 @@ class SpecDecoder:
         """At admission: whether the request gets a draft (policy.admits_draft). Only where
         plain rounds leave the draft behind: a draft that extends every round cannot start
         late."""
-        req.drafting = self.policy.admits_draft(self.buckets.batch_padding(batch_size),
-                                                req.rid, drafted_peers)
+        req.drafting = self.policy.admits_draft(self._timed_bucket(batch_size), req.rid,
+                                                drafted_peers)
+
+    def _timed_bucket(self, batch_size: int) -> int:
+        """The padded size of a batch of `batch_size`, its round programs compiled and timed
+        first if warm-up left them (XLA:CPU warms only the smallest: see Engine)."""
+        bucket = self.buckets.batch_padding(batch_size)
+        if self.policy.adaptive and bucket not in self.policy.timed_buckets:
+            self.spec.time_bucket(bucket)
+            self.policy.add_round_seconds(self.spec.round_seconds)
+        return bucket
 
     # ------------------------------------------------------------------ prefill
 
@@ -108,7 +118,7 @@ class SpecDecoder:
     def launch(self, reqs: list[Req]) -> LaunchedRound | None:
         """Dispatch one round for `reqs` in the shape the policy picks (None if settling the
         round in flight first ended every one of them)."""
-        shape = self.policy.choose(self._records(reqs), self.buckets.batch_padding(len(reqs)),
+        shape = self.policy.choose(self._records(reqs), self._timed_bucket(len(reqs)),
                                    menu=self._constrained_menu(reqs))
         if self._needs_settled(reqs, shape):
             self._settle()
@@ -117,13 +127,15 @@ class SpecDecoder:
                 return None
         self._catch_up([req for req in reqs if req.draft_pending and (
             shape != PLAIN or len(req.draft_pending) >= CATCH_UP_WIDTH)])
+        compilations = self.spec.target.num_compilations
         start = time.perf_counter()
         undrafted = shape == PLAIN and not any(req.drafting for req in reqs)
         masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
         output = self._plain_step(reqs) if undrafted else self._dispatch(reqs, shape, masked)
         launched = LaunchedRound(
             reqs, shape, self.buckets.batch_padding(len(reqs)), self._records(reqs), masked,
-            shape == PLAIN and self.spec.defers_draft and not undrafted, output, start)
+            shape == PLAIN and self.spec.defers_draft and not undrafted, output, start,
+            compiled=self.spec.target.num_compilations != compilations)
         self._unread = launched
         return launched
 
@@ -141,7 +153,7 @@ class SpecDecoder:
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
         self.policy.observe(launched.shape, launched.bucket, seconds,
                             [(launched.records[row], accepted[row]) for row in live],
-                            masked=launched.masked)
+                            masked=launched.masked, timed=not launched.compiled)
         steps = launched.shape.num_steps
         for req in launched.reqs:
             req.num_inflight -= 1

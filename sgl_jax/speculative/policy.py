@@ -203,6 +203,15 @@ class SpeculationPolicy:
         self.finished_requests = {"with_draft": 0, "without_draft": 0}
         self.last: Choice | None = None
 
+    @property
+    def timed_buckets(self) -> set[int]:
+        return {bucket for _, bucket in self.round_seconds}
+
+    def add_round_seconds(self, round_seconds: Mapping[tuple[TreeShape, int], float]) -> None:
+        """Timings of buckets compiled after start-up (keys already known keep theirs)."""
+        for key, seconds in round_seconds.items():
+            self.round_seconds.setdefault(key, seconds)
+
     def new_request(self) -> Acceptance:
         """The acceptance record a request carries (Req.spec_acceptance)."""
         return Acceptance(self.depth, REQUEST_DECAY)
@@ -297,12 +306,12 @@ class SpeculationPolicy:
                 for s in self.shapes}
 
     def observe(self, shape: TreeShape, bucket: int, seconds: float,
-                outcomes: Sequence[tuple[Acceptance | None, int]], *, masked: bool = False
-                ) -> None:
+                outcomes: Sequence[tuple[Acceptance | None, int]], *, masked: bool = False,
+                timed: bool = True) -> None:
         """A round of `shape` took `seconds`; each request's record and its accepted count
         (a request without a draft, None, measures nothing). `masked`: a grammar masked its
         trees (counted apart, and its cost not learnt: the host's masks make it dearer than
-        the same shape free)."""
+        the same shape free). Not `timed`: its seconds include compiling (not learnt)."""
         self.rounds_by_shape[shape_name(shape)] += 1
         self.masked_rounds += masked
         outcomes = [(record, a) for record, a in outcomes if record is not None]
@@ -310,7 +319,7 @@ class SpeculationPolicy:
             acceptance.record(shape, num_accepted)
         if outcomes:
             self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
-        if self.adaptive and not masked and (shape, bucket) in self.round_seconds:
+        if self.adaptive and timed and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))
             self.load[bucket] = self.load.get(bucket, 1.0) * math.exp(LOAD_RATE * residual)
             key = (shape, bucket)

@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -329,47 +329,72 @@ class SpecRunner:
         hidden = self.target.config.hidden_size
         return hidden * len(self.capture_layers) if self.draft.feature_source == "aux" else hidden
 
-    def warmup(self) -> None:
-        """Compile every round shape and prefill bucket now, and time each round program for
-        the adaptive policy (the fastest of a few runs after the compiling one: the others
-        met some other load)."""
-        sizes, shapes = self.target.buckets.bs_paddings, self.target.buckets.all_shapes()
+    def warmup(self, sizes: Sequence[int] | None = None, *, rare_programs: bool = True) -> None:
+        """Compile the round programs of the batch buckets `sizes` (default: every one) and
+        time each for the adaptive policy (the fastest of a few runs after the compiling one:
+        the others met some other load), then the prefill buckets. Without `rare_programs`,
+        the programs few batches need (grammar-masked rounds, prefills of one-token chunks)
+        are left to compile on first use, as are the buckets left out of `sizes`
+        (`time_bucket` times those when the policy first meets them)."""
+        buckets = self.target.buckets
+        sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
+        prefills = [s for s in buckets.all_shapes() if rare_programs or s.q_block > 1]
         if self.defers_draft:  # rounds where no request has a draft: the target's decode steps
-            self.target.warmup([s for s in shapes if s.q_block == 1])
-        total = len(sizes) * (len(self.shapes) + 1) + len(shapes)
+            self.target.warmup([s for s in buckets.all_shapes()
+                                if s.q_block == 1 and s.num_tokens in sizes])
+        total = len(sizes) * (len(self.shapes) + 1) + len(prefills)
         forecast = WarmupForecast(total)
         with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
+            def compiled() -> None:
+                forecast.compiled()
+                bar.update()
             for size in sizes:
                 rows = self._dummy_rows(size)
-                sampling = greedy_sampling_batch(size, self.vocab_size)
-                for shape in self.shapes:
-                    self.round(rows, sampling, False, shape).result()
-                    self.round_seconds[shape, size] = _fastest_seconds(
-                        lambda rows=rows, shape=shape, sampling=sampling: self.round(
-                            rows, sampling, False, shape).result())
-                    forecast.compiled()
-                    bar.update()
-                tree = self.draft_trees(rows)
-                self.masked_verify(rows, sampling, False, tree,
-                                   allow_every_id(tree.tokens.shape, self.vocab_size)).result()
+                self._time_rounds(rows, after_each=compiled)
+                if rare_programs:
+                    tree = self.draft_trees(rows)
+                    self.masked_verify(
+                        rows, greedy_sampling_batch(size, self.vocab_size), False, tree,
+                        allow_every_id(tree.tokens.shape, self.vocab_size)).result()
                 if self.defers_draft:
                     self.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, self.feature_width)))
                                    for slot in range(size)])
-                forecast.compiled()
-                bar.update()
-            for shape in shapes:
-                chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
-                count = len(chunks)
-                if self.hybrid:
-                    chunks = [dataclasses.replace(c, state_slot=slot) for c, slot
-                              in zip(chunks, self._dummy_state_slots(count), strict=True)]
-                self.prefill(chunks, greedy_sampling_batch(count, self.vocab_size),
-                             np.zeros(count, bool), False, [0] * count,
-                             np.full(count, -1, np.int32)).result()
-                forecast.compiled()
-                bar.update()
+                compiled()
+            for shape in prefills:
+                self._warm_prefill(shape)
+                compiled()
         # Warm-up rounds wrote scratch into the slots; no request reads a slot before its
         # prefill writes its root.
+
+    def time_bucket(self, size: int) -> None:
+        """Compile and time the round programs of batch bucket `size` while serving: padding
+        rows only (they write nothing, so the requests' slots and caches stay as they were),
+        and a fixed number of runs (other nodes replay this call and must run the same
+        rounds)."""
+        self._time_rounds(self._padding_rows(size), runs=2, budget_s=0.0)
+
+    def _time_rounds(self, rows: RoundRows, *, after_each: Callable[[], None] = lambda: None,
+                     runs: int = 5, budget_s: float = 1.0) -> None:
+        """round_seconds of every shape for `rows`' bucket: a compiling run, then the
+        fastest of `runs` (or of those that fit in `budget_s`)."""
+        size = len(rows.slots)
+        sampling = greedy_sampling_batch(size, self.vocab_size)
+        for shape in self.shapes:
+            def run(shape: TreeShape = shape) -> None:
+                self.round(rows, sampling, False, shape).result()
+            run()
+            self.round_seconds[shape, size] = _fastest_seconds(run, runs, budget_s)
+            after_each()
+
+    def _warm_prefill(self, shape: BatchShape) -> None:
+        chunks = _dummy_chunks(shape, self.target.buckets.context_len, self.page_size)
+        count = len(chunks)
+        if self.hybrid:
+            chunks = [dataclasses.replace(c, state_slot=slot) for c, slot
+                      in zip(chunks, self._dummy_state_slots(count), strict=True)]
+        self.prefill(chunks, greedy_sampling_batch(count, self.vocab_size),
+                     np.zeros(count, bool), False, [0] * count,
+                     np.full(count, -1, np.int32)).result()
 
     # ------------------------------------------------------------------ host helpers
 
@@ -388,6 +413,13 @@ class SpecRunner:
                          np.zeros((count, self.target.buckets.pages_per_seq), np.int32),
                          zeros, zeros, zeros,
                          np.array(self._dummy_state_slots(count), np.int32))
+
+    def _padding_rows(self, count: int) -> RoundRows:
+        """Rows that are all padding (slot -1, the null page, the null state slot)."""
+        zeros = np.zeros(count, np.int32)
+        return RoundRows(np.full(count, -1, np.int32),
+                         np.zeros((count, self.target.buckets.pages_per_seq), np.int32),
+                         zeros, zeros, zeros, zeros)
 
     def _dummy_state_slots(self, count: int) -> list[int]:
         """Warm-up rows of a hybrid target need distinct real slots (their states are
