@@ -51,20 +51,28 @@ def serve_batch(server: ServerProcess, size: int, max_tokens: int) -> None:
                       range(size)))
 
 
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
 def measure(name: str, flags: list[str], sizes: list[int], warm: bool, max_tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         extra = [] if warm else ["--compilation-cache-dir", cache]
         start = time.perf_counter()
         with launch_server([*flags, *extra], timeout_s=1800) as server:
             row = {"server": name, "ready_s": time.perf_counter() - start,
-                   "mappings_ready": process_mappings(server), "after_size": {}}
+                   "mappings_ready": process_mappings(server), "after_size": {},
+                   "first_batch_extra_s": {}}
             print(f"{name}: ready in {row['ready_s']:.1f} s, {row['mappings_ready']} mappings",
                   flush=True)
-            for size in sizes:
-                serve_batch(server, size, max_tokens)
+            for size in sizes:  # the first batch of a size compiles what it needs
+                first, again = (timed(serve_batch, server, size, max_tokens) for _ in range(2))
                 row["after_size"][size] = process_mappings(server)
-                print(f"  after a batch of {size}: {row['after_size'][size]} mappings",
-                      flush=True)
+                row["first_batch_extra_s"][size] = first - again
+                print(f"  after a batch of {size}: {row['after_size'][size]} mappings; the "
+                      f"first took {first - again:.1f} s longer than the next", flush=True)
     return row
 
 
@@ -88,6 +96,10 @@ def main() -> None:
     for row in rows:
         print(f"| {row['server']} | {row['ready_s']:.1f} | {row['mappings_ready']} | " +
               " | ".join(str(row["after_size"][s]) for s in sizes) + " |")
+    print("\nseconds the first batch of each size took beyond the next one (compiling):")
+    for row in rows:
+        print(f"{row['server']}: " + ", ".join(f"{s}: {row['first_batch_extra_s'][s]:.1f}"
+                                              for s in sizes))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

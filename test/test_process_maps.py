@@ -1,7 +1,8 @@
 """Compiled programs and the process's memory mappings: an Engine gives its programs back at
 shutdown, so engines built one after another in one process never pile up mappings (XLA:CPU
-maps every compiled kernel apart and crashes past vm.max_map_count), and a warm-up that would
-come near the limit says so first."""
+maps every compiled kernel apart and crashes past vm.max_map_count), a warm-up that would
+come near the limit says so first, and a speculative server on a CPU compiles a larger batch
+bucket only when a batch first needs it."""
 
 import json
 import logging
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine, process_maps
-from sgl_jax.process_maps import WarmupForecast, mapping_count, mapping_limit
+from sgl_jax.process_maps import WarmupForecast, mapping_count
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 
@@ -69,7 +70,6 @@ def test_the_forecast_projects_the_mean_cost_of_the_programs_so_far(caplog):
     with caplog.at_level(logging.WARNING, logger="sgl_jax.process_maps"):
         forecast.compiled()  # far from a limit of 10**9: quiet
     assert not caplog.records
-    assert mapping_limit() is None or mapping_limit() > 0
 
 
 def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
@@ -90,9 +90,14 @@ def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
                 speculative_eagle_topk=1, **buckets) as engine:
         timed = engine._spec.round_seconds
         assert {bucket for _, bucket in timed} == {1}
+        # Every request drafts and every round takes the chain, whatever timings a busy
+        # machine measured (the bucket is still timed first: the decoder asks before).
+        policy = engine._loop.scheduler.speculative.policy
+        policy.admits_draft = lambda *_, **__: True
+        policy.choose = lambda *_, **__: engine._spec.shape
         outputs = [o["output_ids"] for o in engine.generate(input_ids=prompts,
                                                             sampling_params=GREEDY)]
         assert {bucket for _, bucket in timed} == {1, 8}
         rounds = engine.get_server_info()["spec_rounds_by_shape"]
     assert outputs == plain
-    assert rounds["3/1/4"] > rounds["plain"]
+    assert rounds["3/1/4"] >= 3 and rounds["plain"] == 0

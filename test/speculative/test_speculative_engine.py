@@ -238,14 +238,27 @@ def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tm
         spec_engine({**paths, "gone": tmp_path / "missing"}, "EAGLE3", "gone", CHAIN)
 
 
-def test_warmup_compiles_every_speculative_step_before_serving(checkpoints):
+def test_warmup_compiles_the_smallest_bucket_before_serving_and_a_larger_one_once(
+        checkpoints):
+    """On a CPU warm-up compiles the smallest batch bucket's programs (the others wait for
+    a batch that needs them: XLA:CPU's kernels each take memory mappings, see
+    test_process_maps): serving one request compiles nothing, the first batch of two
+    compiles bucket 2, a second batch of two nothing more."""
     paths = checkpoints["qwen3"]
     settings = {**BASE, "precompile_token_paddings": [16], "precompile_bs_paddings": [1, 2],
                 "max_prefill_tokens": 16, "skip_server_warmup": False}
     with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(paths["eagle3"]), page_size=4, **TREE,
                 **settings) as engine:
-        compiled = engine.get_server_info()["num_compilations"]
-        outputs = engine.generate(input_ids=[[5, 6, 7], [9] * 12], sampling_params=greedy(9))
-        assert [len(o["output_ids"]) for o in outputs] == [9, 9]
-        assert engine.get_server_info()["num_compilations"] == compiled
+        def compilations() -> int:
+            return engine.get_server_info()["num_compilations"]
+
+        warm = compilations()
+        one = engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(9))
+        assert len(one["output_ids"]) == 9 and compilations() == warm
+        # Two pairs of prompts alike in length, unlike in tokens (no prefix cache hit).
+        first = engine.generate(input_ids=[[5, 6, 7], [9] * 12], sampling_params=greedy(9))
+        after_first = compilations()
+        second = engine.generate(input_ids=[[8, 6, 7], [10] * 12], sampling_params=greedy(9))
+        assert [len(o["output_ids"]) for o in first + second] == [9] * 4
+        assert after_first > warm and compilations() == after_first
