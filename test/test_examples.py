@@ -64,6 +64,38 @@ def test_readme_server_command_curl_line_and_openai_example(tmp_path):
     assert "model: SmolLM2-135M-Instruct" in result.stdout
 
 
+def readme_eagle3_demo_args() -> list[str]:
+    """The flags of the README's EAGLE3 demo command (the one without --model-path)."""
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        command = shlex.split(block.replace("\\\n", " "))
+        if command[:3] == ["python", "-m", "sgl_jax.launch_server"] and \
+                "EAGLE3" in command and "--model-path" not in command:
+            return command[3:]
+    raise AssertionError("README.md has no EAGLE3 demo command")
+
+
+def test_readme_eagle3_demo_server_answers_within_the_mapping_budget():
+    """The README's EAGLE3 demo command (no draft path: the demo ships its head) answers a
+    chat, and once warmed up holds under 16,000 memory mappings: XLA:CPU maps every compiled
+    kernel into the process apart and a process may have 65,530 (docs/benchmarks.md)."""
+    args = readme_eagle3_demo_args()
+    assert "--speculative-draft-model-path" not in args
+    with launch_server(args, timeout_s=900) as server:
+        warmed = _mappings(server.process.pid)
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+            "model": "default", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        served = _mappings(server.process.pid)
+        assert "using the demo model's trained EAGLE3 head" in server.log()
+    assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+    assert warmed < 16_000 and served < 16_000, (warmed, served)
+
+
+def _mappings(pid: int) -> int:
+    with open(f"/proc/{pid}/maps", "rb") as maps:
+        return sum(1 for _ in maps)
+
+
 def test_openai_example_says_how_to_install_openai():
     hide_openai = ("import sys, runpy; sys.modules['openai'] = None; "
                    f"runpy.run_path({str(ROOT / 'python' / 'openai_client.py')!r}, "

@@ -340,8 +340,7 @@ class SpecRunner:
         sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
         prefills = [s for s in buckets.all_shapes() if rare_programs or s.q_block > 1]
         if self.defers_draft:  # rounds where no request has a draft: the target's decode steps
-            self.target.warmup([s for s in buckets.all_shapes()
-                                if s.q_block == 1 and s.num_tokens in sizes])
+            self.target.warmup(self._decode_shapes(sizes))
         total = len(sizes) * (len(self.shapes) + 1) + len(prefills)
         forecast = WarmupForecast(total)
         with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
@@ -357,8 +356,7 @@ class SpecRunner:
                         rows, greedy_sampling_batch(size, self.vocab_size), False, tree,
                         allow_every_id(tree.tokens.shape, self.vocab_size)).result()
                 if self.defers_draft:
-                    self.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, self.feature_width)))
-                                   for slot in range(size)])
+                    self._warm_catch_up(range(size))
                 compiled()
             for shape in prefills:
                 self._warm_prefill(shape)
@@ -370,8 +368,21 @@ class SpecRunner:
         """Compile and time the round programs of batch bucket `size` while serving: padding
         rows only (they write nothing, so the requests' slots and caches stay as they were),
         and a fixed number of runs (other nodes replay this call and must run the same
-        rounds)."""
+        rounds). The bucket's other programs (the target's decode step, the catch-up) are
+        compiled with them, so no later batch of this size compiles."""
         self._time_rounds(self._padding_rows(size), runs=2, budget_s=0.0)
+        if self.defers_draft:
+            self.target.warmup(self._decode_shapes([size]))
+            self._warm_catch_up([-1] * size)
+
+    def _decode_shapes(self, sizes: Sequence[int]) -> list[BatchShape]:
+        return [s for s in self.target.buckets.all_shapes()
+                if s.q_block == 1 and s.num_tokens in sizes]
+
+    def _warm_catch_up(self, slots: Sequence[int]) -> None:
+        """A catch-up of nothing for `slots` (-1: padding, which writes no root)."""
+        self.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, self.feature_width)))
+                       for slot in slots])
 
     def _time_rounds(self, rows: RoundRows, *, after_each: Callable[[], None] = lambda: None,
                      runs: int = 5, budget_s: float = 1.0) -> None:
