@@ -16,7 +16,8 @@ engine's dispatch methods (the runner's `launch`; the speculative runner's `pref
   next: the best a synchronous loop over the same programs can do.
 
 The tiny model is a random Llama as transformers writes it (2 layers, hidden 64, vocab 512);
-the demo model is SmolLM2-135M-Instruct (float32), plain and with its shipped EAGLE3 head.
+the demo model is SmolLM2-135M-Instruct (float32), plain, with its shipped EAGLE3 head, and
+with NGRAM (whose drafting on the host is part of the engine's time and not the replay's).
 
     python benchmark/bench_host_overhead.py                      # tiny 1,32,128,256; demo 1,32
     python benchmark/bench_host_overhead.py --tiny-batch-sizes 1,128 --rows tiny
@@ -54,8 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny-batch-sizes", type=int_list, default=[1, 32, 128, 256])
     parser.add_argument("--demo-batch-sizes", type=int_list, default=[1, 32])
-    parser.add_argument("--rows", default="tiny,demo,spec",
-                        help="which rows: tiny (decode), demo (decode), spec (demo rounds)")
+    parser.add_argument("--rows", default="tiny,demo,spec,ngram",
+                        help="which rows: tiny (decode), demo (decode), spec (demo rounds "
+                             "with its EAGLE3 head), ngram (demo rounds drafted by NGRAM)")
     parser.add_argument("--steps", type=int, default=256, help="timed decode steps")
     parser.add_argument("--short", type=int, default=16,
                         help="new tokens of the run whose time is subtracted")
@@ -172,20 +174,26 @@ def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
     return result_row(label, _kind("decode", args), batch, *timings)
 
 
-def bench_speculative(batch: int, args) -> dict:
+def bench_speculative(batch: int, args, algorithm: str = "EAGLE3") -> dict:
+    """Rounds of the demo model with its EAGLE3 head, or with NGRAM: the host then also
+    looks up every request's text each round (prompts that repeat a phrase, so lookups
+    find matches), which the replay does not do."""
     steps, topk, draft_tokens = (int(x) for x in args.spec_shape.split(","))
     engine = make_engine(None, batch, disable_overlap_schedule=args.disable_overlap_schedule,
-                         speculative_algorithm="EAGLE3",
+                         speculative_algorithm=algorithm,
                          speculative_num_steps=steps, speculative_eagle_topk=topk,
                          speculative_num_draft_tokens=draft_tokens,
                          speculative_adaptive=False)
     try:
         prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
+        if algorithm == "NGRAM":
+            prompts = [prompt * 4 for prompt in prompts]
         timings = engine_and_replay_ms(engine, engine._spec, ("prefill", "round"), prompts,
                                        args.short, args.steps)
     finally:
         engine.shutdown()
-    return result_row("demo", _kind(f"round {args.spec_shape.replace(',', '/')}", args), batch,
+    label = "demo" if algorithm == "EAGLE3" else f"demo {algorithm}"
+    return result_row(label, _kind(f"round {args.spec_shape.replace(',', '/')}", args), batch,
                       *timings)
 
 
@@ -228,6 +236,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print_row(rows[-1])
     for batch in args.demo_batch_sizes if "spec" in wanted else []:
         rows.append(bench_speculative(batch, args))
+        print_row(rows[-1])
+    for batch in args.demo_batch_sizes if "ngram" in wanted else []:
+        rows.append(bench_speculative(batch, args, "NGRAM"))
         print_row(rows[-1])
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_info(), "rows": rows},

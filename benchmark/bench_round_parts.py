@@ -4,9 +4,9 @@ For each draft shape and batch size, with every request `--context` tokens deep:
 
 - decode: one plain decode step through ModelRunner.step (host arrays in, tokens out);
 - round: one verify round through SpecRunner.round (the same, for a round);
-- verify: SpecRunner.verify_step alone on the device (target forward over the trees with the
+- verify: SpecRunner.verify alone on the device (target forward over the trees with the
   tree mask, logits, acceptance walk, accepted K/V moved);
-- draft: SpecRunner.draft_step and extend_step on the device (the tree's draft steps, the
+- draft: the drafter's propose and advance on the device (the tree's draft steps, the
   draft's extend over the accepted path); for a plain round, which leaves the draft behind,
   the share of one catch-up (SpecRunner.catch_up over CATCH_UP_WIDTH pending tokens) that
   falls to each plain round, counted in the break-even too;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import statistics
 import sys
@@ -151,7 +150,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     from sgl_jax.model_executor.forward_batch import SeqChunk
     from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-    from sgl_jax.speculative.spec_runner import CATCH_UP_WIDTH, CatchUpRow, RoundRows
+    from sgl_jax.speculative.round import CATCH_UP_WIDTH, CatchUpRow, RoundInputs, RoundRows
     from sgl_jax.speculative.tree import DraftTree
 
     rng = np.random.default_rng(0)
@@ -177,40 +176,49 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         page_table[i, : len(pages)] = pages
     kv_lens = np.where(active, context, 0).astype(np.int32)
     root_tokens = np.where(active, rng.integers(vocab, size=padded), 0).astype(np.int32)
-    root_hidden = np.zeros((padded, spec.root_width), dtype)
-    root_hidden[:batch] = rng.standard_normal((batch, spec.root_width))
+    width = spec.drafter.slot_width
+    root_hidden = np.zeros((padded, width), dtype)
+    root_hidden[:batch] = rng.standard_normal((batch, width))
     request_sampling = greedy_sampling_batch(padded, vocab)
     suppress = np.zeros(padded, np.int32)
+    shape = setup.shape
     slots = np.where(active, np.arange(padded) + 1, 0).astype(np.int32)  # state slots
     rows = RoundRows(slots=np.where(active, np.arange(padded), -1).astype(np.int32),
                      page_table=page_table, kv_lens=kv_lens, root_tokens=root_tokens,
-                     min_new_tokens=np.zeros(padded, np.int32), state_slots=slots)
-    # A round reads each request's draft root from its slot (SlotState.root_hidden): the same
+                     min_new_tokens=np.zeros(padded, np.int32), state_slots=slots,
+                     max_depths=np.full(padded, shape.num_steps, np.int32))
+    # A round reads each request's draft root from its slot (SlotState.draft): the same
     # random root hidden states go there. Later rounds overwrite them with the draft's
     # output, which costs the same (every shape is fixed).
-    slot_roots = np.array(spec.slot_state.root_hidden)
+    slot_roots = np.array(spec.slot_state.draft)
     slot_roots[:batch] = root_hidden[:batch]
     spec.slot_state = dataclasses.replace(spec.slot_state,
-                                          root_hidden=spec.tp.put_replicated(slot_roots))
+                                          draft=spec.tp.put_replicated(slot_roots))
     tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
                      np.tile(setup.tree_parents, (padded, 1)))
     want_top = np.bool_(False)
-    shape = setup.shape
 
-    def draft_part(params, kv, root_tokens, root_hidden, page_table, kv_lens, active, slots,
-                   verified):
+    def inputs_of(rows, root_hidden, sampling, suppress):
+        return RoundInputs(rows.slots >= 0, rows.kv_lens, rows.root_tokens, root_hidden,
+                           sampling, suppress)
+
+    def draft_part(params, kv, rows, root_hidden, sampling, suppress, verified):
         """The round's draft work: grow the tree, then extend over the accepted path."""
-        tree, kv = spec.draft_step(params, kv, root_tokens, root_hidden, page_table, kv_lens,
-                                   active, slots, shape=shape)
-        root, kv = spec.extend_step(params, kv, tree, verified, page_table, kv_lens, active,
-                                    slots)
+        inputs = inputs_of(rows, root_hidden, sampling, suppress)
+        tree, kv = spec.drafter.propose(params, kv, inputs, rows.page_table, rows.state_slots,
+                                        None, shape=shape)
+        root, kv = spec.drafter.advance(params, kv, tree, verified, inputs, rows.page_table,
+                                        rows.state_slots)
         return kv, (tree, root)
 
+    def verify_part(params, kv, rows, tree, sampling, suppress, want_top):
+        inputs = inputs_of(rows, None, sampling, suppress)
+        return spec.verify(params, kv, rows, inputs, tree, want_top, shape)
+
     # Everything goes in as an argument: a closed-over array would be folded at compile time.
-    verify = jax.jit(functools.partial(spec.verify_step, shape=shape), donate_argnums=1)
-    verify_args = (page_table, kv_lens, active, tree, request_sampling, suppress, want_top,
-                   slots)
-    _, verified = jax.jit(functools.partial(spec.verify_step, shape=shape))(
+    verify = jax.jit(verify_part, donate_argnums=1)
+    verify_args = (rows, tree, request_sampling, suppress, want_top)
+    _, verified = jax.jit(verify_part)(
         runner.model.params, runner.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
     whole = spec._rounds[shape]  # the program SpecRunner.round runs
@@ -221,13 +229,13 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return out
 
     def run_draft():
-        spec.draft_kv, out = draft(spec.draft.params, spec.draft_kv, root_tokens, root_hidden,
-                                   page_table, kv_lens, active, slots, verified)
+        spec.draft_kv, out = draft(spec.drafter.params, spec.draft_kv, rows, root_hidden,
+                                   request_sampling, suppress, verified)
         return out
 
     def run_round_device():
         (runner.kv_cache, spec.draft_kv, spec.slot_state, runner.last_tokens, out) = whole(
-            runner.model.params, spec.draft.params, runner.kv_cache, spec.draft_kv,
+            runner.model.params, spec.drafter.params, runner.kv_cache, spec.draft_kv,
             spec.slot_state, runner.last_tokens, *device_arrays)
         return out
 

@@ -12,6 +12,11 @@ over minutes).
 The two shapes of the seed cards are built in: chain (steps 5, topk 1, 6 draft tokens) and
 tree (steps 3, topk 4, 8 draft tokens); `adaptive` lets the policy pick each round's shape
 (plain, a one-step chain, a 3-step chain or the tree), with the tree as its ceiling.
+--algorithm picks the drafter: EAGLE3 (default), EAGLE, STANDALONE, or NGRAM, which drafts
+from the text itself (the request's prompt and output, and recent responses) and loads no draft
+model. NGRAM's shapes: chain (steps 5, topk 1, 6 draft tokens), tree (steps 6, topk 4, 12 draft
+tokens; topk only bounds the branching) and adaptive under that tree. Every row also records
+the share of the batch's rounds that speculated (all but the `plain` ones of rounds_by_shape).
 
     # real checkpoints (a GPU machine)
     python benchmark/bench_speculative.py --model-path meta-llama/Llama-3.1-8B-Instruct \\
@@ -21,32 +26,59 @@ tree (steps 3, topk 4, 8 draft tokens); `adaptive` lets the policy pick each rou
     # a near copy of the target as a STANDALONE draft: high acceptance, no cheaper draft
     python benchmark/bench_speculative.py --draft noisy-copy
     # the demo pair on real questions (the seed cards' tables): MT-Bench, HumanEval, ShareGPT
-    python benchmark/bench_speculative.py --model-path demo --draft-model-path demo \
+    python benchmark/bench_speculative.py --model-path demo --draft-model-path demo \\
+        --dataset mtbench --batch-sizes 1,8,32 --output-len 256
+    # model-free drafting where the answer copies the prompt, and where it cannot pay
+    python benchmark/bench_speculative.py --model-path demo --algorithm NGRAM \\
+        --dataset code-edits --shapes chain,tree,adaptive --batch-sizes 1,8,32 --output-len 256
+    python benchmark/bench_speculative.py --model-path demo --algorithm NGRAM \\
         --dataset mtbench --batch-sizes 1,8,32 --output-len 256
 
-With --dataset, every prompt is a user message rendered with the target's chat template (a
-HumanEval prompt is asked to be completed), generation is greedy and stops at EOS or
---output-len, and each batch size runs all the prompts, --batch-size at a time. Greedy
-speculation must give the very tokens of plain decoding: the rows count the prompts whose
-outputs differ (float rounding in a batched verify can flip a near tie; anything more is a
-bug), over every pass with --repeats, which runs the prompts that many times per engine (a
-batch-64 row of 64 prompts is otherwise one wave, whose ratio moves by several points
-between runs). The ShareGPT prompts come after the file's first --sharegpt-skip conversations, which
-drafts trained on the file's start (the demo head included) never saw. `mixed` alternates a
-HumanEval prompt (predictable code) with a request to continue a list of random words (text
-no draft predicts), so every batch holds both.
+With --dataset, every prompt is a user message (quote-turns: a conversation) rendered with
+the target's chat template (a HumanEval prompt is asked to be completed), generation is greedy
+and stops at EOS or --output-len, and each batch size runs all the prompts, --batch-size at a
+time. Greedy speculation must give the very tokens of plain decoding: the rows count the
+prompts whose outputs differ (float rounding in a batched verify can flip a near tie; anything
+more is a bug), over every pass with --repeats, which runs the prompts that many times per
+engine (a batch-64 row of 64 prompts is otherwise one wave, whose ratio moves by several
+points between runs). The ShareGPT prompts come after the file's first --sharegpt-skip
+conversations, which drafts trained on the file's start (the demo head included) never saw.
+`mixed` alternates a HumanEval prompt (predictable code) with a request to continue a list of
+random words (text no draft predicts), so every batch holds both.
 
-    python benchmark/bench_speculative.py --model-path demo --draft-model-path demo \
+    python benchmark/bench_speculative.py --model-path demo --draft-model-path demo \\
         --dataset mixed --shapes chain,tree,adaptive --batch-sizes 1,8,32 --num-prompts 32
+
+Two datasets whose answers repeat text already in the prompt, the case model-free drafting is
+for. `code-edits`: functions of 15-60 lines from pure-Python standard library modules
+(CODE_EDIT_MODULES: textwrap, json, shlex, csv, difflib, ...; the list is fixed for a given
+Python version), each with one small change to make (rename a parameter or a local variable,
+add a docstring line, or change a default value; picked by a checksum of the function's name)
+and a request to output the whole function. `quote-turns`: the user's first turn of a ShareGPT
+conversation (after --sharegpt-skip) and the dataset's reply as history, then a user turn
+asking to repeat the reply word for word or to quote part of it; conversations whose rendered
+prompt exceeds --max-prompt-tokens (1200: the demo model's context is 2048) are left out.
+MT-Bench is the opposite case: fresh answers that no lookup in the text predicts.
+
+    python benchmark/bench_speculative.py --model-path demo --algorithm NGRAM \\
+        --dataset quote-turns --batch-sizes 1,8,32 --num-prompts 64 --output-len 256
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import inspect
 import json
+import re
 import sys
 import tempfile
+import textwrap
 import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,8 +97,34 @@ SHAPES = {
 }
 
 
-DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed")
+# NGRAM drafts by looking the text up, so a deeper draft costs it next to nothing: its tree
+# goes six steps deep, topk only bounding how many continuations branch at a node.
+NGRAM_SHAPES = {
+    "chain": SHAPES["chain"],
+    "tree": {"speculative_num_steps": 6, "speculative_eagle_topk": 4,
+             "speculative_num_draft_tokens": 12, "speculative_adaptive": False},
+    "adaptive": {"speculative_num_steps": 6, "speculative_eagle_topk": 4,
+                 "speculative_num_draft_tokens": 12, "speculative_adaptive": True},
+}
+ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM")
+
+DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")
 SHAREGPT_PROMPTS = 200
+
+# Pure-Python standard library modules whose functions the code-edits prompts rewrite.
+CODE_EDIT_MODULES = ("textwrap", "json.decoder", "json.encoder", "shlex", "csv", "difflib",
+                     "fnmatch", "calendar", "statistics", "configparser", "string", "glob",
+                     "heapq", "bisect", "pprint", "tokenize", "urllib.parse", "email.utils",
+                     "functools", "ipaddress")
+DOCSTRING_LINE = "This copy was edited for review."
+# The last user turn of a quote-turns conversation, in turn ({topic}: a word of the reply).
+QUOTE_REQUESTS = (
+    "Repeat your previous answer word for word.",
+    "Repeat your previous answer word for word, but add a one-sentence summary at the end.",
+    'Quote the part of your previous answer about "{topic}", word for word.',
+    "Quote the first paragraph of your previous answer word for word, then explain it in one "
+    "sentence.",
+)
 
 
 @dataclass
@@ -86,15 +144,21 @@ class Row:
     # requests finished with_draft / without_draft (the adaptive policy's admission rule)
     finished_requests: dict[str, int] = field(default_factory=dict)
     repeat_speedups: list[float] = field(default_factory=list)  # each --repeats pass's own
+    algorithm: str | None = None  # the drafter (None: rows written before it was recorded)
+    # rounds that verified a draft / all rounds (plain ones included), from rounds_by_shape
+    speculated_round_share: float | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", help="target checkpoint; default: a random one built here")
     p.add_argument("--draft-model-path", help="draft checkpoint; default: built here")
-    p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE3", "STANDALONE"])
+    p.add_argument("--algorithm", default="EAGLE3", choices=ALGORITHMS,
+                   help="the drafter; NGRAM drafts from the text itself and loads no draft "
+                        "model (its shapes: chain 5/1/6, tree 6/4/12, adaptive)")
     p.add_argument("--draft", default="random-eagle3", choices=["random-eagle3", "noisy-copy"],
-                   help="the draft built when --draft-model-path is not given")
+                   help="the draft built when --draft-model-path is not given (an EAGLE "
+                        "head for --algorithm EAGLE, a noisy copy for STANDALONE)")
     p.add_argument("--preset", default="llama", help="architecture of the built target")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=8)
@@ -105,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharegpt-skip", type=int, default=12000,
                    help="ShareGPT conversations at the file's start never drawn (the demo head "
                         "trained on the first 12000)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1200,
+                   help="code-edits and quote-turns: leave out longer prompts (the demo "
+                        "model's context is 2048 tokens)")
     p.add_argument("--shapes", default="chain,tree")
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=64)
@@ -124,30 +191,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str, str]:
-    """(target path, draft path, algorithm), building random checkpoints when none is given."""
+def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str | None, str]:
+    """(target path, draft path, algorithm), building random checkpoints when none is given.
+    NGRAM has no draft model: its draft path is None."""
     from sgl_jax.demo import demo_draft_path, demo_model_path
-    from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
-    from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+    from sgl_jax.testing import write_noisy_copy
+    from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft, write_tiny_eagle_draft
 
     target = str(demo_model_path()) if args.model_path == "demo" else args.model_path
+    if args.algorithm == "NGRAM":
+        if args.draft_model_path is not None:
+            raise SystemExit("--algorithm NGRAM drafts from the text and loads no draft model: "
+                             "leave out --draft-model-path")
+        return target or build_target(args, workdir), None, "NGRAM"
     if args.draft_model_path == "demo":
         return target, str(demo_draft_path()), "EAGLE3"
-    if target is None:
-        heads = max(args.hidden_size // 64, 1)
-        target = str(write_tiny_checkpoint(
-            workdir / "target", args.preset, hidden_size=args.hidden_size,
-            num_hidden_layers=args.num_layers, num_attention_heads=heads,
-            num_key_value_heads=heads, head_dim=64, intermediate_size=3 * args.hidden_size))
+    target = target or build_target(args, workdir)
     if args.draft_model_path is not None:
         return target, args.draft_model_path, args.algorithm
-    if args.draft == "noisy-copy":
+    if args.draft == "noisy-copy" or args.algorithm == "STANDALONE":
         return target, str(write_noisy_copy(target, workdir / "draft", relative_noise=0.03)), \
             "STANDALONE"
     config = json.loads((Path(target) / "config.json").read_text())
+    if args.algorithm == "EAGLE":
+        return target, str(write_tiny_eagle_draft(workdir / "draft", config)), "EAGLE"
     return target, str(write_tiny_eagle3_draft(workdir / "draft", config,
                                                intermediate_size=3 * config["hidden_size"])), \
         "EAGLE3"
+
+
+def build_target(args: argparse.Namespace, workdir: Path) -> str:
+    """A random target of --preset, --hidden-size and --num-layers."""
+    from sgl_jax.testing import write_tiny_checkpoint
+
+    heads = max(args.hidden_size // 64, 1)
+    return str(write_tiny_checkpoint(
+        workdir / "target", args.preset, hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=heads,
+        num_key_value_heads=heads, head_dim=64, intermediate_size=3 * args.hidden_size))
+
+
+def shapes_for(algorithm: str) -> dict[str, dict[str, Any]]:
+    """The engine settings of each named draft shape for the drafter."""
+    return NGRAM_SHAPES if algorithm == "NGRAM" else SHAPES
 
 
 def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
@@ -218,9 +304,16 @@ def counts_since(engine: Any, before: dict[str, Any], key: str) -> dict[str, int
     return {name: n - before[key].get(name, 0) for name, n in after.items()}
 
 
+def speculated_share(rounds_by_shape: dict[str, int]) -> float | None:
+    """Share of the batch's rounds that verified a draft (every shape but `plain`), None when
+    no round ran."""
+    total = sum(rounds_by_shape.values())
+    return 1 - rounds_by_shape.get("plain", 0) / total if total else None
+
+
 def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
                  batch_sizes: list[int]) -> list[list[int]]:
-    """Token ids of the prompts: random ids, or the dataset's questions through the chat
+    """Token ids of the prompts: random ids, or the dataset's conversations through the chat
     template."""
     if args.dataset == "random":
         config = Path(target) / "config.json"
@@ -231,8 +324,34 @@ def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
     from sgl_jax.tokenizer.chat_template import ChatTemplate
 
     template = ChatTemplate(tokenizer)
-    return [template.encode([{"role": "user", "content": q}])
-            for q in questions(args, tokenizer)]
+    return [template.encode(messages) for messages in conversations(args, tokenizer, template)]
+
+
+def conversations(args: argparse.Namespace, tokenizer: Any, template: Any
+                  ) -> list[list[dict[str, str]]]:
+    """The message lists to render: one user turn, or (quote-turns) a ShareGPT exchange and
+    a request to repeat or quote its reply. Code edits and quote turns rendered by `template`
+    longer than --max-prompt-tokens are left out."""
+    from sgl_jax import datasets
+
+    def measure(messages: list[dict[str, str]]) -> int:
+        return len(template.encode(messages))
+
+    if args.dataset == "quote-turns":
+        found = quote_turn_conversations(
+            datasets.iter_sharegpt_exchanges(skip=args.sharegpt_skip), measure,
+            args.num_prompts or SHAREGPT_PROMPTS, max_tokens=args.max_prompt_tokens)
+    elif args.dataset == "code-edits":
+        found = [m for e in code_edits() if measure(m := [{"role": "user", "content": e.request}])
+                 <= args.max_prompt_tokens][: args.num_prompts]
+    else:
+        return [[{"role": "user", "content": q}] for q in questions(args, tokenizer)]
+    if not found:
+        raise SystemExit(f"no {args.dataset} prompts found within --max-prompt-tokens "
+                         f"{args.max_prompt_tokens}"
+                         + (f" (--sharegpt-skip {args.sharegpt_skip} may skip the whole file)"
+                            if args.dataset == "quote-turns" else ""))
+    return found
 
 
 def questions(args: argparse.Namespace, tokenizer: Any) -> list[str]:
@@ -269,6 +388,169 @@ def random_word_requests(tokenizer: Any, count: int, seed: int) -> list[str]:
             + ", ".join(rng.choice(words, 40)) for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class CodeEdit:
+    """A function of a Python module and one small change to make to it."""
+
+    module: str  # e.g. "json.decoder"
+    qualname: str  # "dedent", or "Class.method"
+    source: str  # its lines in the module's file, decorators included, dedented
+    change: str  # e.g. "rename the parameter `text` to `text_arg`"
+
+    @property
+    def request(self) -> str:
+        """The user message: the whole function, the change, and to answer with all of it."""
+        return (f"Rewrite this function from Python's `{self.module}` module with one change: "
+                f"{self.change}. Change nothing else, and output the whole rewritten function "
+                f"in one Python code block.\n\n```python\n{self.source}```")
+
+
+def code_edits(modules: Iterable[str] = CODE_EDIT_MODULES, *, min_lines: int = 15,
+               max_lines: int = 60) -> list[CodeEdit]:
+    """Every function of `modules` (top-level, or a top-level class's method) of min_lines to
+    max_lines lines, each with one change picked by a checksum of its name, ordered by that
+    checksum (so any first N mixes modules). The same list every run of a given Python version:
+    the standard library's source differs between versions."""
+    edits = [CodeEdit(module, name, source, edit_change(f"{module}.{name}", source))
+             for module in modules for name, source in module_functions(module)
+             if min_lines <= len(source.splitlines()) <= max_lines]
+    return sorted(edits, key=lambda e: (zlib.crc32(f"{e.module}.{e.qualname}".encode()),
+                                        e.module, e.qualname))
+
+
+def module_functions(module_name: str) -> list[tuple[str, str]]:
+    """(qualified name, dedented source) of the module's functions and its classes' methods, in
+    file order. A name defined twice is left out (which one is live depends on the code around
+    it), and so is a method whose text does not dedent to code of its own (a string in it
+    spans lines indented less than the method)."""
+    lines = inspect.getsource(importlib.import_module(module_name)).splitlines(keepends=True)
+    found = []
+    for node in ast.parse("".join(lines)).body:
+        members = ([(f"{node.name}.", m) for m in node.body] if isinstance(node, ast.ClassDef)
+                   else [("", node)])
+        for prefix, f in members:
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([d.lineno for d in f.decorator_list] + [f.lineno])
+                text = "".join(lines[first - 1: f.end_lineno]).rstrip("\n") + "\n"
+                found.append((prefix + f.name, textwrap.dedent(text)))
+    defined = Counter(name for name, _ in found)
+    return [(name, source) for name, source in found
+            if defined[name] == 1 and not source[0].isspace() and _parses(source)]
+
+
+def _parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except SyntaxError:
+        return False
+    return True
+
+
+def edit_change(key: str, source: str) -> str:
+    """One small change to the function in `source`, picked by `key`'s checksum among those it
+    allows: rename its first parameter, rename its first local variable, add a docstring line,
+    change its first plain default value."""
+    function = ast.parse(source).body[0]
+    options = [change for change in (rename_parameter(function), rename_local(function),
+                                     docstring_line(function), change_default(function, source))
+               if change is not None]
+    return options[zlib.crc32(key.encode()) % len(options)]
+
+
+def _fresh_name(name: str, function: ast.AST, suffix: str) -> str:
+    taken = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)} | {
+        a.arg for a in ast.walk(function) if isinstance(a, ast.arg)}
+    new = f"{name}_{suffix}"
+    while new in taken:
+        new += "_"
+    return new
+
+
+def rename_parameter(function: ast.FunctionDef) -> str | None:
+    a = function.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)
+             if p.arg not in ("self", "cls")]
+    if not names:
+        return None
+    return f"rename the parameter `{names[0]}` to `{_fresh_name(names[0], function, 'arg')}`"
+
+
+def rename_local(function: ast.FunctionDef) -> str | None:
+    """The first name the body assigns, unless it is a parameter, global or nonlocal."""
+    skip = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)} | {"_"} | {
+        n for s in ast.walk(function) if isinstance(s, ast.Global | ast.Nonlocal) for n in s.names}
+    stores = [n for n in ast.walk(function) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Store) and n.id not in skip]
+    if not stores:
+        return None
+    name = min(stores, key=lambda n: (n.lineno, n.col_offset)).id
+    return f"rename the local variable `{name}` to `{_fresh_name(name, function, 'var')}`"
+
+
+def docstring_line(function: ast.FunctionDef) -> str:
+    if ast.get_docstring(function) is None:
+        return f'add "{DOCSTRING_LINE}" to it as a one-line docstring'
+    return f'add "{DOCSTRING_LINE}" as the last line of its docstring'
+
+
+def change_default(function: ast.FunctionDef, source: str) -> str | None:
+    """The first parameter whose default is a literal number, bool or string, given another."""
+    a = function.args
+    positional = [*a.posonlyargs, *a.args]
+    pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults, strict=True),
+             *((p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d)]
+    for param, default in pairs:
+        if isinstance(default, ast.Constant) and type(default.value) in (bool, int, float, str):
+            return (f"change the default value of `{param.arg}` from "
+                    f"`{ast.get_source_segment(source, default)}` to "
+                    f"`{_other_value(default.value)!r}`")
+    return None
+
+
+def _other_value(value: bool | int | float | str) -> bool | int | float | str:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if len(value) <= 1:
+        return next(c for c in ";|-" if c != value)
+    return value.upper() if value.upper() != value else value + "_"
+
+
+def quote_request(reply: str, index: int) -> str:
+    """The last user turn of quote-turns conversation `index`: QUOTE_REQUESTS in turn. The one
+    about a topic names the reply's longest word (the first of them); a reply without a word
+    of 6 letters or more gets the first request instead."""
+    request = QUOTE_REQUESTS[index % len(QUOTE_REQUESTS)]
+    if "{topic}" not in request:
+        return request
+    words = re.findall(r"\b[A-Za-z]{6,}\b", reply)
+    return request.format(topic=max(words, key=len)) if words else QUOTE_REQUESTS[0]
+
+
+def quote_turn_conversations(exchanges: Iterable[tuple[str, str]],
+                             measure: Callable[[list[dict[str, str]]], int], num: int, *,
+                             max_tokens: int = 1200, min_reply_words: int = 40
+                             ) -> list[list[dict[str, str]]]:
+    """Up to `num` conversations, in the exchanges' order: the user's turn, the assistant's reply
+    from the data, and a user turn asking to repeat or quote that reply (`quote_request`). An
+    exchange is left out when its reply has fewer than min_reply_words words (little to quote)
+    or the conversation measures more than max_tokens (`measure`: e.g. the token count of the
+    chat template's rendering)."""
+    found: list[list[dict[str, str]]] = []
+    for prompt, reply in exchanges:
+        if len(found) == num:
+            break
+        if len(reply.split()) < min_reply_words:
+            continue
+        messages = [{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": quote_request(reply, len(found))}]
+        if measure(messages) <= max_tokens:
+            found.append(messages)
+    return found
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     from sgl_jax import Engine
 
@@ -277,6 +559,11 @@ def run(args: argparse.Namespace) -> list[Row]:
     real = args.dataset != "random"
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, algorithm = build_models(args, Path(tmp))
+        settings = shapes_for(algorithm)
+        if unknown := [s for s in shapes if s not in settings]:
+            raise SystemExit(f"unknown --shapes {unknown}: choose from {list(settings)}")
+        # NGRAM needs no draft weights: no draft path goes to its engine.
+        draft_args = {} if draft is None else {"speculative_draft_model_path": draft}
         # Every engine warms up as a server does, so no timed batch compiles a prefill length.
         common = dict(dtype=args.dtype, page_size=args.page_size,
                       precompile_bs_paddings=batch_sizes, max_running_requests=max(batch_sizes))
@@ -287,8 +574,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             rows = []
             for shape in shapes:
                 with Engine(model_path=target, speculative_algorithm=algorithm,
-                            speculative_draft_model_path=draft, **{**common, **SHAPES[shape]}
-                            ) as engine:
+                            **draft_args, **{**common, **settings[shape]}) as engine:
                     for b in batch_sizes:
                         chosen = prompts if real else prompts[:b]
                         warm_up(engine, chosen, b)  # the policy's first rounds: not timed
@@ -297,31 +583,35 @@ def run(args: argparse.Namespace) -> list[Row]:
                             paired_generate([plain, engine], chosen, args.output_len, b,
                                             ignore_eos=not real, repeats=args.repeats))
                         length, rates = acceptance_since(engine, before)
-                        draft_tokens = SHAPES[shape]["speculative_num_draft_tokens"]
+                        draft_tokens = settings[shape]["speculative_num_draft_tokens"]
                         differing = sum(a != c for a, c in zip(outputs, base_outputs,
                                                                strict=True))
+                        rounds = counts_since(engine, before, "spec_rounds_by_shape")
                         rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
                                         length / draft_tokens, length, rates, args.dataset,
-                                        len(chosen), differing,
-                                        counts_since(engine, before, "spec_rounds_by_shape"),
+                                        len(chosen), differing, rounds,
                                         counts_since(engine, before,
                                                      "spec_finished_requests"),
-                                        [r / p for r, p in zip(runs, base_runs, strict=True)]))
+                                        [r / p for r, p in zip(runs, base_runs, strict=True)],
+                                        algorithm, speculated_share(rounds)))
                         print_row(rows[-1])
     return rows
 
 
-HEADER = (f"{'dataset':9} {'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec tok/s':>11} "
+HEADER = (f"{'dataset':11} {'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec tok/s':>11} "
           f"{'speedup':>8} {'accept rate':>12} {'accept len':>11} {'differ':>6}  "
           "per-position acceptance")
 
 
 def print_row(row: Row) -> None:
     rates = " ".join("-" if r is None else f"{r:.2f}" for r in row.position_rates)
-    print(f"{row.dataset:9} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
+    print(f"{row.dataset:11} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
           f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
           f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]"
           + (f"  rounds {row.rounds_by_shape}" if len(row.rounds_by_shape) > 1 else "")
+          + (f"  speculated {row.speculated_round_share:.0%} of rounds"
+             if row.speculated_round_share is not None and row.speculated_round_share < 1
+             else "")
           + (f"  without a draft {row.finished_requests['without_draft']}"
              f"/{sum(row.finished_requests.values())} requests"
              if row.finished_requests.get("without_draft") else "")
@@ -332,13 +622,14 @@ def print_row(row: Row) -> None:
 
 def plot(rows: list[Row], path: str) -> None:
     """Output tokens/s against batch size, one panel per dataset: plain decoding and each
-    shape of the rows."""
+    shape of the rows (each drafter's apart, when the rows hold several)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     datasets = list(dict.fromkeys(r.dataset for r in rows))
+    several = len({r.algorithm for r in rows}) > 1
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
     for ax, dataset in zip(axes[0], datasets, strict=True):
         mine = sorted((r for r in rows if r.dataset == dataset), key=lambda r: r.batch_size)
@@ -346,10 +637,10 @@ def plot(rows: list[Row], path: str) -> None:
                  for b in dict.fromkeys(r.batch_size for r in mine)}
         ax.plot(list(plain), list(plain.values()), marker="s", color="grey", linestyle="--",
                 label="plain")
-        for shape in dict.fromkeys(r.shape for r in mine):
-            points = [r for r in mine if r.shape == shape]
+        for algorithm, shape in dict.fromkeys((r.algorithm, r.shape) for r in mine):
+            points = [r for r in mine if (r.algorithm, r.shape) == (algorithm, shape)]
             ax.plot([r.batch_size for r in points], [r.speculative_tok_s for r in points],
-                    marker="o", label=shape)
+                    marker="o", label=f"{algorithm} {shape}" if several else shape)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("output tokens/s")

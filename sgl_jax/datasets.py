@@ -147,15 +147,23 @@ def first_exchange(conversation: list[dict]) -> tuple[str, str] | None:
     return None
 
 
+def iter_sharegpt_exchanges(path: str | os.PathLike | None = None, *, skip: int = 0
+                            ) -> Iterator[tuple[str, str]]:
+    """(first human turn, its gpt reply) of every conversation that has one, in file order,
+    after the first `skip` records (held out from drafts trained on the file's start),
+    streamed: a reader that stops early reads only the file's start."""
+    for record in itertools.islice(iter_sharegpt(path), skip, None):
+        if (pair := first_exchange(record.get("conversations") or [])) is not None:
+            yield pair
+
+
 def sharegpt_exchanges(path: str | os.PathLike | None = None, *, skip: int = 0
                        ) -> list[tuple[str, str]]:
-    """(first human turn, its gpt reply) of every conversation that has one, in file order,
-    after the first `skip` records (held out from drafts trained on the file's start).
+    """Every pair of `iter_sharegpt_exchanges`, as a list.
 
     Not cached: streaming the file costs about as much as reading back a cache of the pairs.
     """
-    return [pair for record in itertools.islice(iter_sharegpt(path), skip, None)
-            if (pair := first_exchange(record.get("conversations") or [])) is not None]
+    return list(iter_sharegpt_exchanges(path, skip=skip))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sgl_jax.grammar import GRAMMAR_KINDS
+from sgl_jax.sampling_fields import (
+    MODEL_DEFAULT_FIELDS,
+    ROW_FIELDS,
+    TOP_K_OFF,
+    is_int,
+    is_number,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -17,11 +24,14 @@ LOGIT_BIAS_RANGE = 100.0  # biases are clamped to [-100, 100], as OpenAI's range
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's parameters. Those that set a sampling row directly (temperature to seed)
+    are checked against their rules in sgl_jax.sampling_fields.ROW_FIELDS."""
+
     max_new_tokens: int = 128
     min_new_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1  # -1 = off
+    top_k: int = TOP_K_OFF
     min_p: float = 0.0
     frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
     presence_penalty: float = 0.0
@@ -40,6 +50,11 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema, as a JSON string
     regex: str | None = None
     ebnf: str | None = None  # GBNF / EBNF with a `root` rule
+    # Speculative decoding, per request (our extension; a server without it ignores both,
+    # as both only take speculation away): false drafts nothing for this request; an integer
+    # caps its draft depth below the server's --speculative-num-steps.
+    speculative: bool = True
+    speculative_num_steps: int | None = None
 
     def __post_init__(self) -> None:
         for check in _CHECKS:
@@ -52,6 +67,11 @@ class SamplingParams:
             or self.presence_penalty != 0
             or self.repetition_penalty != 1
         )
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        """The deepest draft this request takes (0: none), None for the server's."""
+        return 0 if not self.speculative else self.speculative_num_steps
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -95,28 +115,23 @@ def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
     for token, value in bias:
         if isinstance(token, str) and token.strip().isdigit():
             token = int(token)
-        _require(_is_int(token) and token >= 0, "logit_bias", "a map from token ids to numbers",
+        _require(is_int(token) and token >= 0, "logit_bias", "a map from token ids to numbers",
                  token)
-        _require(_is_number(value), "logit_bias", "a map from token ids to numbers", value)
+        _require(is_number(value), "logit_bias", "a map from token ids to numbers", value)
         pairs.append((token, min(max(float(value), -LOGIT_BIAS_RANGE), LOGIT_BIAS_RANGE)))
     return tuple(sorted(pairs))
 
 
-# The sampling fields a model's generation_config.json may give defaults for, as SGLang's
-# and vLLM's OpenAI servers read them.
-MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
 def model_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
     """The defaults a model's generation config sets for MODEL_DEFAULT_FIELDS. transformers'
-    `top_k` 0 (off) is -1 here; a value these parameters would refuse is left out, with a
+    `top_k` 0 (off) is TOP_K_OFF here; a value these parameters would refuse is left out, with a
     warning, so the model still serves. `do_sample` is not read (nor by SGLang or vLLM)."""
     defaults = {}
     for name in MODEL_DEFAULT_FIELDS:
         value = generation_config.get(name)
         if value is None:
             continue
-        value = -1 if name == "top_k" and value == 0 else value
+        value = TOP_K_OFF if name == "top_k" and value == 0 else value
         try:
             SamplingParams(**{name: value})
         except ValueError as exc:
@@ -131,46 +146,27 @@ def _require(ok: bool, name: str, rule: str, value: Any) -> None:
         raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_lengths(p: SamplingParams) -> None:
-    _require(_is_int(p.max_new_tokens) and p.max_new_tokens >= 0, "max_new_tokens",
+    _require(is_int(p.max_new_tokens) and p.max_new_tokens >= 0, "max_new_tokens",
              "an integer >= 0", p.max_new_tokens)
-    _require(_is_int(p.min_new_tokens) and 0 <= p.min_new_tokens <= p.max_new_tokens,
+    _require(is_int(p.min_new_tokens) and 0 <= p.min_new_tokens <= p.max_new_tokens,
              "min_new_tokens", "an integer between 0 and max_new_tokens", p.min_new_tokens)
-    _require(_is_int(p.n) and 1 <= p.n <= 128, "n", "an integer between 1 and 128", p.n)
+    _require(is_int(p.n) and 1 <= p.n <= 128, "n", "an integer between 1 and 128", p.n)
 
 
-def _check_filters(p: SamplingParams) -> None:
-    _require(_is_number(p.temperature) and p.temperature >= 0, "temperature", "a number >= 0",
-             p.temperature)
-    _require(_is_number(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
-    _require(_is_int(p.top_k) and (p.top_k == -1 or p.top_k >= 1), "top_k",
-             "-1 (off) or an integer >= 1", p.top_k)
-    _require(_is_number(p.min_p) and 0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
-
-
-def _check_penalties(p: SamplingParams) -> None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(p, name)
-        _require(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
-    _require(_is_number(p.repetition_penalty) and 0 < p.repetition_penalty <= 2,
-             "repetition_penalty", "in (0, 2]", p.repetition_penalty)
+def _check_row_params(p: SamplingParams) -> None:
+    """The parameters that set a sampling row, each against its rule in the table."""
+    for field in ROW_FIELDS:
+        if field.param is not None:
+            value = getattr(p, field.name)
+            _require(field.param.ok(value), field.name, field.param.rule, value)
 
 
 def _check_stops(p: SamplingParams) -> None:
     _require(all(isinstance(s, str) and s for s in p.stop), "stop",
              "a string or a list of non-empty strings", p.stop)
-    _require(all(_is_int(t) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",
+    _require(all(is_int(t) and t >= 0 for t in p.stop_token_ids), "stop_token_ids",
              "a list of token ids >= 0", p.stop_token_ids)
-    _require(p.seed is None or (_is_int(p.seed) and 0 <= p.seed < 2**32), "seed",
-             "an integer in [0, 2**32)", p.seed)
 
 
 def _grammars(p: SamplingParams) -> list[str]:
@@ -189,5 +185,13 @@ def _check_bias_and_grammar(p: SamplingParams) -> None:
         _require(isinstance(getattr(p, kind), str), kind, "a string", getattr(p, kind))
 
 
-_CHECKS = (_check_lengths, _check_filters, _check_penalties, _check_stops,
-           _check_bias_and_grammar)
+def _check_speculative(p: SamplingParams) -> None:
+    _require(isinstance(p.speculative, bool), "speculative", "true or false", p.speculative)
+    _require(p.speculative_num_steps is None or (is_int(p.speculative_num_steps)
+                                                 and p.speculative_num_steps >= 1),
+             "speculative_num_steps", "an integer >= 1 (or null: the server's)",
+             p.speculative_num_steps)
+
+
+_CHECKS = (_check_lengths, _check_row_params, _check_stops, _check_bias_and_grammar,
+           _check_speculative)

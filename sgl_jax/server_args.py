@@ -12,11 +12,16 @@ from dataclasses import dataclass
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
+from sgl_jax.speculative.suffix_index import SuffixConfig
 
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.
 ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
+# Drafters that need no draft model: their defaults for the shape flags (steps, draft tokens).
+MODEL_FREE_DEFAULTS = {"NGRAM": (7, 8)}
+MAX_NGRAM_DRAFT_TOKENS = 64
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # Accepted names whose drafting this version does not have: why, and so what it would need.
 UNSUPPORTED_DRAFTS = {
     "NEXTN": "it drafts with the target's own multi-token-prediction (NextN) layers "
@@ -42,6 +47,7 @@ class SpeculativeConfig:
     accept_threshold_single: float
     accept_threshold_acc: float
     adaptive: bool  # each round's shape chosen by the policy, the flags' shape the widest
+    ngram: SuffixConfig | None = None  # NGRAM's drafting statistics
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,14 @@ class ServerArgs:
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
     speculative_adaptive: bool = True  # off: every round takes the flags' shape
+    # NGRAM (SGLang's flags; docs/speculative.md says what each means here)
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 1_000_000
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -208,14 +222,21 @@ class ServerArgs:
                 f"--speculative-algorithm {self.speculative_algorithm} is not supported: "
                 f"{UNSUPPORTED_DRAFTS[self.speculative_algorithm]}; use EAGLE3, EAGLE or "
                 f"STANDALONE with --speculative-draft-model-path")
-        demo_head = self.model_path is None and self.speculative_algorithm == "EAGLE3"
-        if not self.speculative_draft_model_path and not demo_head:  # the demo ships its head
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
-                             "--speculative-draft-model-path")
         spec = self.speculative
         for name in ("num_steps", "eagle_topk"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"speculative_{name} must be >= 1, got {getattr(spec, name)}")
+        for name in ("accept_threshold_single", "accept_threshold_acc"):
+            if not 0 < getattr(spec, name) <= 1:
+                raise ValueError(f"speculative_{name} must be in (0, 1], got "
+                                 f"{getattr(spec, name)}")
+        if spec.ngram is not None:
+            self._validate_ngram(spec)
+            return
+        demo_head = self.model_path is None and self.speculative_algorithm == "EAGLE3"
+        if not self.speculative_draft_model_path and not demo_head:  # the demo ships its head
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
+                             "--speculative-draft-model-path")
         if spec.eagle_topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
             raise ValueError(
                 f"with speculative_eagle_topk 1 the draft is a chain of num_steps tokens, so "
@@ -229,10 +250,25 @@ class ServerArgs:
                 f"speculative_num_draft_tokens must be in [2, {most}] for num_steps "
                 f"{spec.num_steps} and eagle_topk {spec.eagle_topk}, got {spec.num_draft_tokens}"
             )
-        for name in ("accept_threshold_single", "accept_threshold_acc"):
-            if not 0 < getattr(spec, name) <= 1:
-                raise ValueError(f"speculative_{name} must be in (0, 1], got "
-                                 f"{getattr(spec, name)}")
+
+    def _validate_ngram(self, spec: SpeculativeConfig) -> None:
+        """NGRAM drafts from text: no draft model, and a tree of any shape within
+        num_draft_tokens nodes, num_steps deep (eagle_topk does not bound it)."""
+        if self.speculative_draft_model_path:
+            raise ValueError("--speculative-algorithm NGRAM drafts from the text itself and "
+                             "takes no --speculative-draft-model-path")
+        if not 2 <= spec.num_draft_tokens <= MAX_NGRAM_DRAFT_TOKENS:
+            raise ValueError(f"speculative_num_draft_tokens must be in [2, "
+                             f"{MAX_NGRAM_DRAFT_TOKENS}] for NGRAM, got {spec.num_draft_tokens}")
+        for name in ("min_bfs_breadth", "max_bfs_breadth"):
+            if getattr(self, f"speculative_ngram_{name}") < 1:
+                raise ValueError(f"--speculative-ngram-{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, f'speculative_ngram_{name}')}")
+        if self.speculative_ngram_match_type.upper() not in NGRAM_MATCH_TYPES:
+            raise ValueError(f"--speculative-ngram-match-type must be one of "
+                             f"{', '.join(NGRAM_MATCH_TYPES)}, got "
+                             f"{self.speculative_ngram_match_type!r}")
+        spec.ngram.validate()
 
     # ------------------------------------------------------------------ derived settings
 
@@ -247,9 +283,12 @@ class ServerArgs:
     def speculative(self) -> SpeculativeConfig | None:
         if self.speculative_algorithm is None:
             return None
-        steps = self.speculative_num_steps or 3
+        algorithm = self.speculative_algorithm
+        default_steps, default_tokens = MODEL_FREE_DEFAULTS.get(algorithm, (3, None))
+        steps = self.speculative_num_steps or default_steps
         topk = self.speculative_eagle_topk or 1
-        default_tokens = steps + 1 if topk == 1 else 2 * (steps + 1)
+        if default_tokens is None:
+            default_tokens = steps + 1 if topk == 1 else 2 * (steps + 1)
         return SpeculativeConfig(
             algorithm=self.speculative_algorithm,
             draft_model_path=self.speculative_draft_model_path,
@@ -259,7 +298,19 @@ class ServerArgs:
             accept_threshold_single=self.speculative_accept_threshold_single,
             accept_threshold_acc=self.speculative_accept_threshold_acc,
             adaptive=self.speculative_adaptive,
+            ngram=self._ngram_config() if algorithm == "NGRAM" else None,
         )
+
+    def _ngram_config(self) -> SuffixConfig:
+        """SGLang's NGRAM flags in suffix decoding's terms: the match windows bound the
+        suffix matched, the branch length the deepest draft, the capacity the tokens of
+        recent responses kept. BFS breadth and match type shape SGLang's trie walk; here a
+        tree follows the text's statistics (PROB's order) and they are only checked."""
+        return SuffixConfig(
+            min_match=self.speculative_ngram_min_match_window_size,
+            max_match=self.speculative_ngram_max_match_window_size,
+            branch_length=self.speculative_ngram_branch_length,
+            capacity=self.speculative_ngram_capacity)
 
     @property
     def http(self) -> HttpConfig:
@@ -315,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scheduling_args(parser.add_argument_group("scheduling and compilation"))
     _add_parallel_args(parser.add_argument_group("parallelism"))
     _add_speculative_args(parser.add_argument_group("speculative decoding"))
+    _add_ngram_args(parser.add_argument_group("NGRAM drafting (--speculative-algorithm NGRAM)"))
     _add_http_args(parser.add_argument_group("HTTP server and OpenAI API"))
     _add_logging_args(parser.add_argument_group("logging and metrics"))
     return parser
@@ -424,6 +476,29 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
                             "chain, or the flags' shape, which is the widest) for the most "
                             "tokens per second from measured acceptance and round costs; "
                             "--no-speculative-adaptive takes the flags' shape every round")
+
+
+def _add_ngram_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1,
+                       help="NGRAM: the shortest suffix of the text matched (default 1)")
+    group.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12,
+                       help="NGRAM: the longest suffix of the text matched; a match of m "
+                            "tokens drafts at most m + 1 (default 12)")
+    group.add_argument("--speculative-ngram-branch-length", type=int, default=18,
+                       help="NGRAM: the deepest continuation kept after a match (default 18)")
+    group.add_argument("--speculative-ngram-capacity", type=int, default=1_000_000,
+                       help="NGRAM: tokens of finished responses kept to draft repeats "
+                            "from, oldest evicted first (default 1,000,000; about 130 bytes "
+                            "of host memory each)")
+    group.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1,
+                       help="NGRAM: accepted for SGLang commands; trees here follow the "
+                            "text's statistics, so breadth is not set by hand")
+    group.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10,
+                       help="NGRAM: accepted for SGLang commands (see min-bfs-breadth)")
+    group.add_argument("--speculative-ngram-match-type", default="BFS",
+                       type=lambda s: s.upper(), choices=NGRAM_MATCH_TYPES,
+                       help="NGRAM: accepted for SGLang commands; trees are always built by "
+                            "probability (SGLang's PROB)")
 
 
 def _add_http_args(group: argparse._ArgumentGroup) -> None:

@@ -87,6 +87,18 @@ def test_first_exchange_is_the_first_human_turn_and_its_gpt_reply():
     assert first_exchange([]) is None
 
 
+def test_sharegpt_exchanges_skip_records_and_stream(tmp_path):
+    records = [record(i, turn("human", 3, f"q{i}_"), turn("gpt", 4, f"a{i}_")) for i in range(6)]
+    records[3] = record(3, turn("human", 3))  # no reply: no exchange
+    path = tmp_path / "sharegpt.json"
+    write_sharegpt(path, records)
+    pairs = datasets.sharegpt_exchanges(path, skip=1)
+    assert [q.split()[0] for q, _ in pairs] == ["q1_0", "q2_0", "q4_0", "q5_0"]
+    assert [a.split()[0] for _, a in pairs] == ["a1_0", "a2_0", "a4_0", "a5_0"]
+    stream = datasets.iter_sharegpt_exchanges(path, skip=1)
+    assert next(stream) == pairs[0] and list(stream) == pairs[1:]
+
+
 def filter_cases() -> list[dict]:
     """Records on both sides of every filter; each prompt's words start with its id."""
     cases = {

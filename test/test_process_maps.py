@@ -92,7 +92,7 @@ def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
         assert {bucket for _, bucket in timed} == {1}
         # Every request drafts and every round takes the chain, whatever timings a busy
         # machine measured (the bucket is still timed first: the decoder asks before).
-        policy = engine._loop.scheduler.speculative.policy
+        policy = engine._loop.scheduler.decoding.policy
         policy.admits_draft = lambda *_, **__: True
         policy.choose = lambda *_, **__: engine._spec.shape
         outputs = [o["output_ids"] for o in engine.generate(input_ids=prompts,

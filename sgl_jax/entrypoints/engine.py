@@ -50,13 +50,15 @@ from sgl_jax.parallel.multihost import (
 )
 from sgl_jax.sampling_params import SamplingParams, model_sampling_defaults
 from sgl_jax.scheduler.cache_manager import CacheManager
+from sgl_jax.scheduler.decoding import PlainDecoding
 from sgl_jax.scheduler.engine_loop import EngineLoop
 from sgl_jax.scheduler.prefill_manager import PrefillLimits
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.scheduler import Scheduler
+from sgl_jax.scheduler.slot_table import SlotTable
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.speculative.decoder import SpecDecoder
-from sgl_jax.speculative.setup import load_draft, make_spec_runner
+from sgl_jax.speculative.setup import load_draft, make_proposer, make_spec_runner
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.tokenizer import load_tokenizer
 from sgl_jax.tokenizer.detokenizer import IncrementalDetokenizer
@@ -165,7 +167,7 @@ class Engine:
             attention_backend=args.attention_backend, num_request_slots=buckets.max_seqs,
             num_state_slots=num_state_slots,
         )
-        self._spec = None if draft is None else make_spec_runner(args, self._runner, draft)
+        self._spec = make_spec_runner(args, self._runner, draft) if args.speculative else None
         # Kept apart from the runners, which shutdown() lets go of.
         self._lookahead = self._spec.lookahead if self._spec else 0
         self.speculative = self._spec is not None
@@ -194,10 +196,13 @@ class Engine:
             completion_lookahead=self._lookahead,
             prompt_ends_in_prefill=self._spec is not None,
         )
-        scheduler = Scheduler(runner, cache, limits, on_output=self._deliver,
-                              decode_log_interval=args.decode_log_interval, spec=spec,
-                              adaptive_speculation=bool(args.speculative
-                                                        and args.speculative.adaptive),
+        slot_table = SlotTable(buckets.max_seqs, buckets.pages_per_seq, config.vocab_size)
+        decoding = PlainDecoding(runner, slot_table) if spec is None else SpecDecoder(
+            spec, runner, slot_table, adaptive=args.speculative.adaptive,
+            proposer=make_proposer(args, self._spec))
+        scheduler = Scheduler(runner, cache, limits, slot_table, decoding,
+                              on_output=self._deliver,
+                              decode_log_interval=args.decode_log_interval,
                               overlap=not args.disable_overlap_schedule)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
 
@@ -304,12 +309,14 @@ class Engine:
         self._require_loop().submit(lambda scheduler: scheduler.abort(rid))
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running."""
+        """Drop every cached prefix (and the recent responses NGRAM drafts from); refused
+        (False) while requests are running."""
         def flush(scheduler: Scheduler) -> bool:
             scheduler.settle_if_idle()
             if scheduler.has_work:
                 return False
             scheduler.cache.flush()
+            scheduler.decoding.flush()
             return True
         return self._require_loop().call(flush)
 
@@ -331,7 +338,7 @@ class Engine:
                 "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                 "num_retractions": scheduler.decode.num_retractions,
                 "num_compilations": scheduler.runner.num_compilations,
-                **_spec_info(scheduler.speculative),
+                **scheduler.decoding.server_info(),
                 "version": __import__("sgl_jax").__version__,
             }
         return self._require_loop().call(info)
@@ -612,21 +619,6 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device} was asked for, but JAX runs on "
                          f"{jax.default_backend()} ({jax.devices()[0].device_kind}); install "
                          f"JAX for {device} or pass --device {jax.default_backend()}")
-
-
-def _spec_info(decoder: SpecDecoder | None) -> dict[str, Any]:
-    if decoder is None:
-        return {}
-    stats = decoder.stats
-    return {
-        "avg_spec_accept_length": stats.accept_length,
-        "spec_verify_rounds": stats.rounds,
-        "spec_accepted_tokens": stats.accepted_tokens,
-        "spec_accepted_per_position": list(stats.accepted_per_position),
-        "spec_drafted_per_position": list(stats.drafted_per_position),
-        "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by draft position
-        **decoder.policy.info(),
-    }
 
 
 def _default_mem_fraction() -> float:

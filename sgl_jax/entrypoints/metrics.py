@@ -73,6 +73,23 @@ class ServerMetrics:
         self.spec_finished = Gauge("sgl_jax_spec_finished_requests", "Requests finished, by "
                                    "whether admission gave them a draft", [*names, "draft"],
                                    registry=r)
+        self._define_vllm_spec()
+
+    def _define_vllm_spec(self) -> None:
+        """The acceptance counters under vLLM's names and labels, for dashboards built on
+        them: drafts (a request's round with a draft), draft tokens (the positions they
+        drafted), accepted tokens, and accepted tokens per position."""
+        names, r = ["model_name", "engine"], self.registry
+        self.vllm_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding "
+                                   "drafts.", names, registry=r)
+        self.vllm_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft "
+                                         "tokens.", names, registry=r)
+        self.vllm_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of "
+                                     "accepted tokens.", names, registry=r)
+        self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.",
+                                             [*names, "position"], registry=r)
+        self._vllm_seen: dict[tuple, float] = {}  # what each counter was raised to so far
 
     def on_output(self, req: Req, num_new_tokens: int) -> None:
         """Engine thread: a request produced tokens or finished."""
@@ -107,7 +124,20 @@ class ServerMetrics:
             for position, rate in enumerate(info["spec_accept_rates"]):
                 self.spec_accept_rate.labels(**self._label, position=str(position)).set(rate)
             self._render_policy(info)
+            self._render_vllm_spec(info)
         return generate_latest(self.registry)
+
+    def _render_vllm_spec(self, info: dict) -> None:
+        label = {**self._label, "engine": "0"}
+        totals = [(self.vllm_drafts, label, info["spec_verify_rounds"]),
+                  (self.vllm_draft_tokens, label, sum(info["spec_drafted_per_position"])),
+                  (self.vllm_accepted, label, info["spec_accepted_tokens"])]
+        totals += [(self.vllm_accepted_per_pos, {**label, "position": str(position)}, count)
+                   for position, count in enumerate(info["spec_accepted_per_position"])]
+        for counter, labels, total in totals:  # counters only go up: raise by what is new
+            key = (counter._name, *labels.values())
+            counter.labels(**labels).inc(total - self._vllm_seen.get(key, 0))
+            self._vllm_seen[key] = total
 
     def _render_policy(self, info: dict) -> None:
         for shape, rounds in info["spec_rounds_by_shape"].items():

@@ -33,28 +33,37 @@ reports for the model, and it does not change with the sampling knobs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.sampling_fields import ROW_FIELDS, neutral_rows
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class SamplingBatch:
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_p: jax.Array  # f32[S]; >= 1.0 = off
-    top_k: jax.Array  # i32[S]; <= 0 or >= V = off
-    min_p: jax.Array  # f32[S]; 0.0 = off
-    frequency_penalty: jax.Array  # f32[S]; logit -= fp * count(token in output)
-    presence_penalty: jax.Array  # f32[S]; logit -= pp * (count(token in output) > 0)
-    repetition_penalty: jax.Array  # f32[S]; 1.0 = off; over prompt and output tokens
-    seed: jax.Array  # u32[S]; per-request seed
-    position: jax.Array  # i32[S]; index in the request's output of the token being sampled
-    suppress_ids: jax.Array  # i32[S, E]; ids banned for this row at this step; -1 = padding
-    bias_ids: jax.Array  # i32[S, M]; logit_bias token ids; -1 = padding
-    bias_values: jax.Array  # f32[S, M]; added to those ids' logits
-    allowed: jax.Array  # i32[S, ceil(V / 32)]; grammar bitmask, bit t of word w = id 32w + t
+
+def _neutral(cls: type, rows: int, **widths: int) -> SamplingBatch:
+    """`rows` greedy rows without penalties, biases or grammar, as host arrays; `widths` gives
+    the 2-D fields' widths by name: E (suppressed ids), M (logit_bias entries), W (bitmask
+    words)."""
+    return cls(**neutral_rows(rows, widths))
+
+
+def _sampling_batch_class() -> type:
+    """A frozen dataclass with one array field per row of ROW_FIELDS, in the table's order, and
+    a pytree, so jitted steps take it whole. Its fields are generated so that the table stays
+    the one list of them; its docstring lists each field's shape and meaning."""
+    cls = make_dataclass(
+        "SamplingBatch", [(f.name, jax.Array) for f in ROW_FIELDS], frozen=True,
+        namespace={"neutral": classmethod(_neutral)})
+    cls.__module__ = __name__  # so pickle finds it here
+    cls.__doc__ = "Each row's sampling parameters at one step (sgl_jax.sampling_fields):\n" + (
+        "\n".join(f"    {f.name}: {f.shape}; {f.meaning}" for f in ROW_FIELDS))
+    return jax.tree_util.register_dataclass(cls)
+
+
+# S rows of per-row sampling parameters, one field per row of ROW_FIELDS: its shapes, dtypes
+# and meanings are in sgl_jax/sampling_fields.py (and SamplingBatch.__doc__).
+SamplingBatch = _sampling_batch_class()
 
 
 @jax.tree_util.register_dataclass
@@ -184,7 +193,8 @@ def penalised_logits(
 
 
 def _top_k_mask(rank: jax.Array, top_k: jax.Array) -> jax.Array:
-    """rank i32[1, V], top_k i32[S] -> bool[S, V]."""
+    """rank i32[1, V], top_k i32[S] -> bool[S, V]. Off (TOP_K_OFF) keeps every rank, as
+    any k < 1 or k >= V does."""
     vocab = rank.shape[1]
     k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
     return rank < k[:, None]

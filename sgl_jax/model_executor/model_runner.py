@@ -42,6 +42,7 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
 )
 from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
+from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.models.loader import LoadedModel
 from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.sampling_params import MAX_LOGIT_BIAS
@@ -132,8 +133,10 @@ class ModelRunner:
         self.last_tokens: jax.Array = self.tp.put_replicated(
             jnp.zeros(num_request_slots, jnp.int32))
         _warn_if_slow_on_cpu(attention_backend, model.dtype)
-        attention = self.tp.attention(get_attention_backend(attention_backend))
-        forward = functools.partial(self._forward, attention=attention, capture=capture_layers)
+        # The target's forward, which speculative rounds run too.
+        self.target_forward = TargetForward(
+            model, self.tp.attention(get_attention_backend(attention_backend)))
+        forward = functools.partial(self._forward, capture=capture_layers)
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, forward=forward), donate_argnums=(1,)
         )
@@ -183,12 +186,12 @@ class ModelRunner:
         shape = self.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
-        sampling = jax.tree.map(lambda a: _pad_rows(np.asarray(a), rows), sampling)
+        sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
         n = len(chunks)
         slots = np.full(n, -1, np.int32) if slots is None else slots
-        return self.launch(batch, sampling, _pad_rows(penalty_slots.astype(np.int32), rows, -1),
-                           _pad_rows(slots.astype(np.int32), rows, -1),
-                           _pad_rows(emits, rows, False), n, want_top_logprobs=want_top_logprobs,
+        return self.launch(batch, sampling, pad_rows(penalty_slots.astype(np.int32), rows, -1),
+                           pad_rows(slots.astype(np.int32), rows, -1),
+                           pad_rows(emits, rows, False), n, want_top_logprobs=want_top_logprobs,
                            want_logprobs=want_logprobs)
 
     def launch(
@@ -260,20 +263,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ jitted bodies
 
-    def _forward(self, params, kv_cache, batch: ForwardBatch, *, attention, capture):
+    def _forward(self, params, kv_cache, batch: ForwardBatch, *, capture):
         self._log_compilation(batch)
-        impl, config = self.model.impl, self.config
-        hybrid = {}
-        if config.is_hybrid:  # each linear layer runs on its own key heads of every device
-            layer = functools.partial(gated_delta_net.forward_slots,
-                                      config=config.linear_attention)
-            hybrid = dict(state_slots=batch.state_slots,
-                          linear_attention=self.tp.linear_attention(layer))
-        hidden, kv_cache, captured = impl.forward(
+        hidden, kv_cache, captured = self.target_forward(
             params, kv_cache, batch.input_ids, batch.positions, batch.attention,
-            config=config, attention=attention, capture_layers=capture, **hybrid,
-        )
-        logits = impl.compute_logits(params, hidden[batch.logits_indices], config)
+            capture=capture, state_slots=batch.state_slots)
+        logits = self.target_forward.logits(params, hidden[batch.logits_indices])
         return kv_cache, logits, captured
 
     def _logits_step_impl(self, params, kv_cache, batch, *, forward):
@@ -291,7 +286,7 @@ class ModelRunner:
         penalties = record_tokens(penalties, penalty_slots, out.tokens, emits)
         kept = jnp.where(emits & (slots >= 0), slots, last_tokens.shape[0])  # others: dropped
         last_tokens = last_tokens.at[kept].set(out.tokens, mode="drop")
-        top = jax.lax.cond(want_top, _top_logprobs, _no_top_logprobs, logits)
+        top = top_logprobs_if(want_top, logits)
         return kv_cache, *self.tp.constrain_replicated((penalties, last_tokens, out, top))
 
     def _reset_slots_impl(self, penalties, slots, prompt_ids):
@@ -340,6 +335,12 @@ def _with_last_tokens(input_ids: jax.Array, last_tokens: jax.Array, slots: jax.A
     return jnp.where(input_ids < 0, last_tokens[jnp.maximum(slots, 0)], input_ids)
 
 
+def top_logprobs_if(want: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits f32[N, V] -> the top MAX_TOP_LOGPROBS ids i32[N, K] and log-probabilities
+    f32[N, K] where `want` (bool[]) holds, else zeros (the top-k sort skipped)."""
+    return jax.lax.cond(want, _top_logprobs, _no_top_logprobs, logits)
+
+
 def _top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), MAX_TOP_LOGPROBS)
     return ids.astype(jnp.int32), values
@@ -351,7 +352,8 @@ def _no_top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
             jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32))
 
 
-def _pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
+def pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
+    """array [n, ...] -> [rows, ...], the rows past n filled with `fill`."""
     pad = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
     return np.pad(array, pad, constant_values=fill)
 
@@ -364,18 +366,5 @@ def bitmask_words(vocab_size: int) -> int:
 def greedy_sampling_batch(rows: int, vocab_size: int) -> SamplingBatch:
     """Host arrays for `rows` greedy rows without penalties, biases or grammars (padding and
     warm-up)."""
-    return SamplingBatch(
-        temperature=np.zeros(rows, np.float32),
-        top_p=np.ones(rows, np.float32),
-        top_k=np.zeros(rows, np.int32),
-        min_p=np.zeros(rows, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32),
-        presence_penalty=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32),
-        seed=np.zeros(rows, np.uint32),
-        position=np.zeros(rows, np.int32),
-        suppress_ids=np.full((rows, MAX_SUPPRESSED_IDS), -1, np.int32),
-        bias_ids=np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
-        bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
-        allowed=np.full((rows, bitmask_words(vocab_size)), -1, np.int32),
-    )
+    return SamplingBatch.neutral(rows, E=MAX_SUPPRESSED_IDS, M=MAX_LOGIT_BIAS,
+                                 W=bitmask_words(vocab_size))

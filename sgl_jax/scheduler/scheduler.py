@@ -15,8 +15,9 @@ settled, so nothing it emits changes; its pages and slot are released when step 
 settled, and any later step that reuses them is dispatched after step N+1, so the device
 runs them in order. A step that needs the host's view of every token settles first:
 retraction, and decode batches with a grammar-constrained request (its matcher must take
-the last token before it can mask the next). With speculative decoding a decode step is a
-verify round, run ahead of its results the same way (speculative/decoder.py).
+the last token before it can mask the next). How a step runs on the device is the
+`Decoding`'s (scheduler/decoding.py): plain decoding, or speculative rounds run ahead of their
+results the same way (speculative/decoder.py).
 """
 
 from __future__ import annotations
@@ -28,30 +29,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_jax.model_executor.forward_batch import SeqChunk, build_decode_batch
-from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput, _pad_rows
+from sgl_jax.model_executor.forward_batch import SeqChunk
+from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decode_manager import DecodeManager
+from sgl_jax.scheduler.decoding import Decoding, Emitted, LaunchedStep, PrefillBatch
 from sgl_jax.scheduler.prefill_manager import PrefillLimits, PrefillManager
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
-from sgl_jax.speculative.decoder import LaunchedRound, SpecDecoder
-from sgl_jax.speculative.spec_runner import SpecRunner
 
 logger = logging.getLogger(__name__)
 
 # Called after each step for every request that produced a token or finished:
 # (request, new text, new token ids).
 OutputCallback = Callable[[Req, str, list[int]], None]
-
-
-@dataclass
-class LaunchedStep:
-    """A dispatched extend or decode step whose results the host has not read yet."""
-
-    kind: str  # "prefill", "decode" or "round" (speculative)
-    rows: list[tuple[Req, int, bool]]  # (request, tokens computed, whether it samples one)
-    output: PendingStep | LaunchedRound
 
 
 @dataclass
@@ -69,27 +60,20 @@ class Scheduler:
         runner: ModelRunner,
         cache: CacheManager,
         limits: PrefillLimits,
+        slot_table: SlotTable,
+        decoding: Decoding,
         *,
         on_output: OutputCallback,
         decode_log_interval: int = 40,
-        spec: SpecRunner | None = None,
-        adaptive_speculation: bool = True,
         overlap: bool = True,
     ):
         self.runner = runner
-        self.vocab_size = runner.config.vocab_size
         self.cache = cache
-        self.slot_table = SlotTable(limits.max_running_requests, runner.buckets.pages_per_seq,
-                                    self.vocab_size)
-        # Speculative decoding: decode steps become verify rounds, planned here.
-        self.speculative = None if spec is None else SpecDecoder(
-            spec, self.slot_table, adaptive=adaptive_speculation, settle=self._settle,
-            plain_step=self._dispatch_decode)
-        self.prefill = PrefillManager(
-            cache, limits, on_admit=None if spec is None or not spec.defers_draft
-            else self._choose_drafting)
+        self.slot_table = slot_table
+        self.decoding = decoding  # plain or speculative: how a step runs on the device
+        self.prefill = PrefillManager(cache, limits, on_admit=self._admit)
         self.decode = DecodeManager(cache, self._retract, settle=self._settle,
-                                    lookahead=1 if spec is None else spec.lookahead)
+                                    lookahead=decoding.lookahead)
         self.running: list[Req] = []
         self.on_output = on_output
         self.decode_log_interval = decode_log_interval
@@ -101,8 +85,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, req: Req) -> None:
-        if self.speculative is not None:
-            self.speculative.add_request(req)
+        self.decoding.add_request(req)
         if req.params.max_new_tokens == 0:  # nothing to generate: done without touching KV
             req.finish_reason = {"type": "length", "length": 0}
             req.finished_at = req.created_at
@@ -110,8 +93,8 @@ class Scheduler:
             return
         self.prefill.add(req)
 
-    def _choose_drafting(self, req: Req, batch_size: int) -> None:
-        self.speculative.choose_drafting(req, batch_size, sum(r.drafting for r in self.running))
+    def _admit(self, req: Req, batch_size: int) -> None:
+        self.decoding.admit(req, batch_size, self.running)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for queue in (self.prefill.waiting, self.running):
@@ -160,60 +143,39 @@ class Scheduler:
             self._retract(self.running.pop())
         return [], "idle"
 
-    def _launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep:
+    def _launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep | None:
         """Dispatch the batch (None when there is nothing left to run); lengths advance now,
         tokens are read when it is settled."""
-        reqs = [req for req, _ in batch]
-        if kind == "decode" and self.speculative is not None:
-            launched = self.speculative.launch(reqs)
-            return None if launched is None else LaunchedStep("round", [], launched)
         if kind == "decode":
-            return LaunchedStep("decode", [(req, 1, True) for req in reqs],
-                                self._dispatch_decode(reqs))
+            return self._launch_decode([req for req, _ in batch])
+        prefill = self._prefill_batch(batch)
+        output = self.decoding.launch_prefill(prefill)
+        for req, n, emits in prefill.rows:
+            req.kv_len += n
+            req.num_inflight += emits
+        return LaunchedStep("prefill", prefill.rows, output)
+
+    def _launch_decode(self, reqs: list[Req]) -> LaunchedStep | None:
+        plan = self.decoding.plan_decode(reqs, self._in_flight)
+        if plan.settle_first:
+            self._settle()
+            reqs = [req for req in reqs if not req.finished]
+            if not reqs:
+                return None
+        return LaunchedStep("decode", [(req, 1, True) for req in reqs],
+                            self.decoding.launch_decode(reqs, plan))
+
+    def _prefill_batch(self, batch: list[tuple[Req, int]]) -> PrefillBatch:
+        reqs = [req for req, _ in batch]
         rows = [(req, n, n == req.tokens_to_compute) for req, n in batch]
         chunks = [SeqChunk(self._input_ids(req, n), req.kv_len, req.page_ids,
                            state_slot=req.state_slot) for req, n in batch]
-        emits = np.array([emits for _, _, emits in rows])
         slots = np.fromiter((req.slot for req in reqs), np.int32, len(reqs))
         sampling, penalty_slots = self.slot_table.sampling_rows(
             reqs, slots, np.fromiter((req.num_sampled for req in reqs), np.int32, len(reqs)),
             len(reqs))
-        if self.speculative is not None:
-            output = self.speculative.prefill(batch, chunks, sampling, emits)
-        else:
-            output = self.runner.step(
-                chunks, sampling, penalty_slots, emits,
-                any(req.top_logprobs_num for req in reqs), slots=slots,
-                want_logprobs=any(req.return_logprob for req in reqs))
-        for req, n, emit in rows:
-            req.kv_len += n
-            req.num_inflight += emit
-        return LaunchedStep(kind, rows, output)
-
-    def _dispatch_decode(self, reqs: list[Req]) -> PendingStep:
-        """One token for every request, the batch built from row arrays (SlotTable)."""
-        n = len(reqs)
-        shape = self.runner.buckets.decode_shape(n)
-        slots = np.fromiter((r.slot for r in reqs), np.int32, n)
-        num_sampled = np.fromiter((r.num_sampled for r in reqs), np.int32, n)
-        batch = build_decode_batch(
-            np.fromiter((-1 if r.num_inflight else r.last_token for r in reqs), np.int32, n),
-            np.fromiter((r.kv_len for r in reqs), np.int32, n),
-            self.slot_table.page_rows(reqs),
-            np.fromiter((r.state_slot for r in reqs), np.int32, n),
-            page_size=self.runner.page_size, shape=shape)
-        sampling, penalty_slots = self.slot_table.sampling_rows(reqs, slots, num_sampled,
-                                                                shape.num_logits)
-        rows = shape.num_logits
-        output = self.runner.launch(
-            batch, sampling, penalty_slots, _pad_rows(slots, rows, fill=-1),
-            np.arange(rows) < n, n,
-            want_top_logprobs=any(r.top_logprobs_num for r in reqs),
-            want_logprobs=any(r.return_logprob for r in reqs))
-        for req in reqs:
-            req.kv_len += 1
-            req.num_inflight += 1
-        return output
+        return PrefillBatch(rows, chunks, sampling, penalty_slots,
+                            np.array([emits for _, _, emits in rows]), slots)
 
     @staticmethod
     def _input_ids(req: Req, n: int) -> list[int]:
@@ -230,41 +192,21 @@ class Scheduler:
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             return False
-        if launched.kind == "round":
-            self._emit(self.speculative.settle(launched.output))
+        emitted = self.decoding.settle(launched)
+        self._emit(emitted)
+        if launched.kind == "prefill":
+            self._log_prefill(launched.rows)
         else:
-            self._postprocess(launched.rows, launched.output.result(), launched.kind)
+            self._log_decode(sum(len(tokens) for _, _, tokens in emitted))
         return True
 
-    def _emit(self, emitted: list[tuple[Req, str, list[int]]]) -> None:
-        """Deliver a round's runs; a request its run finished leaves."""
+    def _emit(self, emitted: Emitted) -> None:
+        """Deliver each request's new tokens; a request they finished leaves."""
         for req, text, tokens in emitted:
             if req.finished:
                 self.running.remove(req)
                 self._finish(req)
             self.on_output(req, text, tokens)
-        self._log_decode(sum(len(tokens) for _, _, tokens in emitted))
-
-    def _postprocess(self, rows: list[tuple[Req, int, bool]], output: StepOutput,
-                     kind: str) -> None:
-        """Append each emitting row's token; a request that ended while the step ran (it
-        stopped at the step before, or was aborted) drops its token."""
-        tokens = output.tokens.tolist()
-        logprobs = output.logprobs.tolist() if output.logprobs is not None else None
-        for row, (req, _, emits) in enumerate(rows):
-            if not emits:
-                continue
-            req.num_inflight -= 1
-            if req.finished:
-                continue
-            top = _top_logprobs(output, row) if req.top_logprobs_num else []
-            token = tokens[row]
-            text = req.append_token(token, logprobs[row] if logprobs else 0.0, top)
-            if req.finished:
-                self.running.remove(req)
-                self._finish(req)
-            self.on_output(req, text, [token])
-        self._log(rows, kind)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -283,15 +225,14 @@ class Scheduler:
         readmitted."""
         self.cache.release(req)
         req.kv_len = 0
-        req.draft_pending.clear()  # the prompt's recomputation extends the draft too
+        self.decoding.retract(req)
         self.prefill.requeue(req)
         logger.info("Retracted request %s (KV cache full): %d tokens to recompute", req.rid,
                     len(req.all_ids))
 
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
-        if self.speculative is not None:
-            self.speculative.policy.count_finished(req.drafting)
+        self.decoding.finish(req)
         # Steps it will never read counted in its length: the cache keeps what a loop
         # without overlap would have computed.
         req.kv_len -= req.num_inflight
@@ -300,20 +241,16 @@ class Scheduler:
             self._free_slots.append(req.slot)
             req.slot = -1
 
-    def _log(self, batch: list[tuple[Req, int, bool]], kind: str) -> None:
-        stats = self.stats
-        usage = self.cache.used_pages / self.cache.allocator.capacity
-        if kind == "prefill":
-            new_tokens = sum(n for _, n, _ in batch)
-            stats.num_prefill_tokens += new_tokens
-            logger.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
-                "token usage: %.2f, #running-req: %d, #queue-req: %d",
-                len(batch), new_tokens, sum(r.cached_tokens for r, _, _ in batch), usage,
-                len(self.running), len(self.prefill.waiting),
-            )
-            return
-        self._log_decode(len(batch))
+    def _log_prefill(self, rows: list[tuple[Req, int, bool]]) -> None:
+        new_tokens = sum(n for _, n, _ in rows)
+        self.stats.num_prefill_tokens += new_tokens
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
+            "token usage: %.2f, #running-req: %d, #queue-req: %d",
+            len(rows), new_tokens, sum(r.cached_tokens for r, _, _ in rows),
+            self.cache.used_pages / self.cache.allocator.capacity, len(self.running),
+            len(self.prefill.waiting),
+        )
 
     def _log_decode(self, num_tokens: int) -> None:
         stats = self.stats
@@ -325,19 +262,11 @@ class Scheduler:
         rate = (stats.num_generated_tokens - stats.last_log_tokens) / (now - stats.last_log_time)
         stats.last_log_time, stats.last_log_tokens = now, stats.num_generated_tokens
         usage = self.cache.used_pages / self.cache.allocator.capacity
-        spec = ""
-        if self.speculative is not None:
-            accepted = self.speculative.stats
-            rates = ", ".join(f"{r:.2f}" for r in accepted.acceptance_rates)
-            spec = f"accept len: {accepted.accept_length:.2f}, acc: [{rates}], "
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
             "gen throughput (token/s): %.2f, #queue-req: %d",
-            len(self.running), sum(r.kv_len for r in self.running), usage, spec, rate,
+            len(self.running), sum(r.kv_len for r in self.running), usage,
+            self.decoding.log_fields(), rate,
             len(self.prefill.waiting),
         )
 
-
-def _top_logprobs(output: StepOutput, row: int) -> list[tuple[int, float]]:
-    ids, values = output.top_logprob_ids[row].tolist(), output.top_logprobs[row].tolist()
-    return list(zip(ids, values, strict=True))

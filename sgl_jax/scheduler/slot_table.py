@@ -14,6 +14,7 @@ import numpy as np
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_bitmasks
 from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
+from sgl_jax.sampling_fields import ROW_FIELDS, Source
 from sgl_jax.scheduler.req import Req
 
 
@@ -33,15 +34,13 @@ class SlotTable:
     def join(self, req: Req) -> None:
         """Write the sampling parameters of a request that just got its slot."""
         row, p, s = req.slot, req.params, self.sampling
-        s.temperature[row], s.top_p[row], s.top_k[row] = p.temperature, p.top_p, p.top_k
-        s.min_p[row], s.seed[row] = p.min_p, req.seed
-        s.frequency_penalty[row], s.presence_penalty[row] = (p.frequency_penalty,
-                                                             p.presence_penalty)
-        s.repetition_penalty[row] = p.repetition_penalty
-        s.suppress_ids[row] = -1
+        holders = {Source.PARAMS: p, Source.REQ: req}
+        for field in ROW_FIELDS:  # the values copied as they are; the others neutral for now
+            holder = holders.get(field.source)
+            getattr(s, field.name)[row] = (field.neutral if holder is None
+                                           else getattr(holder, field.name))
         stop_ids = sorted(req.stop_ids())
         s.suppress_ids[row, : len(stop_ids)] = stop_ids  # applied while min_new_tokens holds
-        s.bias_ids[row], s.bias_values[row] = -1, 0.0
         if p.logit_bias:
             ids, values = zip(*p.logit_bias, strict=True)
             s.bias_ids[row, : len(ids)], s.bias_values[row, : len(ids)] = ids, values

@@ -1,9 +1,10 @@
-"""SpecDecoder: the host side of speculative decoding, between the scheduler and SpecRunner.
+"""SpecDecoder: speculative decoding behind the scheduler's decoding interface
+(scheduler/decoding.py), the host side of SpecRunner.
 
 For each decode step the scheduler hands it the running requests. It picks the round's shape
-(the adaptive policy), catches up drafts that plain rounds left behind, and dispatches the
-round without waiting (`launch`). A step later, while the next round runs, it reads the
-results and appends each request's accepted run (`settle`).
+(the adaptive policy, `plan_decode`), catches up drafts that plain rounds left behind, and
+dispatches the round without waiting (`launch_decode`). A step later, while the next round
+runs, it reads the results and appends each request's accepted run (`settle`).
 
 Running a round ahead of its results: the host plans round N+1 before it knows how many
 tokens round N accepted. A request's `kv_len` then counts one token for round N (a round
@@ -11,8 +12,8 @@ commits at least its root) and `inflight_extra` the num_steps more it may have a
 pages are reserved for the upper bound, and the round reads the exact length, output
 position and root token from the request's slot on the device (SlotState), which round N
 wrote. The policy learns each round's acceptance and time when the round is settled, so it
-chooses from statistics one round old. What needs the host's view of every token settles
-the round in flight first:
+chooses from statistics one round old. What needs the host's view of every token has the
+scheduler settle the round in flight first:
 
 - rounds of a batch with a grammar-constrained request (the scheduler settles before such a
   batch: the matcher walks each tree on the host);
@@ -24,28 +25,44 @@ the round in flight first:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
-from sgl_jax.layers.sampler import SamplingBatch
-from sgl_jax.model_executor.forward_batch import SeqChunk
-from sgl_jax.model_executor.model_runner import PendingStep, StepOutput, bitmask_words
+from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput, bitmask_words
+from sgl_jax.scheduler.decoding import (
+    DecodePlan,
+    Emitted,
+    LaunchedStep,
+    PrefillBatch,
+    dispatch_decode_step,
+    emit_tokens,
+)
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
+from sgl_jax.speculative.drafter import NoProposer, Proposer
 from sgl_jax.speculative.drafts import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
-from sgl_jax.speculative.spec_runner import (
+from sgl_jax.speculative.round import (
     CATCH_UP_WIDTH,
     CatchUpRow,
     PendingRound,
     RoundOutput,
     RoundRows,
-    SpecRunner,
 )
+from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.stats import AcceptanceStats
+
+
+@dataclass(frozen=True)
+class _RoundPlan:
+    """What plan_decode chose for a round."""
+
+    shape: TreeShape
+    hints: Any  # a host-side drafter's proposals (RoundRows.hints)
+    records: list  # each request's policy.Acceptance (None: no draft this round)
 
 
 @dataclass
@@ -64,17 +81,17 @@ class LaunchedRound:
 
 
 class SpecDecoder:
-    def __init__(self, spec: SpecRunner, slot_table: SlotTable, *, adaptive: bool,
-                 settle: Callable[[], bool], plain_step: Callable[[list[Req]], PendingStep]):
+    def __init__(self, spec: SpecRunner, runner: ModelRunner, slot_table: SlotTable, *,
+                 adaptive: bool, proposer: Proposer | None = None):
         self.spec = spec
+        self.proposer = proposer or NoProposer()  # a host-side drafter's statistics
+        self.runner = runner  # the target's, for rounds where no request has a draft
         self.slot_table = slot_table
         self.buckets = spec.target.buckets
+        self.lookahead = spec.lookahead
         self.stats = AcceptanceStats(spec.shape.num_steps)
         self.policy = SpeculationPolicy(spec.shapes, spec.shape, spec.round_seconds,
                                         adaptive=adaptive)
-        self._settle = settle  # the scheduler's: reads the step in flight, if any
-        self._plain_step = plain_step  # the scheduler's decode step (lengths advance there)
-        self._unread: LaunchedRound | None = None
         self._last_result_at = 0.0
 
     # ------------------------------------------------------------------ requests
@@ -82,13 +99,43 @@ class SpecDecoder:
     def add_request(self, req: Req) -> None:
         req.spec_stats = AcceptanceStats(self.spec.shape.num_steps)
         req.spec_acceptance = self.policy.new_request()
+        self.proposer.add_request(req)
 
-    def choose_drafting(self, req: Req, batch_size: int, drafted_peers: int) -> None:
+    def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
         """At admission: whether the request gets a draft (policy.admits_draft). Only where
         plain rounds leave the draft behind: a draft that extends every round cannot start
         late."""
-        req.drafting = self.policy.admits_draft(self._timed_bucket(batch_size), req.rid,
-                                                drafted_peers)
+        if not req.params.speculative:
+            req.drafting = False  # it asked for none
+        elif self.spec.defers_draft:
+            req.drafting = self.policy.admits_draft(self._timed_bucket(batch_size), req.rid,
+                                                    sum(r.drafting for r in running))
+
+    def flush(self) -> None:
+        self.proposer.flush()
+
+    def retract(self, req: Req) -> None:
+        req.draft_pending.clear()  # the prompt's recomputation extends the draft too
+
+    def finish(self, req: Req) -> None:
+        self.policy.count_finished(req.drafting)
+        self.proposer.finish(req)
+
+    def log_fields(self) -> str:
+        rates = ", ".join(f"{r:.2f}" for r in self.stats.acceptance_rates)
+        return f"accept len: {self.stats.accept_length:.2f}, acc: [{rates}], "
+
+    def server_info(self) -> dict[str, Any]:
+        stats = self.stats
+        return {
+            "avg_spec_accept_length": stats.accept_length,
+            "spec_verify_rounds": stats.rounds,
+            "spec_accepted_tokens": stats.accepted_tokens,
+            "spec_accepted_per_position": list(stats.accepted_per_position),
+            "spec_drafted_per_position": list(stats.drafted_per_position),
+            "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by position
+            **self.policy.info(),
+        }
 
     def _timed_bucket(self, batch_size: int) -> int:
         """The padded size of a batch of `batch_size`, its round programs compiled and timed
@@ -101,54 +148,74 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill(self, batch: list[tuple[Req, int]], chunks: list[SeqChunk],
-                sampling: SamplingBatch, emits: np.ndarray) -> PendingStep:
+    def launch_prefill(self, batch: PrefillBatch) -> PendingStep:
         """Target and draft extend together (the target alone where no request of the batch
         has a draft); a completed prompt's first token and draft root stay in its slot."""
-        after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n in batch]
+        reqs = batch.reqs
+        after = [req.token_slice(req.kv_len + n, req.kv_len + n + 1) for req, n, _ in batch.rows]
         return self.spec.prefill(
-            chunks, sampling, emits, any(req.top_logprobs_num for req, _ in batch),
-            [ids[0] if ids else 0 for ids in after],
-            np.fromiter((req.slot for req, _ in batch), np.int32, len(batch)),
-            run_draft=any(req.drafting for req, _ in batch),
-            want_logprobs=any(req.return_logprob for req, _ in batch))
+            batch.chunks, batch.sampling, batch.emits, any(req.top_logprobs_num for req in reqs),
+            [ids[0] if ids else 0 for ids in after], batch.slots,
+            run_draft=any(req.drafting for req in reqs),
+            want_logprobs=any(req.return_logprob for req in reqs))
 
     # ------------------------------------------------------------------ rounds
 
-    def launch(self, reqs: list[Req]) -> LaunchedRound | None:
-        """Dispatch one round for `reqs` in the shape the policy picks (None if settling the
-        round in flight first ended every one of them)."""
-        shape = self.policy.choose(self._records(reqs), self._timed_bucket(len(reqs)),
-                                   menu=self._constrained_menu(reqs))
-        if self._needs_settled(reqs, shape):
-            self._settle()
-            reqs = [req for req in reqs if not req.finished]
-            if not reqs:
-                return None
+    def plan_decode(self, reqs: list[Req], in_flight: LaunchedStep | None) -> DecodePlan:
+        """The round's shape (the policy's choice) and whether the round in flight must be
+        read first (see the module's docstring). A host-side drafter proposes now: a request
+        it has nothing to offer counts as one without a draft."""
+        bucket = self._timed_bucket(len(reqs))
+        hints = self.proposer.hints(reqs, bucket)
+        records = self._offered_records(reqs, hints)
+        shape = self.policy.choose(records, bucket, menu=self._constrained_menu(reqs))
+        unread = in_flight.output if in_flight is not None and in_flight.kind == "decode" \
+            else None
+        settle_first = self._needs_settled(reqs, shape, unread, self._undrafted(reqs, shape))
+        return DecodePlan(settle_first, _RoundPlan(shape, hints, records))
+
+    def launch_decode(self, reqs: list[Req], plan: DecodePlan) -> LaunchedRound:
+        """Dispatch one round for `reqs` in the planned shape."""
+        shape, hints, records = plan.detail.shape, plan.detail.hints, plan.detail.records
+        if plan.settle_first:  # the host has read more since: propose again
+            hints = self.proposer.hints(reqs, self.buckets.batch_padding(len(reqs)))
+            records = self._offered_records(reqs, hints)
         self._catch_up([req for req in reqs if req.draft_pending and (
             shape != PLAIN or len(req.draft_pending) >= CATCH_UP_WIDTH)])
         compilations = self.spec.target.num_compilations
         start = time.perf_counter()
-        undrafted = shape == PLAIN and not any(req.drafting for req in reqs)
+        undrafted = self._undrafted(reqs, shape)
         masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
-        output = self._plain_step(reqs) if undrafted else self._dispatch(reqs, shape, masked)
-        launched = LaunchedRound(
-            reqs, shape, self.buckets.batch_padding(len(reqs)), self._records(reqs), masked,
+        output = (dispatch_decode_step(self.runner, self.slot_table, reqs) if undrafted
+                  else self._dispatch(reqs, shape, masked, hints))
+        return LaunchedRound(
+            reqs, shape, self.buckets.batch_padding(len(reqs)), records, masked,
             shape == PLAIN and self.spec.defers_draft and not undrafted, output, start,
             compiled=self.spec.target.num_compilations != compilations)
-        self._unread = launched
-        return launched
 
-    def settle(self, launched: LaunchedRound) -> list[tuple[Req, str, list[int]]]:
-        """Read a round's results; append each live request's accepted run (up to where it
-        finishes). Returns (request, new text, new tokens) per request still live before."""
+    def _undrafted(self, reqs: list[Req], shape: TreeShape) -> bool:
+        """Whether a round of `shape` is the target's own decode step: a plain round where no
+        request has a draft, or where the drafter has nothing to advance (NGRAM)."""
+        return shape == PLAIN and (not self.spec.drafter.advances_on_plain
+                                   or not any(req.drafting for req in reqs))
+
+    def settle(self, launched: LaunchedStep) -> Emitted:
+        """Read a step's results: a prefill's first tokens, or a round's accepted runs."""
+        if launched.kind == "prefill":
+            emitted = emit_tokens(launched.rows, launched.output.result())
+        else:
+            emitted = self._settle_round(launched.output)
+        for req, _, tokens in emitted:
+            self.proposer.extend(req, tokens)
+        return emitted
+
+    def _settle_round(self, launched: LaunchedRound) -> Emitted:
+        """Append each live request's accepted run (up to where it finishes)."""
         output = _as_round(launched.output.result())
         now = time.perf_counter()
         # The device ran this round after the one before: from whichever came later.
         seconds = now - max(launched.launched_at, self._last_result_at)
         self._last_result_at = now
-        if self._unread is launched:
-            self._unread = None
         accepted = output.num_accepted.tolist()
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
         self.policy.observe(launched.shape, launched.bucket, seconds,
@@ -158,11 +225,12 @@ class SpecDecoder:
         for req in launched.reqs:
             req.num_inflight -= 1
             req.inflight_extra -= steps
+        drafted = _drafted_depths(output.tree_parents, len(launched.reqs))
         emitted = []
         for row in live:
             req = launched.reqs[row]
-            self.stats.record(accepted[row], steps)
-            req.spec_stats.record(accepted[row], steps)
+            self.stats.record(accepted[row], drafted[row])
+            req.spec_stats.record(accepted[row], drafted[row])
             text, tokens = _emit_run(req, output, row, accepted[row] + 1)
             req.kv_len += len(tokens) - 1  # the root was counted at launch
             if launched.defers and req.drafting:  # the draft is one more token behind
@@ -170,10 +238,11 @@ class SpecDecoder:
             emitted.append((req, text, tokens))
         return emitted
 
-    def _dispatch(self, reqs: list[Req], shape: TreeShape, masked: bool) -> PendingRound:
+    def _dispatch(self, reqs: list[Req], shape: TreeShape, masked: bool, hints: Any
+                  ) -> PendingRound:
         """A round of the speculative programs; lengths advance by the least it commits."""
         n, padded = len(reqs), self.buckets.batch_padding(len(reqs))
-        rows = self._round_rows(reqs, padded)
+        rows = self._round_rows(reqs, padded, hints)
         sampling, _ = self.slot_table.sampling_rows(
             reqs, rows.slots[:n], np.fromiter((r.num_sampled for r in reqs), np.int32, n),
             padded)
@@ -193,7 +262,7 @@ class SpecDecoder:
             req.inflight_extra += shape.num_steps
         return output
 
-    def _round_rows(self, reqs: list[Req], padded: int) -> RoundRows:
+    def _round_rows(self, reqs: list[Req], padded: int, hints: Any) -> RoundRows:
         """The round's row arrays: -1 where only the device knows the value yet."""
         n = len(reqs)
 
@@ -210,15 +279,16 @@ class SpecDecoder:
             kv_lens=column(-1 if r.inflight_extra else r.kv_len for r in reqs),
             root_tokens=column(-1 if r.num_inflight else r.last_token for r in reqs),
             min_new_tokens=column(r.params.min_new_tokens for r in reqs),
-            state_slots=column(r.state_slot for r in reqs))
+            state_slots=column(r.state_slot for r in reqs),
+            max_depths=column(_max_depth(r, self.spec.shape.num_steps) for r in reqs),
+            hints=hints)
 
-    def _needs_settled(self, reqs: list[Req], shape: TreeShape) -> bool:
-        """Whether this round needs the round in flight read first (see the module's
-        docstring)."""
-        unread = self._unread
+    @staticmethod
+    def _needs_settled(reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None,
+                       undrafted: bool) -> bool:
         if unread is None:
             return False
-        if shape == PLAIN and not any(r.drafting for r in reqs):
+        if undrafted:
             return any(r.inflight_extra for r in reqs)
         if not unread.defers:
             return False
@@ -239,8 +309,17 @@ class SpecDecoder:
         for req in reqs:
             req.draft_pending.clear()
 
+    def _offered_records(self, reqs: list[Req], hints: Any) -> list:
+        """_records, None too for a request the host-side drafter has nothing for."""
+        offered = self.proposer.offered(hints, len(reqs))
+        return [record if has_draft else None
+                for record, has_draft in zip(self._records(reqs), offered, strict=True)]
+
     def _records(self, reqs: list[Req]) -> list:
-        return [req.spec_acceptance if req.drafting else None for req in reqs]
+        """Each request's acceptance record, None where its rounds teach the policy nothing:
+        no draft, or a depth the request capped itself."""
+        return [req.spec_acceptance if req.drafting and req.params.max_draft_depth is None
+                else None for req in reqs]
 
     def _constrained_menu(self, reqs: list[Req]) -> tuple[TreeShape, ...] | None:
         """Shapes a batch with grammar-constrained requests may take (None: any). Masked
@@ -264,6 +343,26 @@ class SpecDecoder:
                 fill_tree_bitmasks(req.grammar, tokens[row], parents[row], masks[row])
                 allow_eos_at_dead_ends(masks[row], req.eos_ids)
         return masks
+
+
+def _drafted_depths(parents: np.ndarray | None, rows: int) -> list[int]:
+    """Per row of a round's trees (parents i32[rows, N]; None: no trees), the deepest draft
+    node it verified: the draft positions the round tried (0 where a row had no draft)."""
+    if parents is None:
+        return [0] * rows
+    depths = np.zeros(parents.shape, np.int32)
+    for node in range(1, parents.shape[1]):
+        parent = parents[:, node]
+        depths[:, node] = np.where(parent >= 0, depths[np.arange(len(parent)),
+                                                        np.maximum(parent, 0)] + 1, 0)
+    return depths.max(axis=1).tolist()
+
+
+def _max_depth(req: Req, num_steps: int) -> int:
+    """The deepest draft node the request's rounds verify: the flags' depth unless it asked
+    for less (or for no speculation: 0)."""
+    cap = req.params.max_draft_depth
+    return num_steps if cap is None else min(cap, num_steps)
 
 
 def _as_round(output: RoundOutput | StepOutput) -> RoundOutput:

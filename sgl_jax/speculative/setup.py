@@ -17,13 +17,16 @@ from sgl_jax.models.loader import (
     load_model,
 )
 from sgl_jax.server_args import ServerArgs
+from sgl_jax.speculative.drafter import ModelDrafter, NoProposer, Proposer
 from sgl_jax.speculative.drafts import (
     DraftModel,
     Eagle3Draft,
     EagleDraft,
     StandaloneDraft,
     TreeShape,
+    allocate_draft_cache,
 )
+from sgl_jax.speculative.ngram import NgramDrafter, NgramProposer
 from sgl_jax.speculative.policy import PLAIN, candidate_shapes
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.verify import AcceptThresholds
@@ -31,10 +34,13 @@ from sgl_jax.speculative.verify import AcceptThresholds
 logger = logging.getLogger(__name__)
 
 
-def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
-    """Load --speculative-draft-model-path in the target's dtype; a draft that does not fit
-    the target stops start-up (there is no fallback to plain decoding)."""
+def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | None:
+    """Load --speculative-draft-model-path in the target's dtype (None for a drafter that
+    needs no model: NGRAM); a draft that does not fit the target stops start-up (there is
+    no fallback to plain decoding)."""
     spec = args.speculative
+    if spec.ngram is not None:
+        return None
     dtype = jnp.dtype(target.dtype).name
     attention = target.tp.attention(get_attention_backend(args.attention_backend))
     if spec.algorithm == "EAGLE3":
@@ -67,7 +73,9 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel:
     return draft
 
 
-def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -> SpecRunner:
+def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel | None
+                     ) -> SpecRunner:
+    """The runner of the flags' drafter: `draft` (load_draft's), or NGRAM's without one."""
     spec = args.speculative
     capture = ()
     if isinstance(draft, Eagle3Draft):
@@ -84,9 +92,33 @@ def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel) -
                 "adaptive %s", spec.algorithm, shape.num_steps, shape.topk,
                 shape.num_draft_tokens, capture, "on" if adaptive else "off")
     # Plain rounds are always on the menu: batches with a grammar-constrained request take them.
-    return SpecRunner(runner, draft, shape, thresholds=thresholds, capture_layers=capture,
-                      attention_backend=args.attention_backend,
-                      shapes=candidate_shapes(shape) if adaptive else (PLAIN,))
+    shapes = tuple(dict.fromkeys((*(candidate_shapes(shape) if adaptive else (PLAIN,)),
+                                  shape)))
+    if draft is None:
+        drafter, draft_kv = NgramDrafter(shapes), []
+    else:
+        drafter = ModelDrafter(draft, dtype=runner.model.dtype, page_size=runner.page_size)
+        draft_kv = _draft_cache(runner, draft)
+    return SpecRunner(runner, drafter, draft_kv, shape, thresholds=thresholds,
+                      capture_layers=capture, shapes=shapes)
+
+
+def make_proposer(args: ServerArgs, spec: SpecRunner) -> Proposer:
+    """The host half of the flags' drafter (NGRAM's statistics; nothing for the others)."""
+    if args.speculative.ngram is None:
+        return NoProposer()
+    return NgramProposer(args.speculative.ngram, spec.shapes)
+
+
+def _draft_cache(runner: ModelRunner, draft: DraftModel) -> list:
+    """The draft's paged cache, as many pages as the target's first attention layer (a
+    hybrid model's layer 0 may be a state pool): one allocator serves both."""
+    config = runner.config
+    first_attention = next(i for i in range(config.num_layers) if not config.is_linear_layer(i))
+    return allocate_draft_cache(
+        draft, num_pages=runner.kv_cache[first_attention][0].shape[0],
+        page_size=runner.page_size, dtype=runner.model.dtype, tp=runner.tp,
+        num_state_slots=runner.num_state_slots)
 
 
 def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:

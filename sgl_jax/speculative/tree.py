@@ -32,6 +32,13 @@ def node_depths(parents: jax.Array) -> jax.Array:
     return depth
 
 
+def limit_depth(tree: DraftTree, max_depths: jax.Array) -> DraftTree:
+    """The tree with every node deeper than its row's max_depths (i32[B]) cut off: its
+    parent becomes -1, so verification never reaches it or anything below it."""
+    depths = node_depths(tree.parents)
+    return DraftTree(tree.tokens, jnp.where(depths > max_depths[:, None], -1, tree.parents))
+
+
 def ancestor_mask(parents: jax.Array) -> jax.Array:
     """parents i32[B, W] -> bool[B, W, W]: row i marks node i and all its ancestors, which is
     what node i may attend to among the W nodes."""

@@ -14,7 +14,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.speculative.policy import PLAIN
-from sgl_jax.speculative.spec_runner import CATCH_UP_WIDTH
+from sgl_jax.speculative.round import CATCH_UP_WIDTH
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import cached_draft_keys, write_tiny_eagle3_draft
 from sgl_jax.testing.server import launch_server
@@ -56,7 +56,7 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None):
         compiled = engine.get_server_info()["num_compilations"]
         if relative_costs:  # a machine where a round of each shape costs that many plain
             # steps: at warm-up and while serving
-            policy = engine._loop.scheduler.speculative.policy
+            policy = engine._loop.scheduler.decoding.policy
             policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
                                     for shape, bucket in policy.round_seconds}
             observe = policy.observe
@@ -113,10 +113,10 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
             scheduler, spec = engine._loop.scheduler, engine._spec
             if adaptive:  # else the flags' shape every round: the draft kept in step
                 script = iter(([PLAIN] * 3 + [spec.shape] * 2 + [PLAIN] * (CATCH_UP_WIDTH + 2)
-                               + [scheduler.speculative.policy.shapes[1]]) * 100)
-                scheduler.speculative.policy.choose = lambda requests, bucket, **_: next(script)
+                               + [scheduler.decoding.policy.shapes[1]]) * 100)
+                scheduler.decoding.policy.choose = lambda requests, bucket, **_: next(script)
                 # every request drafts, whatever the warmup's timings on a busy machine say
-                scheduler.speculative.policy.admits_draft = lambda *_, **__: True
+                scheduler.decoding.policy.admits_draft = lambda *_, **__: True
             widths = []
             catch_up = spec.catch_up
             spec.catch_up = lambda rows: (widths.extend(len(r.next_tokens) for r in rows),
@@ -155,7 +155,7 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
                 speculative_draft_model_path=str(paths["eagle3"]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
         scheduler, spec = engine._loop.scheduler, engine._spec
-        policy = scheduler.speculative.policy
+        policy = scheduler.decoding.policy
         policy.admits_draft = lambda bucket, rid, *_: False
         before = jax.device_get(spec.draft_kv)
         firsts, _ = generate(engine, [1] * 4)  # prefill only

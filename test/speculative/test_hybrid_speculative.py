@@ -8,7 +8,6 @@ request's slot, the state that decoding the accepted path one token at a time le
 captures attention layers' outputs only."""
 
 import dataclasses
-import functools
 import json
 
 import jax
@@ -22,6 +21,7 @@ from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
+from sgl_jax.speculative.round import RoundInputs, verify_trees
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
@@ -181,7 +181,7 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                 parents, path = [-1, 0, 0, 2, 2, 4, 3, 4], [0, 2, 4, 7]
             trees.append((tokens, parents))
             paths_taken.append(path)
-        # verify_step's arrays, padded to the batch bucket: padding rows read the null page.
+        # verify_trees' arrays, padded to the batch bucket: padding rows read the null page.
         padded = spec.target.buckets.batch_padding(len(ids))
         page_table = np.zeros((padded, spec.target.buckets.pages_per_seq), np.int32)
         kv_lens = np.zeros(padded, np.int32)
@@ -197,9 +197,16 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
         padding = [(trees[0][0], list(range(-1, n - 1)))] * (len(kv_lens) - len(trees))
         tree = DraftTree(*(np.array(part, np.int32) for part in zip(*trees, *padding,
                                                                       strict=True)))
-        verify = jax.jit(functools.partial(spec.verify_step, shape=spec.shape))
-        kv, verified = verify(runner.model.params, runner.kv_cache, page_table, kv_lens,
-                              active, tree, sampling, suppress, np.bool_(False), state_slots)
+        def verify(params, kv, page_table, kv_lens, active, tree, sampling, suppress,
+                   state_slots):
+            inputs = RoundInputs(active, kv_lens, tree.tokens[:, 0], None, sampling, suppress)
+            return verify_trees(spec.forward, params, kv, page_table, inputs, tree,
+                                np.bool_(False), state_slots, num_steps=spec.shape.num_steps,
+                                chain=spec.shape.topk == 1, page_size=spec.page_size,
+                                thresholds=spec.thresholds, features="")
+
+        kv, verified = jax.jit(verify)(runner.model.params, runner.kv_cache, page_table,
+                                       kv_lens, active, tree, sampling, suppress, state_slots)
         runner.kv_cache = kv
         verdict = jax.device_get(verified.verdict)
         for j, f in enumerate(follow):

@@ -177,7 +177,7 @@ def test_plain_streaks_and_catch_ups(paths):
         with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                     speculative_draft_model_path=str(paths["eagle3"]),
                     disable_overlap_schedule=not overlap, **shape, **SMALL) as engine:
-            policy = engine._loop.scheduler.speculative.policy
+            policy = engine._loop.scheduler.decoding.policy
             assert engine._spec.defers_draft  # plain rounds leave the draft behind
             script = iter(([PLAIN] * 3 + [engine._spec.shape] * 2 + [PLAIN] * 10
                            + [engine._spec.shape]) * 100)

@@ -20,7 +20,8 @@ from pydantic import (
 
 from sgl_jax.grammar import ANY_JSON_OBJECT
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS
-from sgl_jax.sampling_params import MAX_LOGIT_BIAS, MODEL_DEFAULT_FIELDS
+from sgl_jax.sampling_fields import REQUEST_PARAMS, TOP_K_OFF
+from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
 # The model name SGLang's schemas default to; its clients send it.
 DEFAULT_MODEL = "default"
@@ -323,7 +324,7 @@ class _SamplingFields(StrictSchema):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None  # recorded in the request log
     # Extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=TOP_K_OFF)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: int = Field(0, ge=0)
@@ -336,11 +337,14 @@ class _SamplingFields(StrictSchema):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Speculative decoding for this request (our extension; SamplingParams has the meaning).
+    speculative: bool = True
+    speculative_num_steps: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
         if self.top_k == 0:
-            raise ValueError("top_k must be -1 (off) or >= 1")
+            raise ValueError(f"top_k must be {TOP_K_OFF} (off) or >= 1")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         if len(self._grammars()) > 1:
@@ -363,18 +367,19 @@ class _SamplingFields(StrictSchema):
                         defaults: Mapping[str, Any]) -> dict[str, Any]:
         """The engine's sampling parameters, `defaults` (the server's, for fields of
         MODEL_DEFAULT_FIELDS) where the request sets none; the engine's own defaults where
-        neither does. An OpenAI seed of any size maps to 32 bits."""
-        chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS}
+        neither does. The parameters that set a sampling row (REQUEST_PARAMS) have the same
+        names here; an OpenAI seed of any size maps to 32 bits."""
+        chosen = {name: getattr(self, name) for name in REQUEST_PARAMS}
+        if self.seed is not None:
+            chosen["seed"] = self.seed % 2**32
         return {
             **defaults, **{name: value for name, value in chosen.items() if value is not None},
             "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "seed": None if self.seed is None else self.seed % 2**32,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "n": self.n,
             "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias, **self.grammar(),
+            "speculative": self.speculative, "speculative_num_steps": self.speculative_num_steps,
         }
 
     @property

@@ -1,0 +1,188 @@
+"""The decoding interface the scheduler drives, and plain decoding, its first implementation.
+
+The scheduler decides which requests run (admission, chunked prefill, retraction) and when a
+step's results are read; a `Decoding` decides how the step runs on the device and what its
+results append to each request. Plain decoding samples one token per request per step;
+speculative decoding (speculative/decoder.py) runs draft-and-verify rounds behind the same
+methods. The scheduler knows no more of either than this interface.
+
+A step is launched, then settled a step later (the loop runs one step ahead of its results):
+`plan_decode` says whether the step in flight must be read first (a round that needs the
+host's view of every token), `launch_*` dispatches without waiting, and `settle` reads the
+results and appends each request's new tokens, up to where it finishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.model_executor.forward_batch import SeqChunk, build_decode_batch
+from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput, pad_rows
+from sgl_jax.scheduler.req import Req
+from sgl_jax.scheduler.slot_table import SlotTable
+
+# What a settled step hands back, per request that produced tokens: (request, new text, new
+# token ids). A request its tokens finished is marked finished.
+Emitted = list[tuple[Req, str, list[int]]]
+
+
+@dataclass
+class LaunchedStep:
+    """A dispatched step whose results the host has not read yet."""
+
+    kind: str  # "prefill" or "decode"
+    rows: list[tuple[Req, int, bool]]  # (request, tokens computed, whether it samples one)
+    output: Any  # the decoding's handle on the results (PendingStep, or a round's)
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """An extend step's host inputs, one row per chunk."""
+
+    rows: list[tuple[Req, int, bool]]  # (request, tokens in its chunk, completes its prompt)
+    chunks: list[SeqChunk]
+    sampling: SamplingBatch  # host arrays, one row per chunk
+    penalty_slots: np.ndarray  # i32[n]: -1 for requests without penalties
+    emits: np.ndarray  # bool[n]: the chunk completes its request's prompt
+    slots: np.ndarray  # i32[n]: request slots
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [req for req, _, _ in self.rows]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How the next decode step will run, decided before it is launched."""
+
+    settle_first: bool  # the step in flight must be read before this one is launched
+    detail: Any = None  # the decoding's own choice (a round's shape)
+
+
+class Decoding(Protocol):
+    lookahead: int  # KV slots past kv_len a decode step may write
+
+    def add_request(self, req: Req) -> None: ...
+
+    def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
+        """A request is about to be admitted into a batch of `batch_size`."""
+
+    def launch_prefill(self, batch: PrefillBatch) -> PendingStep: ...
+
+    def plan_decode(self, reqs: list[Req], in_flight: LaunchedStep | None) -> DecodePlan: ...
+
+    def launch_decode(self, reqs: list[Req], plan: DecodePlan) -> Any: ...
+
+    def settle(self, launched: LaunchedStep) -> Emitted: ...
+
+    def retract(self, req: Req) -> None: ...
+
+    def flush(self) -> None:
+        """Forget what finished requests left behind (the engine's flush_cache)."""
+
+    def finish(self, req: Req) -> None: ...
+
+    def log_fields(self) -> str:
+        """Figures for the scheduler's periodic decode log line ("" for none)."""
+
+    def server_info(self) -> dict[str, Any]: ...
+
+
+class PlainDecoding:
+    """One token per request per step: the target's sampling step (ModelRunner)."""
+
+    lookahead = 1
+
+    def __init__(self, runner: ModelRunner, slot_table: SlotTable):
+        self.runner = runner
+        self.slot_table = slot_table
+
+    def add_request(self, req: Req) -> None:
+        pass
+
+    def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
+        pass
+
+    def launch_prefill(self, batch: PrefillBatch) -> PendingStep:
+        reqs = batch.reqs
+        return self.runner.step(
+            batch.chunks, batch.sampling, batch.penalty_slots, batch.emits,
+            any(req.top_logprobs_num for req in reqs), slots=batch.slots,
+            want_logprobs=any(req.return_logprob for req in reqs))
+
+    def plan_decode(self, reqs: list[Req], in_flight: LaunchedStep | None) -> DecodePlan:
+        return DecodePlan(settle_first=False)
+
+    def launch_decode(self, reqs: list[Req], plan: DecodePlan) -> PendingStep:
+        return dispatch_decode_step(self.runner, self.slot_table, reqs)
+
+    def settle(self, launched: LaunchedStep) -> Emitted:
+        return emit_tokens(launched.rows, launched.output.result())
+
+    def retract(self, req: Req) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, req: Req) -> None:
+        pass
+
+    def log_fields(self) -> str:
+        return ""
+
+    def server_info(self) -> dict[str, Any]:
+        return {}
+
+
+def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[Req]
+                         ) -> PendingStep:
+    """One token for every request, the batch built from row arrays (SlotTable); lengths
+    advance now, the token is read when the step is settled."""
+    n = len(reqs)
+    shape = runner.buckets.decode_shape(n)
+    slots = np.fromiter((r.slot for r in reqs), np.int32, n)
+    num_sampled = np.fromiter((r.num_sampled for r in reqs), np.int32, n)
+    batch = build_decode_batch(
+        np.fromiter((-1 if r.num_inflight else r.last_token for r in reqs), np.int32, n),
+        np.fromiter((r.kv_len for r in reqs), np.int32, n),
+        slot_table.page_rows(reqs),
+        np.fromiter((r.state_slot for r in reqs), np.int32, n),
+        page_size=runner.page_size, shape=shape)
+    sampling, penalty_slots = slot_table.sampling_rows(reqs, slots, num_sampled,
+                                                       shape.num_logits)
+    rows = shape.num_logits
+    output = runner.launch(
+        batch, sampling, penalty_slots, pad_rows(slots, rows, fill=-1),
+        np.arange(rows) < n, n,
+        want_top_logprobs=any(r.top_logprobs_num for r in reqs),
+        want_logprobs=any(r.return_logprob for r in reqs))
+    for req in reqs:
+        req.kv_len += 1
+        req.num_inflight += 1
+    return output
+
+
+def emit_tokens(rows: list[tuple[Req, int, bool]], output: StepOutput) -> Emitted:
+    """Append each emitting row's token; a request that ended while the step ran (it stopped
+    at the step before, or was aborted) drops its token."""
+    tokens = output.tokens.tolist()
+    logprobs = output.logprobs.tolist() if output.logprobs is not None else None
+    emitted = []
+    for row, (req, _, emits) in enumerate(rows):
+        if not emits:
+            continue
+        req.num_inflight -= 1
+        if req.finished:
+            continue
+        top = []
+        if req.top_logprobs_num:
+            ids, values = output.top_logprob_ids[row].tolist(), output.top_logprobs[row].tolist()
+            top = list(zip(ids, values, strict=True))
+        text = req.append_token(tokens[row], logprobs[row] if logprobs else 0.0, top)
+        emitted.append((req, text, [tokens[row]]))
+    return emitted

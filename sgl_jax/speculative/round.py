@@ -1,0 +1,283 @@
+"""One speculative round as pure functions: what enters it, what passes from one round to the
+next on the device, the target's verification of every draft tree, and what comes back.
+
+A round = the drafter proposes a tree per row (drafter.py), `verify_trees` runs the target over
+every tree with the tree mask and walks the accepted path (verify.py), the drafter advances
+over the accepted tokens, and `advance_slots` records the round in each request's slot. The
+runner (spec_runner.py) compiles and dispatches these; nothing here holds state.
+
+What passes from one round to the next stays on the device, per request slot (`SlotState`,
+and the target's `last_tokens` for the root token): the committed length, the tokens
+sampled, and the drafter's own per-slot state. So a round can be dispatched before the host
+has read the one before it: where the host does not know a row's length yet it passes -1 and
+the round reads the slot's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.layers import gated_delta_net
+from sgl_jax.layers.attention import LayerKV
+from sgl_jax.layers.attention.metadata import read_slots, write_slots
+from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
+from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words, top_logprobs_if
+from sgl_jax.model_executor.target_forward import TargetForward
+from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
+from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
+
+# Pending tokens one catch-up program extends the draft over, per request.
+CATCH_UP_WIDTH = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RoundRows:
+    """Host arrays of the requests entering a round, padded to the batch bucket B."""
+
+    slots: np.ndarray  # i32[B]: request slots (SlotState rows); -1: a padding row
+    page_table: np.ndarray  # i32[B, P]: pages covering kv_len + SpecRunner.lookahead
+    kv_lens: np.ndarray  # i32[B]: committed tokens before the root; -1: the slot's (a round
+    # the host has not read yet decided it); the output position follows the same rule
+    root_tokens: np.ndarray  # i32[B]: the request's last token; -1: the slot's
+    min_new_tokens: np.ndarray  # i32[B]: EOS stays suppressed below this output position
+    state_slots: np.ndarray  # i32[B]: a hybrid model's recurrent-state slots (0: none)
+    max_depths: np.ndarray  # i32[B]: the deepest draft node each row may verify (0: none)
+    hints: object = None  # what a host-side drafter proposes for these rows (or None)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SlotState:
+    """Each request slot's speculative state between rounds, on the device."""
+
+    kv_lens: jax.Array  # i32[S]: committed tokens before the root, after the slot's last round
+    num_sampled: jax.Array  # i32[S]: output tokens sampled by then (the next one's position)
+    draft: jax.Array  # [S, D]: the drafter's own (Drafter.slot_width; EAGLE: its output at
+    # the root, f[S, H])
+
+
+@dataclass(frozen=True)
+class CatchUpRow:
+    """A request whose draft is behind its target by the tokens of some plain rounds."""
+
+    slot: int  # its request slot: the caught-up draft's root is written there
+    page_ids: Sequence[int]
+    draft_len: int  # tokens the draft's cache holds (kv_len minus the pending ones)
+    next_tokens: Sequence[int]  # per pending position p, the token at p + 1 (CATCH_UP_WIDTH)
+    features: np.ndarray  # f[len(next_tokens), F]: the target's features at those positions
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    """Host copies of one round's results, one row per request."""
+
+    tokens: np.ndarray  # i32[B, S+1]: accepted tokens then the bonus token
+    num_accepted: np.ndarray  # i32[B]: a; the row emits tokens[:a+1]
+    logprobs: np.ndarray | None  # f32[B, S+1]: raw target log-probability (None: not asked)
+    top_logprob_ids: np.ndarray | None  # i32[B, S+1, MAX_TOP_LOGPROBS] (None: not asked)
+    top_logprobs: np.ndarray | None  # f32[B, S+1, MAX_TOP_LOGPROBS]
+    # i32[B, N]: the tree this round verified (node 0 = the root); None for a round where no
+    # request had a draft (the target's decode step)
+    tree_tokens: np.ndarray | None
+    tree_parents: np.ndarray | None
+    # f[B, F]: a plain round that left the draft behind: the target's features at the root,
+    # for the catch-up; else None.
+    features: np.ndarray | None = None
+
+
+class PendingRound:
+    """A dispatched round's results, still on the device: their copy to the host starts at
+    once, and `result()` waits for it. Log-probabilities are copied only when asked for."""
+
+    def __init__(self, num_rows: int, result: tuple, *, want_logprobs: bool,
+                 want_top_logprobs: bool):
+        verdict, logprobs, top, tree, features = result
+        self._num_rows = num_rows
+        self._arrays = (verdict.tokens, verdict.num_accepted,
+                        logprobs if want_logprobs else None,
+                        *(top if want_top_logprobs else (None, None)),
+                        tree.tokens, tree.parents, features)
+        for array in self._arrays:
+            if array is not None:
+                array.copy_to_host_async()
+
+    def result(self) -> RoundOutput:
+        n = self._num_rows
+        return RoundOutput(*(None if a is None else np.asarray(a)[:n] for a in self._arrays))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Verified:
+    """What a round's verification hands on, one row per request."""
+
+    verdict: Verdict
+    logprobs: jax.Array  # f32[B, S+1]: raw target log-probability of each emitted token
+    top: tuple[jax.Array, jax.Array]  # i32 / f32[B, S+1, MAX_TOP_LOGPROBS] (zeros unless asked)
+    features: jax.Array | None  # f[B*(S+1), F]: the target's features along the accepted
+    # path (what the draft reads), or None for a draft that reads none
+
+
+
+def commit_path_kv(kv: list[LayerKV], page_table: jax.Array, prefix_lens: jax.Array,
+                   verdict: Verdict, page_size: int) -> list[LayerKV]:
+    """Copy the K/V of each accepted node (at slot prefix + node index) to slot prefix + depth,
+    so the accepted path lies in consecutive slots like ordinary decoded tokens."""
+    depth = jnp.arange(1, verdict.path.shape[1])[None, :]  # i32[1, S]
+    nodes = verdict.path[:, 1:]
+    moved = (depth <= verdict.num_accepted[:, None]) & (nodes != depth)
+    source = kv_slots(page_table, prefix_lens[:, None] + jnp.maximum(nodes, 0), page_size)
+    dest = kv_slots(page_table, prefix_lens[:, None] + depth, page_size)
+    source = jnp.where(moved, source, 0).reshape(-1)  # unmoved pairs copy the null slot
+    dest = jnp.where(moved, dest, 0).reshape(-1)
+
+    def move(pages: jax.Array) -> jax.Array:
+        return write_slots(pages, dest, read_slots(pages, source))
+
+    # A hybrid model's linear layers hold state pools, committed apart.
+    return [layer if isinstance(layer, gated_delta_net.GdnState) else tuple(map(move, layer))
+            for layer in kv]
+
+
+def path_logprobs(logits: jax.Array, tokens: jax.Array, want_top: jax.Array):
+    """logits f32[B*(S+1), V] at the nodes that produced each emitted token, tokens i32[B, S+1]
+    -> raw log-probabilities f32[B, S+1] and top ones [B, S+1, MAX_TOP_LOGPROBS] (or zeros)."""
+    batch, width = tokens.shape
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens.reshape(-1, 1), axis=1).reshape(batch, width)
+    top_ids, top_values = top_logprobs_if(want_top, logits)
+    shape = (batch, width, MAX_TOP_LOGPROBS)
+    return chosen, (top_ids.reshape(shape), top_values.reshape(shape))
+
+
+def node_sampling(sampling: SamplingBatch, depths: jax.Array, suppress_depth: jax.Array
+                  ) -> SamplingBatch:
+    """One sampling row per tree node (B*N rows) from one per request (B rows) and the node
+    depths i32[B, N]: the request's parameters at the output position of that node's
+    prediction, with EOS suppressed only where min_new_tokens still holds."""
+    n = depths.shape[1]
+    per_node = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), sampling)
+    suppressing = (depths < suppress_depth[:, None]).reshape(-1)
+    return dataclasses.replace(
+        per_node, position=per_node.position + depths.reshape(-1),
+        suppress_ids=jnp.where(suppressing[:, None], per_node.suppress_ids, -1))
+
+
+def allow_every_id(nodes: tuple[int, int], vocab_size: int) -> np.ndarray:
+    """i32[B, N, W]: node bitmasks that allow every id at each of [B, N] nodes."""
+    return np.full((*nodes, bitmask_words(vocab_size)), -1, np.int32)
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """A round's per-row inputs on the device: the host's where it knows them, else the
+    slot's (inside a jitted round)."""
+
+    active: jax.Array  # bool[B]: padding rows write nothing
+    kv_lens: jax.Array  # i32[B]
+    root_tokens: jax.Array  # i32[B]
+    draft: jax.Array  # [B, D]: the drafter's slot state
+    sampling: SamplingBatch | None  # positions from the slots where the host's are unknown
+    suppress_depth: jax.Array  # i32[B]: nodes shallower than this suppress EOS
+
+
+def round_inputs(state: SlotState, last_tokens: jax.Array, rows: RoundRows,
+                 sampling: SamplingBatch | None) -> RoundInputs:
+    slot = jnp.maximum(rows.slots, 0)
+    unread = rows.kv_lens < 0  # a round the host has not read decided the length
+    kv_lens = jnp.where(unread, state.kv_lens[slot], rows.kv_lens)
+    roots = jnp.where(rows.root_tokens < 0, last_tokens[slot], rows.root_tokens)
+    positions = state.num_sampled[slot]
+    if sampling is not None:
+        positions = jnp.where(unread, positions, sampling.position)
+        sampling = dataclasses.replace(sampling, position=positions)
+    return RoundInputs(rows.slots >= 0, kv_lens, roots, state.draft[slot], sampling,
+                       jnp.maximum(rows.min_new_tokens - positions, 0))
+
+
+def advance_slots(state: SlotState, last_tokens: jax.Array, slots: jax.Array,
+                  inputs: RoundInputs, verdict: Verdict, draft: jax.Array | None
+                  ) -> tuple[SlotState, jax.Array]:
+    """Each row's slot after the round: a + 1 more tokens committed and sampled, the bonus
+    token as the root, and the drafter's new slot state `draft` [B, D] (unchanged where
+    None: a round that left the draft behind)."""
+    where = jnp.where(inputs.active, slots, last_tokens.shape[0])  # padding: dropped
+    grown = verdict.num_accepted + 1
+    bonus = jnp.take_along_axis(verdict.tokens, verdict.num_accepted[:, None], axis=1)[:, 0]
+    drafts = state.draft if draft is None else state.draft.at[where].set(draft, mode="drop")
+    state = SlotState(state.kv_lens.at[where].set(inputs.kv_lens + grown, mode="drop"),
+                      state.num_sampled.at[where].set(inputs.sampling.position + grown,
+                                                      mode="drop"),
+                      drafts)
+    return state, last_tokens.at[where].set(bonus, mode="drop")
+
+
+def verify_trees(
+    forward: TargetForward, params, kv: list[LayerKV],
+    page_table: jax.Array,  # i32[B, P]
+    inputs: RoundInputs,
+    tree: DraftTree,  # [B, N]
+    want_top: jax.Array,  # bool[]
+    state_slots: jax.Array,  # i32[B]: hybrid targets' slots
+    *,
+    num_steps: int,  # S: the deepest a path may be accepted
+    chain: bool,  # every tree is a chain (parents 0, 1, 2, ...)
+    page_size: int,
+    thresholds: AcceptThresholds,
+    features: str,  # what the drafter reads of the target: "aux", "final" or "" (nothing)
+    capture: tuple[int, ...] = (),
+    node_allowed: jax.Array | None = None,  # i32[B, N, W]: grammar bitmasks per node
+) -> tuple[list[LayerKV], Verified]:
+    """The target's forward over every tree with the tree mask, the acceptance walk, and the
+    accepted nodes' K/V moved into place. `node_allowed` masks each node's distribution (else
+    each request's row applies). A hybrid target's linear layers run the trees from each
+    request's committed state without writing the pools; the state after the last accepted
+    node is then committed to the request's slot (padding rows write nothing)."""
+    batch, n = tree.tokens.shape
+    kv_lens, active = inputs.kv_lens, inputs.active
+    depths = node_depths(tree.parents)
+    metadata = window_metadata(page_table, kv_lens, jnp.where(active, n, 0), n, page_size,
+                               ancestor_mask(tree.parents))
+    slots = jnp.where(active, state_slots, 0)
+    layout = None
+    if forward.hybrid:
+        layout = gated_delta_net.TreeLayout(
+            slots, tree.parents, jnp.broadcast_to(active[:, None], tree.parents.shape))
+    pools = list(kv)
+    hidden, kv, captured = forward(params, kv, tree.tokens.reshape(-1),
+                                   (kv_lens[:, None] + depths).reshape(-1), metadata,
+                                   capture=capture, tree=layout)
+    logits = forward.logits(params, hidden)  # f32[B*N, V]
+    per_node = node_sampling(inputs.sampling, depths, inputs.suppress_depth)
+    if node_allowed is not None:
+        per_node = dataclasses.replace(per_node, allowed=node_allowed.reshape(batch * n, -1))
+    verdict = verify_tree(tree, logits, per_node, num_steps=num_steps, thresholds=thresholds)
+    if forward.hybrid:
+        last = jnp.take_along_axis(verdict.path, verdict.num_accepted[:, None], axis=1)[:, 0]
+        kv = [gated_delta_net.commit_node(pools[i], nodes, slots, last, active)
+              if isinstance(pools[i], gated_delta_net.GdnState) else nodes
+              for i, nodes in enumerate(kv)]
+    if not chain:  # a chain's accepted nodes are already consecutive
+        kv = commit_path_kv(kv, page_table, kv_lens, verdict, page_size)
+    path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)
+    logprobs, top = path_logprobs(logits[path_rows], verdict.tokens, want_top)
+    path_features = target_features(features, hidden, captured)
+    return kv, Verified(verdict, logprobs, top,
+                        None if path_features is None else path_features[path_rows])
+
+
+def target_features(kind: str, hidden: jax.Array, captured: tuple[jax.Array, ...]
+                    ) -> jax.Array | None:
+    """What a drafter reads of the target per token: f[T, L*H] for "aux" (the captured
+    layers, EAGLE3), f[T, H] for "final" (the last hidden state), None for ""."""
+    if kind == "aux":
+        return jnp.concatenate(captured, axis=-1)
+    return hidden if kind == "final" else None
