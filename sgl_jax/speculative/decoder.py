@@ -99,12 +99,13 @@ class SpecDecoder:
     def add_request(self, req: Req) -> None:
         req.spec_stats = AcceptanceStats(self.spec.shape.num_steps)
         req.spec_acceptance = self.policy.new_request()
-        self.proposer.add_request(req)
 
     def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
         """At admission: whether the request gets a draft (policy.admits_draft). Only where
         plain rounds leave the draft behind: a draft that extends every round cannot start
-        late."""
+        late. A host-side drafter starts reading the request here: every admitted request
+        ends in finish(), which lets go of it."""
+        self.proposer.add_request(req)
         if not req.params.speculative:
             req.drafting = False  # it asked for none
         elif self.spec.defers_draft:
@@ -225,7 +226,7 @@ class SpecDecoder:
         for req in launched.reqs:
             req.num_inflight -= 1
             req.inflight_extra -= steps
-        drafted = _drafted_depths(output.tree_parents, len(launched.reqs))
+        drafted = self._drafted_depths(launched, output)
         emitted = []
         for row in live:
             req = launched.reqs[row]
@@ -237,6 +238,15 @@ class SpecDecoder:
                 req.draft_pending.append(output.features[row])
             emitted.append((req, text, tokens))
         return emitted
+
+    def _drafted_depths(self, launched: LaunchedRound, output: RoundOutput) -> list[int]:
+        """The draft positions each row's round tried: the shape's depth (or the request's
+        own cap) for a drafter that always drafts that deep, else the deepest node of the
+        tree it verified (NGRAM: 0 where the text offered nothing)."""
+        if self.spec.drafter.full_depth:
+            steps = launched.shape.num_steps
+            return [_max_depth(req, steps) for req in launched.reqs]
+        return _tree_depths(output.tree_parents, len(launched.reqs))
 
     def _dispatch(self, reqs: list[Req], shape: TreeShape, masked: bool, hints: Any
                   ) -> PendingRound:
@@ -345,7 +355,7 @@ class SpecDecoder:
         return masks
 
 
-def _drafted_depths(parents: np.ndarray | None, rows: int) -> list[int]:
+def _tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
     """Per row of a round's trees (parents i32[rows, N]; None: no trees), the deepest draft
     node it verified: the draft positions the round tried (0 where a row had no draft)."""
     if parents is None:

@@ -35,6 +35,7 @@ class Drafter(Protocol):
     features: str  # what it reads of the target: "aux" (captured layers), "final" or ""
     defers: bool  # plain rounds may leave it behind, to be caught up later
     advances_on_plain: bool  # a plain round must still advance it (else: the target's step)
+    full_depth: bool  # every tree reaches the round's depth (else its depth varies by row)
     slot_width: int  # D: its per-slot state SlotState.draft [S, D]
     slot_dtype: Any
     params: Any  # its weights (shared target arrays included), or {}
@@ -67,7 +68,8 @@ class Proposer(Protocol):
     """The host half of a drafter that proposes on the host, fed every token the host reads
     (speculative/decoder.py calls it)."""
 
-    def add_request(self, req: Req) -> None: ...
+    def add_request(self, req: Req) -> None:
+        """A request is admitted (again, after a retraction)."""
 
     def extend(self, req: Req, tokens: Sequence[int]) -> None: ...
 
@@ -117,6 +119,7 @@ class ModelDrafter:
         self.slot_width = draft.cache_config.hidden_size if draft.uses_target_features else 0
         self.slot_dtype = dtype
         self.advances_on_plain = True
+        self.full_depth = True
         # A recurrent draft's state would need its own catch-up: it keeps extending.
         self.defers = draft.uses_target_features and not draft.recurrent
 

@@ -56,6 +56,7 @@ class NgramDrafter:
     features = ""
     defers = False
     advances_on_plain = False  # a plain step's one token is the slot's last token
+    full_depth = False  # a tree reaches as deep as the text's statistics go
     slot_dtype = jnp.int32
 
     def __init__(self, shapes: Sequence[TreeShape]):
@@ -111,7 +112,9 @@ class NgramProposer:
         self.num_nodes, self.depth = proposal_shape(shapes)
 
     def add_request(self, req: Req) -> None:
-        self.index.add_request(req.rid, req.prompt_ids)
+        """From its first admission on (a retracted request is admitted again)."""
+        if req.rid not in self.index:
+            self.index.add_request(req.rid, req.prompt_ids)
 
     def extend(self, req: Req, tokens: Sequence[int]) -> None:
         if req.rid in self.index:

@@ -428,6 +428,10 @@ class SuffixIndex:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._requests
 
+    def __len__(self) -> int:
+        """Requests indexed (running ones: a finished request leaves)."""
+        return len(self._requests)
+
     @property
     def response_tokens(self) -> int:
         """Tokens of finished outputs currently kept (at most config.capacity)."""

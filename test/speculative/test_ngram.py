@@ -87,6 +87,9 @@ def test_text_with_nothing_to_repeat_accepts_nothing(targets, references):
                                                                     for n in MAX_NEW])
         assert [o["output_ids"] for o in out] == references["llama"]
         assert engine.get_server_info()["spec_accepted_tokens"] == 0
+        # A request with nothing to generate never runs; none stays indexed.
+        engine.generate(input_ids=[prompts()[0]], sampling_params=[{"max_new_tokens": 0}])
+        assert len(engine._loop.scheduler.decoding.proposer.index) == 0
 
 
 def test_ngram_flags_are_checked_at_start_up(targets):
