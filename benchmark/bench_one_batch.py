@@ -399,7 +399,8 @@ def profile_decode_step(model: LoadedModel, runner: ModelRunner, page_ids: list,
     ready = {}
 
     def jitted_step(batch):
-        runner.kv_cache, logits, _ = runner._logits_step(model.params, runner.kv_cache, batch)
+        state = runner.state
+        state.kv_cache, logits, _ = runner._logits_step(model.params, state.kv_cache, batch)
         ready["logits"] = logits
         return logits.block_until_ready()
 
@@ -409,7 +410,7 @@ def profile_decode_step(model: LoadedModel, runner: ModelRunner, page_ids: list,
     logits_only = jax.jit(lambda p, h: model.impl.compute_logits(p, h, model.config))
     hidden = jnp.zeros((1, model.config.hidden_size), model.dtype)
     ids, positions = device_batch.input_ids, device_batch.positions
-    pool = runner.kv_cache[0][0].shape[0]
+    pool = runner.state.kv_cache[0][0].shape[0]
     parts = {
         f"runner.forward, whole step ({pool}-page pool)": lambda: runner.forward(chunks),
         "  build_forward_batch (host)": lambda: _build(runner, chunks),

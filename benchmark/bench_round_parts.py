@@ -190,10 +190,11 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     # A round reads each request's draft root from its slot (SlotState.draft): the same
     # random root hidden states go there. Later rounds overwrite them with the draft's
     # output, which costs the same (every shape is fixed).
-    slot_roots = np.array(spec.slot_state.draft)
+    slot_roots = np.array(spec.state.slot_state.draft)
     slot_roots[:batch] = root_hidden[:batch]
-    spec.slot_state = dataclasses.replace(spec.slot_state,
-                                          draft=spec.tp.put_replicated(slot_roots))
+    state = runner.state  # the spec runner's too
+    state.slot_state = dataclasses.replace(state.slot_state,
+                                           draft=spec.tp.put_replicated(slot_roots))
     tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
                      np.tile(setup.tree_parents, (padded, 1)))
     want_top = np.bool_(False)
@@ -219,24 +220,24 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     verify = jax.jit(verify_part, donate_argnums=1)
     verify_args = (rows, tree, request_sampling, suppress, want_top)
     _, verified = jax.jit(verify_part)(
-        runner.model.params, runner.kv_cache, *verify_args)  # not donated: the cache stays
+        runner.model.params, state.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
     whole = spec._rounds[shape]  # the program SpecRunner.round runs
     device_arrays = jax.device_put((rows, request_sampling, want_top))
 
     def run_verify():
-        runner.kv_cache, out = verify(runner.model.params, runner.kv_cache, *verify_args)
+        state.kv_cache, out = verify(runner.model.params, state.kv_cache, *verify_args)
         return out
 
     def run_draft():
-        spec.draft_kv, out = draft(spec.drafter.params, spec.draft_kv, rows, root_hidden,
-                                   request_sampling, suppress, verified)
+        state.draft_kv, out = draft(spec.drafter.params, state.draft_kv, rows, root_hidden,
+                                    request_sampling, suppress, verified)
         return out
 
     def run_round_device():
-        (runner.kv_cache, spec.draft_kv, spec.slot_state, runner.last_tokens, out) = whole(
-            runner.model.params, spec.drafter.params, runner.kv_cache, spec.draft_kv,
-            spec.slot_state, runner.last_tokens, *device_arrays)
+        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens, out) = whole(
+            runner.model.params, spec.drafter.params, state.kv_cache, state.draft_kv,
+            state.slot_state, state.last_tokens, *device_arrays)
         return out
 
     catch_up_rows = [CatchUpRow(
@@ -247,7 +248,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     def run_catch_up():
         spec.catch_up(catch_up_rows)
-        return spec.slot_state  # what it writes: blocking on it waits for the catch-up
+        return state.slot_state  # what it writes: blocking on it waits for the catch-up
 
     deferred = shape.num_draft_tokens == 1 and spec.defers_draft
     ms = median_ms({"decode": decode,

@@ -22,10 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.attention import LayerKV, get_attention_backend, resolve_attention_backend
+from sgl_jax.layers.attention import get_attention_backend, resolve_attention_backend
 from sgl_jax.layers.sampler import (
-    PenaltyState,
     SamplingBatch,
     init_penalty_state,
     record_tokens,
@@ -33,6 +31,7 @@ from sgl_jax.layers.sampler import (
     sample,
 )
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax.model_executor.device_state import DeviceState
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
     Buckets,
@@ -120,18 +119,14 @@ class ModelRunner:
         )
         self.num_compilations = 0  # traces of the jitted functions; steady serving adds none
         self.tp = model.tp
-        # Per layer: (K, V) pages, or a linear layer's GdnState pool (hybrid models).
-        self.kv_cache: list[LayerKV | gated_delta_net.GdnState] = allocate_kv_cache(
-            model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype, tp=self.tp,
-            num_state_slots=num_state_slots,
-        )
+        self.state = DeviceState(
+            kv_cache=allocate_kv_cache(
+                model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
+                tp=self.tp, num_state_slots=num_state_slots),
+            penalties=self.tp.put_replicated(
+                init_penalty_state(num_request_slots, self.config.vocab_size)),
+            last_tokens=self.tp.put_replicated(jnp.zeros(num_request_slots, jnp.int32)))
         self.num_state_slots = num_state_slots if model.config.is_hybrid else 0
-        self.penalties: PenaltyState = self.tp.put_replicated(
-            init_penalty_state(num_request_slots, self.config.vocab_size))
-        # i32[num_request_slots]: each request slot's last sampled token, so a decode step can
-        # take its input from the step before without the host reading it first.
-        self.last_tokens: jax.Array = self.tp.put_replicated(
-            jnp.zeros(num_request_slots, jnp.int32))
         _warn_if_slow_on_cpu(attention_backend, model.dtype)
         # The target's forward, which speculative rounds run too.
         self.target_forward = TargetForward(
@@ -164,7 +159,9 @@ class ModelRunner:
         if all_logits:
             shape = shape.with_logits_for_every_token()
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
-        self.kv_cache, logits, captured = self._logits_step(self.model.params, self.kv_cache, batch)
+        state = self.state
+        state.kv_cache, logits, captured = self._logits_step(self.model.params, state.kv_cache,
+                                                             batch)
         tokens = np.concatenate(token_positions(chunks, shape))  # real tokens in the padded batch
         logits = np.asarray(logits)[tokens if all_logits else slice(len(chunks))]
         return logits, tuple(np.asarray(h)[tokens] for h in captured)
@@ -211,8 +208,9 @@ class ModelRunner:
                            batch.attention.page_table.shape[1], batch.logits_indices.shape[0])
         host = (batch, sampling, penalty_slots, slots, emits, np.bool_(want_top_logprobs))
         packing, program = self._sampling_program(shape, host)
-        (self.kv_cache, self.penalties, self.last_tokens, out, top) = program(
-            self.model.params, self.kv_cache, self.penalties, self.last_tokens,
+        state = self.state
+        (state.kv_cache, state.penalties, state.last_tokens, out, top) = program(
+            self.model.params, state.kv_cache, state.penalties, state.last_tokens,
             *pack(host, packing))
         return PendingStep(num_rows, out.tokens, out.logprob if want_logprobs else None,
                            top if want_top_logprobs else None)
@@ -222,7 +220,8 @@ class ModelRunner:
         width = self.buckets.prompt_width(len(prompt_ids))
         ids = np.full((1, width), -1, np.int32)
         ids[0, : len(prompt_ids)] = prompt_ids
-        self.penalties = self._reset_slots(self.penalties, np.array([slot], np.int32), ids)
+        self.state.penalties = self._reset_slots(self.state.penalties, np.array([slot], np.int32),
+                                                 ids)
 
     def warmup(self, shapes: Sequence[BatchShape] | None = None) -> None:
         """Compile every bucket (or `shapes`) now, so serving never waits on the compiler.
@@ -258,7 +257,7 @@ class ModelRunner:
     def _lower_sampling_step(self, host_inputs: tuple) -> tuple[Packing, jax.stages.Lowered]:
         packing = layout(host_inputs)
         return packing, self._sampling_step.lower(
-            self.model.params, self.kv_cache, self.penalties, self.last_tokens,
+            self.model.params, self.state.kv_cache, self.state.penalties, self.state.last_tokens,
             *pack(host_inputs, packing), packing=packing)
 
     # ------------------------------------------------------------------ jitted bodies

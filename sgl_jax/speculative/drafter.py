@@ -7,7 +7,7 @@ A drafter takes part in three programs of the runner (spec_runner.py):
   once the target has accepted a path, advances over the accepted tokens (`advance`);
 - a catch-up, for drafters that plain rounds may leave behind (`defers`).
 
-What it keeps between rounds lives in its own paged KV cache (SpecRunner.draft_kv, empty
+What it keeps between rounds lives in its own paged KV cache (DeviceState.draft_kv, empty
 for none) and in one row per request slot (`SlotState.draft`, `slot_width` wide). A drafter
 that works on the host (NGRAM) hands its proposals to the round as `RoundRows.hints`.
 

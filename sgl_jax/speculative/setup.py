@@ -116,7 +116,7 @@ def _draft_cache(runner: ModelRunner, draft: DraftModel) -> list:
     config = runner.config
     first_attention = next(i for i in range(config.num_layers) if not config.is_linear_layer(i))
     return allocate_draft_cache(
-        draft, num_pages=runner.kv_cache[first_attention][0].shape[0],
+        draft, num_pages=runner.state.kv_cache[first_attention][0].shape[0],
         page_size=runner.page_size, dtype=runner.model.dtype, tp=runner.tp,
         num_state_slots=runner.num_state_slots)
 

@@ -103,7 +103,9 @@ class SpecRunner:
         self.target = target
         self.drafter = drafter
         self.forward = target.target_forward
-        self.draft_kv = draft_kv
+        # One state with the target's runner: rounds and plain steps alike read and write it.
+        self.state = target.state
+        self.state.draft_kv = draft_kv
         self.vocab_size = target.config.vocab_size
         self.shape = shape  # the flags' shape: the widest a round may take
         self.shapes = tuple(dict.fromkeys((*shapes, shape)))  # every shape a round may take
@@ -111,8 +113,8 @@ class SpecRunner:
         self.capture_layers = capture_layers
         self.page_size = target.page_size
         self.tp = target.tp
-        num_slots = target.last_tokens.shape[0]
-        self.slot_state = self.tp.put_replicated(SlotState(
+        num_slots = self.state.last_tokens.shape[0]
+        self.state.slot_state = self.tp.put_replicated(SlotState(
             np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32),
             np.zeros((num_slots, drafter.slot_width), drafter.slot_dtype)))
         # Every program that writes the per-slot state (SlotState, the target's last tokens)
@@ -166,10 +168,11 @@ class SpecRunner:
         rows = shape.num_logits
         draft_ids = _shifted_ids(chunks, shape, next_tokens)
         sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
-        (self.target.kv_cache, self.draft_kv, self.slot_state, self.target.last_tokens, out,
+        state = self.state
+        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens, out,
          top) = self._prefill(
-            self.target.model.params, self.drafter.params, self.target.kv_cache, self.draft_kv,
-            self.slot_state, self.target.last_tokens, batch, sampling,
+            self.target.model.params, self.drafter.params, state.kv_cache, state.draft_kv,
+            state.slot_state, state.last_tokens, batch, sampling,
             pad_rows(emits, rows, fill=False), pad_rows(slots.astype(np.int32), rows, fill=-1),
             np.bool_(want_top_logprobs), draft_ids, np.bool_(run_draft))
         return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
@@ -181,10 +184,11 @@ class SpecRunner:
         """Dispatch a round of `shape` (default: the flags') for every row: propose, verify,
         advance the drafter; `sampling` has a host row per row of `rows`. Results come back
         for the first `num_rows` (default: every row)."""
-        (self.target.kv_cache, self.draft_kv, self.slot_state, self.target.last_tokens,
+        state = self.state
+        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens,
          result) = self._rounds[shape or self.shape](
-            self.target.model.params, self.drafter.params, self.target.kv_cache, self.draft_kv,
-            self.slot_state, self.target.last_tokens, rows, sampling,
+            self.target.model.params, self.drafter.params, state.kv_cache, state.draft_kv,
+            state.slot_state, state.last_tokens, rows, sampling,
             np.bool_(want_top_logprobs))
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
@@ -192,8 +196,9 @@ class SpecRunner:
     def draft_trees(self, rows: RoundRows) -> DraftTree:
         """The first half of a masked round: each row's tree of the flags' shape, as host
         arrays (tokens and parents i32[B, N]). Every row's length must be known (>= 0)."""
-        tree, self.draft_kv = self._draft_trees(self.drafter.params, self.draft_kv,
-                                                self.slot_state, self.target.last_tokens, rows)
+        state = self.state
+        tree, state.draft_kv = self._draft_trees(self.drafter.params, state.draft_kv,
+                                                 state.slot_state, state.last_tokens, rows)
         return jax.device_get(tree)
 
     def masked_verify(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
@@ -202,10 +207,11 @@ class SpecRunner:
         """The second half: verify `tree` (draft_trees' for the same rows) with every node's
         target distribution masked by `allowed` (i32[B, N, W] bitmasks, W = ceil(V / 32), in
         place of `sampling.allowed`), then advance the drafter."""
-        (self.target.kv_cache, self.draft_kv, self.slot_state, self.target.last_tokens,
+        state = self.state
+        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens,
          result) = self._masked_verify(
-            self.target.model.params, self.drafter.params, self.target.kv_cache, self.draft_kv,
-            self.slot_state, self.target.last_tokens, rows, tree, sampling,
+            self.target.model.params, self.drafter.params, state.kv_cache, state.draft_kv,
+            state.slot_state, state.last_tokens, rows, tree, sampling,
             np.bool_(want_top_logprobs), allowed)
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
@@ -227,8 +233,9 @@ class SpecRunner:
             slots[i] = row.slot
             tokens[i, :count] = row.next_tokens
             features[i, :count] = row.features
-        self.draft_kv, self.slot_state = self._catch_up(
-            self.drafter.params, self.draft_kv, self.slot_state, tokens, features, page_table,
+        state = self.state
+        state.draft_kv, state.slot_state = self._catch_up(
+            self.drafter.params, state.draft_kv, state.slot_state, tokens, features, page_table,
             *ints, slots)
 
     def warmup(self, sizes: Sequence[int] | None = None, *, rare_programs: bool = True) -> None:

@@ -160,5 +160,6 @@ def cached_draft_keys(engine: Any, token_ids: list[int]) -> np.ndarray:
     """f32[T, heads, dim]: the draft's first-layer keys that an Engine's prefix cache holds
     for the full pages of token_ids it matches (T tokens)."""
     match = engine._loop.scheduler.cache.radix.match_prefix(token_ids)
-    keys = np.asarray(engine._spec.draft_kv[0][0])[match.page_ids]  # [pages, heads, page, dim]
+    draft_kv = engine._spec.state.draft_kv
+    keys = np.asarray(draft_kv[0][0])[match.page_ids]  # [pages, heads, page, dim]
     return keys.transpose(0, 2, 1, 3).reshape(match.num_tokens, *keys.shape[1::2])

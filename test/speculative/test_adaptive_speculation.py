@@ -6,6 +6,7 @@ warm-up, and the choices show in /get_server_info and /metrics."""
 
 import json
 import re
+import time
 
 import httpx
 import jax
@@ -50,10 +51,14 @@ def reference(paths):
             input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
 
 
-def run_adaptive(paths, algorithm, draft, relative_costs=None):
+def run_adaptive(paths, algorithm, draft, relative_costs=None, observed=None):
+    """Serve prompts() with an adaptive engine. `observed`, a list: each prefill's results
+    come back SLOW_PREFILL_S late, and the seconds the policy is told of each round go in."""
     with Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
                 speculative_draft_model_path=str(paths[draft]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
+        if observed is not None:
+            slow_prefills(engine._loop.scheduler.decoding, observed)
         if relative_costs:  # a machine where a round of each shape costs that many plain
             # steps: at warm-up and while serving
             policy = engine._loop.scheduler.decoding.policy
@@ -68,6 +73,25 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None):
         info = engine.get_server_info()
     assert info["num_compilations"] == compiled, "a round shape compiled after warm-up"
     return [o["output_ids"] for o in outputs], one["output_ids"], info
+
+
+SLOW_PREFILL_S = 0.5
+
+
+def slow_prefills(decoding, observed):
+    launch_prefill, observe = decoding.launch_prefill, decoding.policy.observe
+
+    def slow_launch(batch):
+        pending = launch_prefill(batch)
+        read = pending.result
+        pending.result = lambda: (time.sleep(SLOW_PREFILL_S), read())[1]
+        return pending
+
+    def logged_observe(shape, bucket, seconds, outcomes, **kw):
+        observed.append(seconds)
+        return observe(shape, bucket, seconds, outcomes, **kw)
+
+    decoding.launch_prefill, decoding.policy.observe = slow_launch, logged_observe
 
 
 def test_a_draft_that_predicts_everything_speculates_deepest_when_rounds_cost_alike(
@@ -85,10 +109,15 @@ def test_a_draft_that_predicts_everything_speculates_deepest_when_rounds_cost_al
 
 
 def test_a_draft_that_predicts_everything_stays_lossless_at_measured_costs(paths, reference):
-    outputs, one, info = run_adaptive(paths, "STANDALONE", "self")
+    """Prefills are made slow here: a round launched behind one (the loop runs a step ahead)
+    starts on the device only when the prefill ends, and is timed from there, so what the
+    policy learns of a shape's cost holds no prefill."""
+    observed = []
+    outputs, one, info = run_adaptive(paths, "STANDALONE", "self", observed=observed)
     assert outputs == reference and one == reference[0]
     last = info["spec_last_choice"]
     assert last["shape"] == max(last["tokens_per_s"], key=last["tokens_per_s"].get)
+    assert len(observed) > 20 and max(observed) < SLOW_PREFILL_S / 2, sorted(observed)[-5:]
 
 
 def test_a_draft_that_predicts_nothing_falls_back_to_plain_rounds(paths, reference):
@@ -157,9 +186,9 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
         scheduler, spec = engine._loop.scheduler, engine._spec
         policy = scheduler.decoding.policy
         policy.admits_draft = lambda bucket, rid, *_: False
-        before = jax.device_get(spec.draft_kv)
+        before = jax.device_get(spec.state.draft_kv)
         firsts, _ = generate(engine, [1] * 4)  # prefill only
-        unchanged = jax.tree.map(np.array_equal, before, jax.device_get(spec.draft_kv))
+        unchanged = jax.tree.map(np.array_equal, before, jax.device_get(spec.state.draft_kv))
         assert all(jax.tree.leaves(unchanged)), "a prefill without drafts ran the draft"
 
         order = []  # admission order: the 2nd and 4th prompts get a draft

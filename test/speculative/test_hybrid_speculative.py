@@ -147,7 +147,7 @@ def test_capture_layers_are_attention_outputs(paths):
 
 def _pools(runner, slot):
     config = runner.config
-    return [jax.tree.map(lambda a: np.asarray(a[slot]), runner.kv_cache[i])
+    return [jax.tree.map(lambda a: np.asarray(a[slot]), runner.state.kv_cache[i])
             for i in range(config.num_layers) if config.is_linear_layer(i)]
 
 
@@ -205,9 +205,9 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                                 chain=spec.shape.topk == 1, page_size=spec.page_size,
                                 thresholds=spec.thresholds, features="")
 
-        kv, verified = jax.jit(verify)(runner.model.params, runner.kv_cache, page_table,
+        kv, verified = jax.jit(verify)(runner.model.params, runner.state.kv_cache, page_table,
                                        kv_lens, active, tree, sampling, suppress, state_slots)
-        runner.kv_cache = kv
+        runner.state.kv_cache = kv
         verdict = jax.device_get(verified.verdict)
         for j, f in enumerate(follow):
             assert verdict.num_accepted[j] == 3
@@ -221,4 +221,4 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
             engine._state_slots.free(slot)
         for page_ids in pages:
             engine._allocator.free(page_ids)
-        assert isinstance(runner.kv_cache[0], gated_delta_net.GdnState)
+        assert isinstance(runner.state.kv_cache[0], gated_delta_net.GdnState)
