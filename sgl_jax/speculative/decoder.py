@@ -204,6 +204,9 @@ class SpecDecoder:
         """Read a step's results: a prefill's first tokens, or a round's accepted runs."""
         if launched.kind == "prefill":
             emitted = emit_tokens(launched.rows, launched.output.result())
+            # A round launched behind this prefill starts on the device only now: its
+            # seconds must not include the prefill's.
+            self._last_result_at = time.perf_counter()
         else:
             emitted = self._settle_round(launched.output)
         for req, _, tokens in emitted:

@@ -21,7 +21,12 @@ estimates come from:
   shrunk towards the server-wide counts (which the same rounds update, more slowly), so a new
   request starts from what the server has seen and a request the draft cannot predict soon
   stops paying for drafts. A family the request has not run yet starts from the server's
-  rates scaled by how the request did against the server in the other family.
+  rates scaled by how the request did against the server in the other family. The server's
+  estimate of a depth no round has tried yet is that of the depth above it (INITIAL_RATE for
+  the first): conditional acceptance changes slowly with depth (a head's rates fall a little,
+  text copied from a prompt is accepted as long as the copy runs), so a draft accepted nine
+  times in ten at depth 1 gets a deeper chain tried, where a fixed prior for deeper depths
+  would keep the policy on the shallow chain that never measures them.
 - T: the runner's warm-up timing of every (shape, bucket) program, times two factors learnt
   from the rounds served: the bucket's load (how much slower than at warm-up every shape runs
   now: machine load, longer contexts) and the shape's own correction (a warm-up timing that
@@ -122,15 +127,27 @@ class Acceptance:
             self.counts[family(shape)].record(shape.num_steps, num_accepted)
 
     def rates(self, kind: str, server: Acceptance | None) -> np.ndarray:
-        """f64[depth] for the family `kind` ("chain" or "tree"); see batch_rates."""
+        """f64[depth] for the family `kind` ("chain" or "tree"); see batch_rates. Without
+        `server` (the server's own): each depth shrunk towards the estimate of the depth
+        above, the first towards INITIAL_RATE."""
         if server is None:
-            return shrunk(self.counts[kind], np.full(self.counts[kind].depth, INITIAL_RATE))
+            return carried(self.counts[kind])
         return batch_rates([self], kind, server)[0]
 
 
 def shrunk(counts: DepthCounts, prior: np.ndarray) -> np.ndarray:
     """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
     return _shrink(counts.accepted, counts.tried, prior)
+
+
+def carried(counts: DepthCounts) -> np.ndarray:
+    """f64[depth]: like `shrunk`, each depth's prior being the estimate of the depth above
+    (INITIAL_RATE for depth 1), so an untried depth inherits the deepest tried one's rate."""
+    rates = np.empty(counts.depth)
+    prior = INITIAL_RATE
+    for depth in range(counts.depth):
+        rates[depth] = prior = _shrink(counts.accepted[depth], counts.tried[depth], prior)
+    return rates
 
 
 def _shrink(accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray) -> np.ndarray:

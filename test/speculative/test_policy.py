@@ -85,6 +85,28 @@ def test_plain_rounds_record_nothing():
     assert all(c.tried.sum() == 0 for c in record.counts.values())
 
 
+def test_an_untried_depth_starts_from_the_rate_of_the_depth_above():
+    """Only one-step chains ran, nine in ten accepted (0.85 after shrinking): depths 2 and 3
+    take depth 1's rate, so a 3-deep chain (1 + .85 + .72 + .61 = 3.18 tokens in 20 ms here)
+    beats the one-step chain (1.85 tokens in 13 ms) and is tried next. A fixed prior
+    (INITIAL_RATE) would leave it at 1 + .85 * (1 + .6 + .36) = 2.67 tokens, below the
+    one-step chain per second, and depth 2 would never be measured."""
+    table = costs({1: 10}, {1: {CHAIN1: 13, CHAIN3: 20, TREE: 1000}}, buckets=(1,))
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    reqs = requests_with(policy, [[(CHAIN1, 1)] * 9 + [(CHAIN1, 0)]])
+    server = policy.server.rates("chain", None)
+    assert server[1] == pytest.approx(server[0]) and server[2] == pytest.approx(server[0])
+    assert server[0] == pytest.approx((9 + P.PRIOR_WEIGHT * P.INITIAL_RATE) / 12, rel=0.05)
+    assert policy.choose(reqs, 1) == CHAIN3
+    # Once depth 2 is measured as poor, depth 3 inherits that and the deep chain gives way.
+    for _ in range(40):
+        reqs[0].record(CHAIN3, 1)
+        policy.server.record(CHAIN3, 1)
+    rates = policy.server.rates("chain", None)
+    assert rates[1] < 0.1 and rates[2] == pytest.approx(rates[1], abs=0.1)
+    assert policy.choose(reqs, 1) == CHAIN1
+
+
 SMALL_AND_LARGE = costs({1: 10, 64: 40}, {1: {CHAIN1: 12, CHAIN3: 13, TREE: 16},
                                           64: {CHAIN1: 70, CHAIN3: 160, TREE: 250}})
 
