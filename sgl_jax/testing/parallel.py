@@ -7,8 +7,9 @@ the devices they need (`run_subprocess`), e.g. 8 CPU devices for TP 1, 2, 4 and 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m sgl_jax.testing.parallel \\
         --model-path M [--draft-model-path D] --tp-sizes 1,2,4,8 --out result.json
 
-With a draft, the same runs follow with speculative decoding. With --nnodes > 1 each
-process is one rank of a multi-host group; rank 0 writes the result.
+With a draft (or --draft-algorithm NGRAM, which needs none), the same runs follow with
+speculative decoding. With --nnodes > 1 each process is one rank of a multi-host group;
+rank 0 writes the result.
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str 
     from sgl_jax import Engine
     from sgl_jax.parallel import bytes_per_device
 
-    if draft_model_path is not None:
-        settings = {**TREE, "speculative_algorithm": draft_algorithm,
-                    "speculative_draft_model_path": draft_model_path, **settings}
+    if draft_model_path is not None or draft_algorithm == "NGRAM":
+        draft = {} if draft_model_path is None else {
+            "speculative_draft_model_path": draft_model_path}
+        settings = {**TREE, "speculative_algorithm": draft_algorithm, **draft, **settings}
+    # NGRAM drafts from text it has read: the prompts run twice, and the second pass, which
+    # drafts from the first one's answers, is reported.
+    passes = 2 if settings.get("speculative_algorithm") == "NGRAM" else 1
     results = {}
     for tp in tp_sizes:
         engine = Engine(model_path=model_path, tp_size=tp, **ENGINE_SETTINGS, **settings)
@@ -95,8 +100,9 @@ def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str 
             continue
         with engine:
             params = [{"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}]
-            outputs = engine.generate(input_ids=prompts(engine.model.config.vocab_size),
-                                      sampling_params=params * len(PROMPT_LENGTHS))
+            for _ in range(passes):
+                outputs = engine.generate(input_ids=prompts(engine.model.config.vocab_size),
+                                          sampling_params=params * len(PROMPT_LENGTHS))
             info = engine.get_server_info()
             results[tp] = {
                 "output_ids": [o["output_ids"] for o in outputs],
@@ -141,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--draft-model-path", default=None)
-    parser.add_argument("--draft-algorithm", default="EAGLE3")
+    parser.add_argument("--draft-algorithm", default="EAGLE3",
+                        help="NGRAM runs speculative decoding without a draft path")
     parser.add_argument("--attention-backend", default="native")
     parser.add_argument("--tp-sizes", default="1,2,4,8")
     parser.add_argument("--nnodes", type=int, default=1)
@@ -155,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                   node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     results = {}
-    if args.draft_model_path is None or not args.speculative_only:
+    speculative = args.draft_model_path is not None or args.draft_algorithm == "NGRAM"
+    if not (speculative and args.speculative_only):
         results["plain"] = run_tp_sizes(args.model_path, tp_sizes, **common)
-    if args.draft_model_path is not None:
+    if speculative:
         results["speculative"] = run_tp_sizes(
             args.model_path, tp_sizes, draft_model_path=args.draft_model_path,
             draft_algorithm=args.draft_algorithm, **common)

@@ -71,3 +71,14 @@ def test_accepted_tree_paths_move_sharded_kv(tmp_path):
     # up to 3 tokens a round (num_steps + 1), fewer where max_new_tokens cuts the last round;
     # a draft that never agrees would give 1
     assert results[4]["accept_length"] > 2.5
+
+
+def test_ngram_drafts_accept_over_a_sharded_target(tmp_path):
+    """NGRAM at TP 2: the second pass over the prompts drafts from the first pass's answers,
+    so accepted tree paths move K/V within the sharded caches; greedy output stays
+    transformers'."""
+    target, _ = write_tp_checkpoints(tmp_path, "qwen3")
+    results = run_subprocess(["--model-path", str(target), "--draft-algorithm", "NGRAM",
+                              "--speculative-only", "--tp-sizes", "2"], devices=2)["speculative"]
+    assert results[2]["output_ids"] == transformers_greedy(target)
+    assert results[2]["accept_length"] > 1.3

@@ -1,8 +1,8 @@
 """NGRAM (model-free drafting from the text) through the Engine: greedy output equals plain
 decoding token for token (a chain and a tree budget, page sizes 1 and 16, the loop one step
-ahead and not, a hybrid Qwen3-Next target), a request asked again drafts from the answer it
-gave before and accepts long runs of it, text with nothing to repeat costs no accepted
-tokens, and every page comes back."""
+ahead and not, a hybrid Qwen3-Next target, retraction, a grammar), a request asked again
+drafts from the answer it gave before and accepts long runs of it, text with nothing to
+repeat costs no accepted tokens, and every page comes back (aborts included)."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from sgl_jax import Engine
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.engines import walk_away_mid_run
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
             precompile_bs_paddings=[1, 8], max_prefill_tokens=256, chunked_prefill_size=48,
@@ -20,8 +21,8 @@ LENGTHS = [3, 70, 12, 130, 5, 40, 21, 9]
 MAX_NEW = [17, 9, 24, 6, 30, 12, 1, 20]
 
 
-def greedy(n):
-    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+def greedy(n, **extra):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra}
 
 
 def prompts(seed=0):
@@ -36,14 +37,23 @@ def targets(tmp_path_factory):
             for preset in ("llama", "qwen3_next")}
 
 
+CONSTRAINED = [7, 8, 9, 10]  # a prompt whose answer a regular expression constrains
+REGEX = "[ab]{3,12}"
+
+
 @pytest.fixture(scope="module")
 def references(targets):
+    """Plain decoding's greedy output ids per preset; "constrained": the llama target's
+    answer to CONSTRAINED under REGEX."""
     out = {}
     for preset, path in targets.items():
         with Engine(model_path=str(path), page_size=16, **BASE) as engine:
             batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n)
                                                                           for n in MAX_NEW])
             out[preset] = [o["output_ids"] for o in batch]
+            if preset == "llama":
+                out["constrained"] = engine.generate(
+                    input_ids=CONSTRAINED, sampling_params=greedy(20, regex=REGEX))["output_ids"]
     return out
 
 
@@ -53,7 +63,6 @@ def pages_all_free(engine) -> bool:
 
 @pytest.mark.parametrize("preset, shape, page_size, overlap", [
     ("llama", CHAIN, 16, True),
-    ("llama", TREE, 1, True),
     ("llama", TREE, 16, False),
     ("qwen3_next", TREE, 16, True),
 ])
@@ -76,6 +85,25 @@ def test_greedy_ngram_equals_plain_and_drafts_a_repeated_answer(targets, referen
         assert pages_all_free(engine)
         if preset == "qwen3_next":
             assert info["state_slots_in_use"] == 0
+
+
+def test_retraction_grammar_and_aborts(targets, references):
+    """Page size 1 and a pool too small for the batch (requests are retracted and run again),
+    a regex-constrained request among them (its trees masked on the host): twice the same
+    requests give plain decoding's outputs, the second time drafting from the first's
+    answers; aborts mid-run and retractions give every page back."""
+    with Engine(model_path=str(targets["llama"]), speculative_algorithm="NGRAM", page_size=1,
+                max_total_tokens=256, **TREE, **BASE) as engine:
+        params = [greedy(n) for n in MAX_NEW] + [greedy(20, regex=REGEX)]
+        for _ in range(2):
+            out = engine.generate(input_ids=[*prompts(), CONSTRAINED], sampling_params=params)
+            assert [o["output_ids"] for o in out] == [*references["llama"],
+                                                      references["constrained"]]
+        info = engine.get_server_info()
+        assert info["num_retractions"] > 0 and info["spec_accepted_tokens"] > 0
+        assert info["spec_masked_rounds"] > 0
+        walk_away_mid_run(engine, [prompts()[i] for i in (0, 2, 4)])  # 200 new tokens fit
+        assert pages_all_free(engine)
 
 
 def test_text_with_nothing_to_repeat_accepts_nothing(targets, references):
