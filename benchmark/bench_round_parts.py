@@ -20,6 +20,8 @@ trees do not change the cost (every shape is fixed), so random tokens stand in f
     python benchmark/bench_round_parts.py --shapes 2/1/3,5/1/6,3/4/8 --batch-sizes 1,8,32
     python benchmark/bench_round_parts.py --model-path meta-llama/Llama-3.1-8B-Instruct \\
         --draft-model-path lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B --dtype bfloat16
+    python benchmark/bench_round_parts.py --model-path Qwen/Qwen3-Next-80B-A3B-Instruct \\
+        --algorithm NEXTN --shapes 3/1/4 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Row:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="demo", help="target; default: the demo model")
+    p.add_argument("--algorithm", default="EAGLE3", choices=("EAGLE3", "NEXTN"),
+                   help="NEXTN: the target's own multi-token-prediction module (Qwen3-Next; "
+                        "--draft-model-path is ignored)")
     p.add_argument("--draft-model-path", default="demo",
                    help="EAGLE3 head; default: the demo model's trained head")
     p.add_argument("--shapes", default="chain,tree",
@@ -110,9 +115,11 @@ class Setup:
         target = str(demo_model_path()) if args.model_path == "demo" else args.model_path
         draft = str(demo_draft_path()) if args.draft_model_path == "demo" else args.draft_model_path
         backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+        if args.algorithm == "NEXTN":
+            draft = None  # the target's checkpoint holds the module
         server_args = ServerArgs(
             model_path=target, dtype=args.dtype, page_size=args.page_size,
-            speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+            speculative_algorithm=args.algorithm, speculative_draft_model_path=draft,
             speculative_num_steps=steps, speculative_eagle_topk=topk,
             speculative_num_draft_tokens=tokens, speculative_adaptive=plain, **backend)
         self.model = load_model(target, dtype=server_args.dtype, tp=None)

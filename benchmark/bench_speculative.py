@@ -106,7 +106,14 @@ NGRAM_SHAPES = {
     "adaptive": {"speculative_num_steps": 6, "speculative_eagle_topk": 4,
                  "speculative_num_draft_tokens": 12, "speculative_adaptive": True},
 }
-ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM")
+# NEXTN: the seed's command for Qwen3-Next's own module (3/1/4), and the shared tree shapes.
+NEXTN_SHAPES = {
+    "chain": {"speculative_num_steps": 3, "speculative_eagle_topk": 1,
+              "speculative_num_draft_tokens": 4, "speculative_adaptive": False},
+    "tree": SHAPES["tree"],
+    "adaptive": SHAPES["adaptive"],
+}
+ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN")
 
 DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")
 SHAREGPT_PROMPTS = 200
@@ -155,7 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-model-path", help="draft checkpoint; default: built here")
     p.add_argument("--algorithm", default="EAGLE3", choices=ALGORITHMS,
                    help="the drafter; NGRAM drafts from the text itself and loads no draft "
-                        "model (its shapes: chain 5/1/6, tree 6/4/12, adaptive)")
+                        "model (its shapes: chain 5/1/6, tree 6/4/12, adaptive); NEXTN runs "
+                        "the target's own MTP module (Qwen3-Next; a built target gets one "
+                        "fitted to its greedy continuations of the prompts; chain 3/1/4)")
     p.add_argument("--draft", default="random-eagle3", choices=["random-eagle3", "noisy-copy"],
                    help="the draft built when --draft-model-path is not given (an EAGLE "
                         "head for --algorithm EAGLE, a noisy copy for STANDALONE)")
@@ -204,6 +213,16 @@ def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str | No
             raise SystemExit("--algorithm NGRAM drafts from the text and loads no draft model: "
                              "leave out --draft-model-path")
         return target or build_target(args, workdir), None, "NGRAM"
+    if args.algorithm == "NEXTN":
+        if args.draft_model_path is not None:
+            raise SystemExit("--algorithm NEXTN drafts with the target's own MTP module: "
+                             "leave out --draft-model-path")
+        if target is None:
+            from sgl_jax.testing.mtp import fit_mtp_tensors
+
+            target = build_target(args, workdir)
+            fit_mtp_tensors(target, random_prompt_ids(args, target), new_tokens=args.output_len)
+        return target, None, "NEXTN"
     if args.draft_model_path == "demo":
         return target, str(demo_draft_path()), "EAGLE3"
     target = target or build_target(args, workdir)
@@ -233,7 +252,7 @@ def build_target(args: argparse.Namespace, workdir: Path) -> str:
 
 def shapes_for(algorithm: str) -> dict[str, dict[str, Any]]:
     """The engine settings of each named draft shape for the drafter."""
-    return NGRAM_SHAPES if algorithm == "NGRAM" else SHAPES
+    return {"NGRAM": NGRAM_SHAPES, "NEXTN": NEXTN_SHAPES}.get(algorithm, SHAPES)
 
 
 def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
@@ -311,20 +330,28 @@ def speculated_share(rounds_by_shape: dict[str, int]) -> float | None:
     return 1 - rounds_by_shape.get("plain", 0) / total if total else None
 
 
-def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any,
-                 batch_sizes: list[int]) -> list[list[int]]:
+def load_prompts(args: argparse.Namespace, target: str, tokenizer: Any) -> list[list[int]]:
     """Token ids of the prompts: random ids, or the dataset's conversations through the chat
     template."""
     if args.dataset == "random":
         config = Path(target) / "config.json"
         vocab = (json.loads(config.read_text())["vocab_size"] if config.is_file()
                  else len(tokenizer))
-        rng = np.random.default_rng(args.seed)
-        return rng.integers(3, vocab, (max(batch_sizes), args.input_len)).tolist()
+        return random_prompt_ids(args, target, vocab)
     from sgl_jax.tokenizer.chat_template import ChatTemplate
 
     template = ChatTemplate(tokenizer)
     return [template.encode(messages) for messages in conversations(args, tokenizer, template)]
+
+
+def random_prompt_ids(args: argparse.Namespace, target: str, vocab: int | None = None
+                      ) -> list[list[int]]:
+    """--dataset random's prompts: as many as the largest batch, of --input-len ids each."""
+    if vocab is None:
+        vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    count = max(int(b) for b in args.batch_sizes.split(","))
+    rng = np.random.default_rng(args.seed)
+    return rng.integers(3, vocab, (count, args.input_len)).tolist()
 
 
 def conversations(args: argparse.Namespace, tokenizer: Any, template: Any
@@ -570,7 +597,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         if not real:
             common["context_length"] = args.input_len + args.output_len + 64
         with Engine(model_path=target, **common) as plain:
-            prompts = load_prompts(args, target, plain.tokenizer, batch_sizes)
+            prompts = load_prompts(args, target, plain.tokenizer)
             rows = []
             for shape in shapes:
                 with Engine(model_path=target, speculative_algorithm=algorithm,

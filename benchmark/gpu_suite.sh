@@ -12,11 +12,14 @@
 #   qwen3_8b   the same for Qwen3-8B's shape (written by the same factory, Llama layout)
 #   spec8b     EAGLE3 round cost on the Llama-3.1-8B shape with a random head
 #   specdemo   EAGLE3 with the trained demo pair on MT-Bench, HumanEval and ShareGPT
+#   nextn      NEXTN on a Qwen3-Next-shaped random target (hidden 1024, 16 layers, 8 experts):
+#              the round in parts beside a plain step and an EAGLE3 round of the same shapes,
+#              then end to end with an MTP module fitted to the target's own text
 # Random checkpoints are written once under $CKPT_DIR (default /tmp/sgl_jax_ckpt).
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo}
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo nextn}
 ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" "$ckpt"
@@ -68,6 +71,33 @@ EOF
           --dataset "$dataset" --num-prompts "${SPEC_PROMPTS:-64}" --batch-sizes 1,8,32 \
           --output-len 256 --output-json "$out/specdemo_$dataset.json"
       done ;;
+    nextn)
+      python3 - "$ckpt/qwen3next" <<'EOF'
+import json, sys
+from pathlib import Path
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.mtp import write_mtp_tensors
+path = Path(sys.argv[1])
+if not (path / "mtp.safetensors").is_file():
+    write_tiny_checkpoint(path, "qwen3_next", hidden_size=1024, num_hidden_layers=16,
+                          num_attention_heads=16, num_key_value_heads=2, head_dim=64,
+                          intermediate_size=3072, moe_intermediate_size=512,
+                          shared_expert_intermediate_size=512)
+    write_mtp_tensors(path)
+    config = json.loads((path / "config.json").read_text())
+    write_tiny_eagle3_draft(path.parent / "qwen3next_eagle3", config)
+EOF
+      for algorithm in NEXTN EAGLE3; do
+        python3 "$here/bench_round_parts.py" --model-path "$ckpt/qwen3next" \
+          --algorithm "$algorithm" --draft-model-path "$ckpt/qwen3next_eagle3" \
+          --shapes 0/1/1,3/1/4,3/4/8 --batch-sizes 1,8,32 --context 1024 --dtype bfloat16 \
+          --attention-backend fa --output-json "$out/rounds_$algorithm.json"
+      done
+      python3 "$here/bench_speculative.py" --algorithm NEXTN --preset qwen3_next \
+        --hidden-size 1024 --num-layers 16 --batch-sizes 1,8,32 --input-len 256 \
+        --output-len 128 --dtype bfloat16 --shapes chain,adaptive \
+        --output-json "$out/nextn.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

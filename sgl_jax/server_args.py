@@ -22,11 +22,6 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
 MODEL_FREE_DEFAULTS = {"NGRAM": (7, 8)}
 MAX_NGRAM_DRAFT_TOKENS = 64
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
-# Accepted names whose drafting this version does not have: why, and so what it would need.
-UNSUPPORTED_DRAFTS = {
-    "NEXTN": "it drafts with the target's own multi-token-prediction (NextN) layers "
-             "(DeepSeek-V3, MiMo, GLM-4.5), which this version does not load or run",
-}
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
@@ -217,11 +212,6 @@ class ServerArgs:
                              f"{self.dist_init_addr!r}")
 
     def _validate_speculative(self) -> None:
-        if self.speculative_algorithm in UNSUPPORTED_DRAFTS:
-            raise NotImplementedError(
-                f"--speculative-algorithm {self.speculative_algorithm} is not supported: "
-                f"{UNSUPPORTED_DRAFTS[self.speculative_algorithm]}; use EAGLE3, EAGLE or "
-                f"STANDALONE with --speculative-draft-model-path")
         spec = self.speculative
         for name in ("num_steps", "eagle_topk"):
             if getattr(spec, name) < 1:
@@ -234,7 +224,7 @@ class ServerArgs:
             self._validate_ngram(spec)
             return
         demo_head = self.model_path is None and self.speculative_algorithm == "EAGLE3"
-        if not self.speculative_draft_model_path and not demo_head:  # the demo ships its head
+        if not spec.draft_model_path and not demo_head:  # the demo ships its head
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
                              "--speculative-draft-model-path")
         if spec.eagle_topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
@@ -291,7 +281,7 @@ class ServerArgs:
             default_tokens = steps + 1 if topk == 1 else 2 * (steps + 1)
         return SpeculativeConfig(
             algorithm=self.speculative_algorithm,
-            draft_model_path=self.speculative_draft_model_path,
+            draft_model_path=self._draft_model_path(),
             draft_model_revision=self.speculative_draft_model_revision,
             num_steps=steps, eagle_topk=topk,
             num_draft_tokens=self.speculative_num_draft_tokens or default_tokens,
@@ -300,6 +290,13 @@ class ServerArgs:
             adaptive=self.speculative_adaptive,
             ngram=self._ngram_config() if algorithm == "NGRAM" else None,
         )
+
+    def _draft_model_path(self) -> str | None:
+        """The flag's path; for NEXTN without it, the target's own checkpoint, which holds
+        the multi-token-prediction module."""
+        if self.speculative_algorithm == "NEXTN":
+            return self.speculative_draft_model_path or self.model_path
+        return self.speculative_draft_model_path
 
     def _ngram_config(self) -> SuffixConfig:
         """SGLang's NGRAM flags in suffix decoding's terms: the match windows bound the

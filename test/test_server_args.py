@@ -93,6 +93,18 @@ def test_speculative_defaults_chain_and_tree():
     assert tree.speculative.num_draft_tokens == 8
 
 
+def test_nextn_reads_the_targets_own_checkpoint_unless_given_a_path():
+    """The seed's NEXTN command: 3/1/4, no draft path (the MTP module is in the target's)."""
+    args = ServerArgs.from_cli(["--model-path", "m", "--speculative-algorithm", "NEXTN",
+                                "--speculative-num-steps", "3", "--speculative-eagle-topk",
+                                "1", "--speculative-num-draft-tokens", "4"])
+    spec = args.speculative
+    assert (spec.algorithm, spec.draft_model_path, spec.num_draft_tokens) == ("NEXTN", "m", 4)
+    other = ServerArgs(model_path="m", speculative_algorithm="nextn",
+                       speculative_draft_model_path="mtp-dir")
+    assert other.speculative.draft_model_path == "mtp-dir"
+
+
 def test_the_demo_model_takes_eagle3_without_a_draft_path():
     """README's demo command: the demo model ships its own head (the Engine fills it in)."""
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3", "--speculative-num-steps",
@@ -164,11 +176,6 @@ def test_help_groups_and_documents_every_flag():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", "d"],
-     "--speculative-algorithm NEXTN is not supported"),
-    (["--speculative-algorithm", "nextn"],  # no draft path: NEXTN would not need one
-     "--speculative-algorithm NEXTN is not supported: it drafts with the target's own "
-     "multi-token-prediction"),
     (["--tp-size", "4"], "--tp-size 4 needs 4 devices, but JAX sees 1 cpu device(s)"),
 ])
 def test_launch_refuses_unavailable_features_before_loading(extra, message, caplog, tmp_path):

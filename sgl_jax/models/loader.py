@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from sgl_jax.models import llama_eagle, llama_eagle3
+from sgl_jax.models import llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.gguf import GGUFCheckpoint, find_gguf_file
 from sgl_jax.models.llama_eagle3 import Eagle3Config
@@ -104,7 +104,7 @@ def load_model(
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    config: Eagle3Config | ModelConfig  # EAGLE3 head, or the layers of an EAGLE v1/v2 head
+    config: Eagle3Config | ModelConfig  # EAGLE3 head, or the layers of an EAGLE or MTP head
     params: dict[str, Any]
     model_dir: Path
     dtype: Any
@@ -153,6 +153,27 @@ def load_eagle_draft(
     params = load_params(source, specs, jax_dtype, progress=progress, tp=tp, config=config,
                          ignored=ignored, what=f"the draft in {model_path!r}")
     return LoadedDraft(config, params, model_dir, jax_dtype)
+
+
+def load_nextn_draft(
+    model_path: str, target: ModelConfig, *, dtype: Any, revision: str | None = None,
+    progress: bool = True, tp: TensorParallel | None = None,
+) -> LoadedDraft:
+    """A Qwen3-Next checkpoint's multi-token-prediction module (its `mtp.*` tensors, which
+    loading the target leaves out), shaped by the target's config (qwen3_next_mtp)."""
+    source = SafetensorsSource(resolve_model_dir(model_path, revision))
+    names = source.names()
+    if not qwen3_next_mtp.has_mtp(names):
+        raise CheckpointError(
+            f"{model_path!r} holds no multi-token-prediction module (no {qwen3_next_mtp.PREFIX}* "
+            "tensors): NEXTN needs a checkpoint that ships one, as Qwen3-Next's and "
+            "Qwen3-Coder-Next's do")
+    config = qwen3_next_mtp.layer_config(target, names)
+    specs = qwen3_next_mtp.hf_weight_specs(config, names)
+    others = frozenset(n for n in names if not n.startswith(qwen3_next_mtp.PREFIX))
+    params = load_params(source, specs, dtype, progress=progress, tp=tp, config=config,
+                         ignored=others, what=f"the MTP module in {model_path!r}")
+    return LoadedDraft(config, params, source.model_dir, dtype)
 
 
 def resolve_model_dir(model_path: str, revision: str | None = None) -> Path:

@@ -5,6 +5,8 @@
   token; later steps feed back its own pre-norm output in place of the target features.
 - `EagleDraft`: an EAGLE v1 / v2 head, paired the same way but fed the target's final hidden
   state, with fc applied at every step and the target's lm_head for logits.
+- `NextnDraft`: Qwen3-Next's own multi-token-prediction layer, paired as EAGLE's head is,
+  fed the target's final-norm hidden state and, at later steps, its own normed output.
 - `StandaloneDraft`: an ordinary small model with the target's vocabulary. Its slot j holds
   token j, so the root (the last committed token) is run again in every draft window. A
   hybrid one (Qwen3-Next) keeps, like a hybrid target, a recurrent state per request in the
@@ -25,7 +27,7 @@ from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax.model_executor.forward_batch import window_metadata
-from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next
+from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
 from sgl_jax.parallel import TensorParallel
@@ -115,11 +117,50 @@ class EagleDraft:
                                    embed=params["embed"])
 
     def logits(self, params, hidden):
-        logits = llama.matmul_rows(hidden, params["lm_head"], preferred_element_type=jnp.float32)
-        return logits[:, : self.config.vocab_size]  # drops rows padded in for sharding
+        return _target_head_logits(params["lm_head"], hidden, self.config.vocab_size)
 
     def to_target(self, params, draft_ids):
         return draft_ids
+
+
+class NextnDraft:
+    """Qwen3-Next's own multi-token-prediction module (models/qwen3_next_mtp.py), paired
+    like an EAGLE head: slot j holds (the target's final-norm hidden state at j, token j+1),
+    and later draft steps feed back the module's normed output."""
+
+    uses_target_features = True
+    feature_source = "final"
+    root_in_window = False
+    recurrent = False
+
+    def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
+        target_params = target.params
+        self.config = self.cache_config = draft.config
+        self.attention = attention
+        self.params = {
+            "mtp": draft.params,
+            "embed": target_params["embed"],
+            "lm_head": (target_params["embed"] if target.config.tie_word_embeddings
+                        else target_params["lm_head"]),
+        }
+
+    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
+        return qwen3_next_mtp.forward(params["mtp"], kv, tokens, positions, inputs, metadata,
+                                      config=self.config, attention=self.attention,
+                                      embed=params["embed"])
+
+    def logits(self, params, hidden):
+        return _target_head_logits(params["lm_head"], hidden, self.config.vocab_size)
+
+    def to_target(self, params, draft_ids):
+        return draft_ids
+
+
+def _target_head_logits(lm_head: jax.Array, hidden: jax.Array, vocab_size: int) -> jax.Array:
+    """f32[N, V]: the target's lm_head [V', H] over hidden f[N, H] (V' > V when the table is
+    padded for sharding: those rows are dropped)."""
+    logits = llama.matmul_rows(hidden, lm_head, preferred_element_type=jnp.float32)
+    return logits[:, :vocab_size]
 
 
 class StandaloneDraft:

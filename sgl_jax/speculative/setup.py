@@ -8,13 +8,14 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.model_executor.model_runner import ModelRunner
-from sgl_jax.models import llama_eagle3
+from sgl_jax.models import llama_eagle3, qwen3_next
 from sgl_jax.models.loader import (
     LoadedDraft,
     LoadedModel,
     load_eagle3_draft,
     load_eagle_draft,
     load_model,
+    load_nextn_draft,
 )
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.speculative.drafter import ModelDrafter, NoProposer, Proposer
@@ -22,6 +23,7 @@ from sgl_jax.speculative.drafts import (
     DraftModel,
     Eagle3Draft,
     EagleDraft,
+    NextnDraft,
     StandaloneDraft,
     TreeShape,
     allocate_draft_cache,
@@ -53,6 +55,17 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | None:
                                   revision=spec.draft_model_revision, tp=target.tp)
         _check_eagle_fits(loaded, target)
         draft = EagleDraft(loaded, target, attention)
+    elif spec.algorithm == "NEXTN":
+        if target.config.architecture not in qwen3_next.ARCHITECTURES:
+            raise ValueError(
+                f"--speculative-algorithm NEXTN drafts with the target's own multi-token-"
+                f"prediction layer, which this version runs for Qwen3-Next and "
+                f"Qwen3-Coder-Next ({', '.join(qwen3_next.ARCHITECTURES)}); "
+                f"{target.config.architecture} is not one: use EAGLE3, EAGLE, STANDALONE "
+                "or NGRAM")
+        loaded = load_nextn_draft(spec.draft_model_path, target.config, dtype=target.dtype,
+                                  revision=spec.draft_model_revision, tp=target.tp)
+        draft = NextnDraft(loaded, target, attention)
     elif spec.algorithm == "STANDALONE":
         loaded = load_model(spec.draft_model_path, dtype=dtype,
                             revision=spec.draft_model_revision, tp=target.tp)

@@ -99,7 +99,10 @@ def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str 
         if engine.server_args.node_rank > 0:  # it has followed rank 0 to the end
             continue
         with engine:
-            params = [{"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}]
+            # As transformers_greedy decodes: EOS suppressed until MAX_NEW_TOKENS (with
+            # ignore_eos, EOS would be free to be drawn, as in vLLM and SGLang).
+            params = [{"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS,
+                       "min_new_tokens": MAX_NEW_TOKENS}]
             for _ in range(passes):
                 outputs = engine.generate(input_ids=prompts(engine.model.config.vocab_size),
                                           sampling_params=params * len(PROMPT_LENGTHS))

@@ -9,7 +9,9 @@ from sgl_jax.testing.parallel import run_subprocess, transformers_greedy, write_
 TP_SIZES = "1,2,4,8"
 
 
-@pytest.mark.parametrize("preset", ["llama", "qwen2", "qwen3"])
+# Qwen2 (one KV head, q/k/v biases) splits the same way under the native backend
+# (test_tp_native.py); the kernel's own cases are llama's and qwen3's head layouts.
+@pytest.mark.parametrize("preset", ["llama", "qwen3"])
 def test_fa_greedy_identical_across_tp_sizes(preset, tmp_path):
     target, draft = write_tp_checkpoints(tmp_path, preset)
     results = run_subprocess(["--model-path", str(target), "--draft-model-path", str(draft),

@@ -1,8 +1,9 @@
 """Speculative decoding on a hybrid target (the tiny Qwen3-Next: Gated DeltaNet layers with a
 recurrent state per request, gated attention at layers 3 and 7): greedy output with an EAGLE3
-head, with the target as its own STANDALONE draft and with a noisy copy of it equals plain
-greedy (chain and topk > 1 tree, page sizes 1 and 16, batch sizes 1 and 8) and every state
-slot comes back; the self and noisy drafts are accepted (accept length > 1); a verify round
+head, with the target's own multi-token-prediction module (NEXTN, fitted here to the
+target's text), with the target as its own STANDALONE draft and with a noisy copy of it
+equals plain greedy (chain and topk > 1 tree, page sizes 1 and 16, batch sizes 1 and 8) and
+every state slot comes back; the NEXTN, self and noisy drafts are accepted; a verify round
 whose trees hold the target's own greedy tokens accepts them all and commits, into each
 request's slot, the state that decoding the accepted path one token at a time leaves; EAGLE3
 captures attention layers' outputs only."""
@@ -25,6 +26,9 @@ from sgl_jax.speculative.round import RoundInputs, verify_trees
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+from sgl_jax.testing.engines import walk_away_mid_run
+from sgl_jax.testing.mtp import fit_mtp_tensors
+from sgl_jax.testing.parallel import run_subprocess, transformers_greedy
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 8],
             max_prefill_tokens=64, chunked_prefill_size=32, skip_server_warmup=True)
@@ -34,6 +38,8 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_d
 FULL_TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2,
                  speculative_num_draft_tokens=11)
 LENGTHS = [3, 45, 12, 70, 5, 20, 9, 33]  # 45 and 70 take several prefill chunks
+FIT_PROMPTS = np.random.default_rng(7).integers(3, 500, (16, 12)).tolist()
+FIT_NEW_TOKENS = 32
 MAX_NEW = [9, 5, 12, 4, 10, 6, 1, 8]
 
 
@@ -63,11 +69,18 @@ def references(paths):
         return [o["output_ids"] for o in batch]
 
 
+@pytest.fixture(scope="module")
+def fitted(paths):
+    """The target's own MTP module, fitted to its greedy continuations of FIT_PROMPTS and
+    written beside its weights (NEXTN loads it from there); returns those continuations."""
+    return fit_mtp_tensors(paths["target"], FIT_PROMPTS, new_tokens=FIT_NEW_TOKENS, steps=200)
+
+
 def spec_engine(paths, shape, page_size, draft="eagle3"):
-    algorithm = "EAGLE3" if draft == "eagle3" else "STANDALONE"
+    algorithm = {"eagle3": "EAGLE3", "nextn": "NEXTN"}.get(draft, "STANDALONE")
+    path = {} if draft == "nextn" else {"speculative_draft_model_path": str(paths[draft])}
     return Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
-                  speculative_draft_model_path=str(paths[draft]), page_size=page_size,
-                  **shape, **BASE)
+                  page_size=page_size, **path, **shape, **BASE)
 
 
 def states_all_free(engine) -> bool:
@@ -76,10 +89,10 @@ def states_all_free(engine) -> bool:
             and engine._allocator.num_free == engine._allocator.capacity)
 
 
-@pytest.mark.parametrize("shape,page_size", [(CHAIN, 1), (TREE, 16)], ids=["chain-page1",
-                                                                         "tree-page16"])
-def test_greedy_speculation_equals_plain_decoding(paths, references, shape, page_size):
-    with spec_engine(paths, shape, page_size) as engine:
+def test_greedy_speculation_equals_plain_decoding(paths, references):
+    """An EAGLE3 head (random: it reads the captured attention layers' outputs) as a chain,
+    page size 1; trees on this target are NEXTN's and the STANDALONE drafts' cases."""
+    with spec_engine(paths, CHAIN, 1) as engine:
         alone = engine.generate(input_ids=prompts()[3], sampling_params=greedy(MAX_NEW[3]))
         assert alone["output_ids"] == references[3]  # batch size 1
         assert states_all_free(engine)
@@ -115,6 +128,43 @@ def test_target_as_its_own_draft_accepts_a_full_path_every_round(paths, referenc
             assert per_depth[:2].tolist() == [rounds, rounds]
             assert per_depth[2] >= rounds // 2
         assert states_all_free(engine)
+
+
+@pytest.mark.parametrize("shape,page_size", [(CHAIN, 16), (TREE, 1)],
+                         ids=["chain-page16", "tree-page1"])
+def test_nextn_is_lossless_and_its_fitted_module_is_accepted(paths, fitted, references, shape,
+                                                             page_size):
+    """NEXTN with the module fitted to the target's own text (the seed's 3/1/4 chain, and a
+    tree): the test batch equals plain greedy; the target's continuations of the prompts the
+    module was fitted on come out as transformers decodes them, with drafts accepted (accept
+    length above 1.5); aborts mid-run give every page and state slot back."""
+    with spec_engine(paths, shape, page_size, draft="nextn") as engine:
+        batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                      MAX_NEW])
+        assert [o["output_ids"] for o in batch] == references
+        before = engine.get_server_info()
+        # As transformers decoded them: EOS suppressed to the end.
+        own = engine.generate(input_ids=FIT_PROMPTS[:8], sampling_params=[{
+            "temperature": 0, "max_new_tokens": FIT_NEW_TOKENS,
+            "min_new_tokens": FIT_NEW_TOKENS}] * 8)
+        assert [o["output_ids"] for o in own] == fitted[:8]
+        info = engine.get_server_info()
+        rounds = info["spec_verify_rounds"] - before["spec_verify_rounds"]
+        accepted = info["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        assert 1 + accepted / rounds > 1.5, accepted / rounds
+        walk_away_mid_run(engine, prompts()[:3])
+        assert states_all_free(engine)
+
+
+def test_nextn_over_tp_2(paths, fitted):
+    """The MTP layer split over 2 devices as the target's layers are (its KV heads, experts'
+    features, shared expert): greedy output as transformers decodes it, drafts accepted."""
+    target = str(paths["target"])
+    results = run_subprocess(["--model-path", target, "--draft-model-path", target,
+                              "--draft-algorithm", "NEXTN", "--speculative-only",
+                              "--tp-sizes", "2"], devices=2)["speculative"]
+    assert results[2]["output_ids"] == transformers_greedy(paths["target"])
+    assert results[2]["accept_length"] > 1.0
 
 
 def test_noisy_tree_draft_is_accepted_and_lossless(paths, references):
