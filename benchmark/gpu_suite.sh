@@ -12,6 +12,7 @@
 #   qwen3_8b   the same for Qwen3-8B's shape (written by the same factory, Llama layout)
 #   spec8b     EAGLE3 round cost on the Llama-3.1-8B shape with a random head
 #   specdemo   EAGLE3 with the trained demo pair on MT-Bench, HumanEval and ShareGPT
+#   ngram      NGRAM against plain on the demo model: code edits and MT-Bench, batch 1, 8, 32
 #   nextn      NEXTN on a Qwen3-Next-shaped random target (hidden 1024, 16 layers, 8 experts):
 #              the round in parts beside a plain step and an EAGLE3 round of the same shapes,
 #              then end to end with an MTP module fitted to the target's own text
@@ -19,7 +20,7 @@
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo nextn}
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn}
 ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" "$ckpt"
@@ -70,6 +71,12 @@ EOF
         python3 "$here/bench_speculative.py" --model-path demo --draft-model-path demo \
           --dataset "$dataset" --num-prompts "${SPEC_PROMPTS:-64}" --batch-sizes 1,8,32 \
           --output-len 256 --output-json "$out/specdemo_$dataset.json"
+      done ;;
+    ngram)
+      for dataset in code-edits mtbench; do
+        python3 "$here/bench_speculative.py" --model-path demo --algorithm NGRAM \
+          --dataset "$dataset" --shapes adaptive --num-prompts 32 --batch-sizes 1,8,32 \
+          --output-len 256 --output-json "$out/ngram_$dataset.json"
       done ;;
     nextn)
       python3 - "$ckpt/qwen3next" <<'EOF'
