@@ -69,15 +69,13 @@ class Eagle3Draft:
     def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
         config, own = draft.config, draft.params
         target_params = target.params
-        target_head = (target_params["embed"] if target.config.tie_word_embeddings
-                       else target_params["lm_head"])
         self.config = config
         self.cache_config = config.layer
         self.attention = attention
         self.params = {
             "layer": {k: v for k, v in own.items() if k not in ("embed", "lm_head")},
             "embed": own.get("embed", target_params["embed"]),
-            "lm_head": own.get("lm_head", target_head),
+            "lm_head": own.get("lm_head", _target_head(target)),
         }
 
     def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
@@ -107,8 +105,7 @@ class EagleDraft:
         self.params = {
             "layers": {k: v for k, v in own.items() if k != "embed"},
             "embed": own.get("embed", target_params["embed"]),
-            "lm_head": (target_params["embed"] if target.config.tie_word_embeddings
-                        else target_params["lm_head"]),
+            "lm_head": _target_head(target),
         }
 
     def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
@@ -123,37 +120,27 @@ class EagleDraft:
         return draft_ids
 
 
-class NextnDraft:
+class NextnDraft(EagleDraft):
     """Qwen3-Next's own multi-token-prediction module (models/qwen3_next_mtp.py), paired
-    like an EAGLE head: slot j holds (the target's final-norm hidden state at j, token j+1),
+    as an EAGLE head is: slot j holds (the target's final-norm hidden state at j, token j+1),
     and later draft steps feed back the module's normed output."""
 
-    uses_target_features = True
-    feature_source = "final"
-    root_in_window = False
-    recurrent = False
-
     def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend):
-        target_params = target.params
         self.config = self.cache_config = draft.config
         self.attention = attention
-        self.params = {
-            "mtp": draft.params,
-            "embed": target_params["embed"],
-            "lm_head": (target_params["embed"] if target.config.tie_word_embeddings
-                        else target_params["lm_head"]),
-        }
+        self.params = {"mtp": draft.params, "embed": target.params["embed"],
+                       "lm_head": _target_head(target)}
 
     def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
         return qwen3_next_mtp.forward(params["mtp"], kv, tokens, positions, inputs, metadata,
                                       config=self.config, attention=self.attention,
                                       embed=params["embed"])
 
-    def logits(self, params, hidden):
-        return _target_head_logits(params["lm_head"], hidden, self.config.vocab_size)
 
-    def to_target(self, params, draft_ids):
-        return draft_ids
+def _target_head(target: LoadedModel) -> jax.Array:
+    """The target's lm_head [V', H] (its embedding when the two are tied)."""
+    tied = target.config.tie_word_embeddings
+    return target.params["embed"] if tied else target.params["lm_head"]
 
 
 def _target_head_logits(lm_head: jax.Array, hidden: jax.Array, vocab_size: int) -> jax.Array:
