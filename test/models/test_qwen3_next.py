@@ -30,6 +30,7 @@ from sgl_jax.models.loader import load_model
 from sgl_jax.models.registry import supported_architectures
 from sgl_jax.models.weights import checkpoint_tensors
 from sgl_jax.testing import tiny_config, write_tiny_checkpoint
+from sgl_jax.testing.mtp import write_mtp_tensors
 from sgl_jax.testing.parallel import prompts as tp_prompts
 from sgl_jax.testing.parallel import run_subprocess
 from sgl_jax.testing.server import launch_server
@@ -45,6 +46,7 @@ ENGINE = dict(dtype="float32", skip_server_warmup=True, precompile_token_padding
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+    write_mtp_tensors(path, seed=1)  # as the hub's checkpoints: loading the target skips them
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None  # the Engine runs below ignore EOS too
     return path, reference, load_model(str(path), dtype="float32", progress=False)
@@ -286,12 +288,15 @@ def test_greedy_identical_across_tp_sizes(checkpoint):
 
 
 def test_server_chat_greedy_and_sampled(checkpoint):
-    """The OpenAI client against the server: a greedy chat equals transformers' greedy reply,
-    a sampled stream completes, and no state slot stays taken."""
+    """The OpenAI client against the server started with the seed's NEXTN command (the
+    checkpoint's own MTP module drafting 3/1/4 chains): a greedy chat equals transformers'
+    greedy reply, a sampled stream completes, and no state slot stays taken."""
     path, reference, _ = checkpoint
     flags = ["--model-path", str(path), "--dtype", "float32", "--skip-server-warmup",
              "--precompile-token-paddings", "64", "--precompile-bs-paddings", "4",
-             "--max-prefill-tokens", "64", "--served-model-name", "tiny-next"]
+             "--max-prefill-tokens", "64", "--served-model-name", "tiny-next",
+             "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -313,3 +318,4 @@ def test_server_chat_greedy_and_sampled(checkpoint):
     assert reply.choices[0].message.content == expected
     assert reply.usage.completion_tokens == 8 and finishes[-1] == "length"
     assert info["state_slots_in_use"] == 0 and info["kv_pages_in_use"] == 0
+    assert info["speculative_algorithm"] == "NEXTN" and info["spec_verify_rounds"] > 0
