@@ -224,11 +224,7 @@ def self_attention(
     attention: AttentionBackend,
 ) -> tuple[jax.Array, LayerKV]:
     num_tokens, hd = x.shape[0], config.head_dim
-    qkv = _linear(p, "_qkv", x)  # [T, G, W]: G KV heads (more than the config's when sharded)
-    q_width = qkv.shape[-1] - 2 * hd
-    q = qkv[..., :q_width].reshape(num_tokens, config.num_heads, -1)  # [T, nq, hd or 2 hd]
-    q, gate = q[..., :hd], q[..., hd:]  # gate [T, nq, hd] with an output gate, else empty
-    k, v = qkv[..., q_width : q_width + hd], qkv[..., q_width + hd :]  # [T, G, hd]
+    q, gate, k, v = qkv_heads(p, x, config)
     if config.qk_norm:
         q, k = norm(q, p["q_norm"], config), norm(k, p["k_norm"], config)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -236,6 +232,18 @@ def self_attention(
     if config.attn_output_gate:
         out = out * jax.nn.sigmoid(gate)
     return _linear(p, "_o", out.reshape(num_tokens, config.q_size)), layer_kv
+
+
+def qkv_heads(p: Params, x: jax.Array, config: ModelConfig
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [T, H] -> q [T, nq, hd], the output gate [T, nq, hd] (empty without one), k and v
+    [T, G, hd] (G KV heads: more than the config's when sharded), before norms and RoPE."""
+    num_tokens, hd = x.shape[0], config.head_dim
+    qkv = _linear(p, "_qkv", x)  # [T, G, W]
+    q_width = qkv.shape[-1] - 2 * hd
+    q = qkv[..., :q_width].reshape(num_tokens, config.num_heads, -1)  # [T, nq, hd or 2 hd]
+    k, v = qkv[..., q_width : q_width + hd], qkv[..., q_width + hd :]
+    return q[..., :hd], q[..., hd:], k, v
 
 
 def mlp(p: Params, x: jax.Array) -> jax.Array:

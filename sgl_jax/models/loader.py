@@ -22,8 +22,9 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from sgl_jax.models import llama_eagle, llama_eagle3, qwen3_next_mtp
+from sgl_jax.models import dflash, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.dflash import DFlashConfig
 from sgl_jax.models.gguf import GGUFCheckpoint, find_gguf_file
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
@@ -104,7 +105,8 @@ def load_model(
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    config: Eagle3Config | ModelConfig  # EAGLE3 head, or the layers of an EAGLE or MTP head
+    # An EAGLE3 or DFlash head, or the layers of an EAGLE or MTP head.
+    config: Eagle3Config | DFlashConfig | ModelConfig
     params: dict[str, Any]
     model_dir: Path
     dtype: Any
@@ -152,6 +154,26 @@ def load_eagle_draft(
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
     params = load_params(source, specs, jax_dtype, progress=progress, tp=tp, config=config,
                          ignored=ignored, what=f"the draft in {model_path!r}")
+    return LoadedDraft(config, params, model_dir, jax_dtype)
+
+
+def load_dflash_draft(
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
+    tp: TensorParallel | None = None,
+) -> LoadedDraft:
+    """A DFlash draft head in the z-lab / SpecForge layout (see models/dflash.py)."""
+    model_dir = resolve_model_dir(model_path, revision)
+    hf_config = read_hf_config(model_dir)
+    if not dflash.is_dflash_draft(hf_config):
+        raise CheckpointError(
+            f"{model_path!r} is not a DFlash draft: its config.json says architectures="
+            f"{hf_config.get('architectures')} (expected {dflash.ARCHITECTURE})")
+    config = dflash.config_from_hf(hf_config)
+    source = SafetensorsSource(model_dir)
+    specs = dflash.hf_weight_specs(config, source.names())
+    jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
+    params = load_params(source, specs, jax_dtype, progress=progress, tp=tp,
+                         config=config.layer, what=f"the DFlash draft in {model_path!r}")
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 

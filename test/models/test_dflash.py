@@ -1,0 +1,112 @@
+"""A DFlash draft head against a PyTorch reference of the DFlash forward written here: the
+context c = hidden_norm(fc(target features)) gives every layer's keys and values for the
+committed tokens (k_norm(k_proj(c)) with RoPE, v_proj(c)); the block [token, MASK ...] runs
+through Qwen3 layers whose queries see all of that context and, non-causally, the whole
+block; norm, the target's lm_head at block positions 1..B-1. Context keys are written once
+into the paged cache, the block runs over it. Config and layout errors are refused."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from sgl_jax.layers.attention import get_attention_backend
+from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
+from sgl_jax.models import dflash
+from sgl_jax.models.loader import CheckpointError, load_dflash_draft
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.dflash import write_tiny_dflash_draft
+from sgl_jax.testing.torch_reference import rms_norm, rope, torch_tensors
+
+PAGE_SIZE = 4
+CONTEXT, BLOCK = 13, 8
+
+
+@pytest.fixture(scope="module")
+def target_config(tmp_path_factory):
+    target = write_tiny_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
+    return json.loads((target / "config.json").read_text())
+
+
+def reference_block_logits(w, cfg, features, block_ids, embed, lm_head):
+    """Logits [B-1, V] of block positions 1..B-1, context at positions 0..C-1 before it."""
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    n_ctx, n_blk = features.shape[0], len(block_ids)
+    ctx_pos, blk_pos = torch.arange(n_ctx), n_ctx + torch.arange(n_blk)
+    c = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    x = embed[block_ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        a = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+
+        def heads_of(t, proj, count, p=p):
+            return (t @ w[p + f"self_attn.{proj}_proj.weight"].T).view(t.shape[0], count, hd)
+
+        q = rope(rms_norm(heads_of(a, "q", heads), w[p + "self_attn.q_norm.weight"], eps),
+                 blk_pos, theta)
+        k = torch.cat([rope(rms_norm(heads_of(src, "k", kv_heads),
+                                     w[p + "self_attn.k_norm.weight"], eps), pos, theta)
+                       for src, pos in ((c, ctx_pos), (a, blk_pos))])
+        v = torch.cat([heads_of(c, "v", kv_heads), heads_of(a, "v", kv_heads)])
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5  # no mask: all context, all block
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, heads * hd)
+        x = x + out @ w[p + "self_attn.o_proj.weight"].T
+        m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms_norm(x, w["norm.weight"], eps)[1:] @ lm_head.T
+
+
+def test_block_logits_match_the_reference(target_config, tmp_path):
+    path = write_tiny_dflash_draft(tmp_path / "dflash", target_config, num_layers=2,
+                                   block_size=BLOCK, target_layer_ids=(0, 2))
+    draft = load_dflash_draft(str(path), dtype="float32", progress=False)
+    config = draft.config
+    assert config.capture_layers == (1, 3) and config.block_size == BLOCK
+    cfg = json.loads((path / "config.json").read_text())
+    rng = np.random.default_rng(3)
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    features = rng.standard_normal((CONTEXT, 2 * h)).astype(np.float32)
+    embed = (rng.standard_normal((vocab, h)) / 4).astype(np.float32)
+    lm_head = (rng.standard_normal((vocab, h)) / 4).astype(np.float32)
+    block_ids = np.array([int(rng.integers(vocab))] + [config.mask_token_id] * (BLOCK - 1))
+
+    cache = allocate_kv_cache(config.layer, num_pages=16, page_size=PAGE_SIZE,
+                              dtype=jnp.float32)
+    page_table = jnp.arange(1, 9, dtype=jnp.int32)[None]  # 32 tokens
+    positions = jnp.arange(CONTEXT, dtype=jnp.int32)
+    cache = dflash.context_kv(draft.params, cache, jnp.asarray(features), positions,
+                              kv_slots(page_table, positions[None], PAGE_SIZE)[0],
+                              config=config)
+    metadata = window_metadata(page_table, jnp.array([CONTEXT]), jnp.array([BLOCK]), BLOCK,
+                               PAGE_SIZE, dflash.full_block_mask(1, BLOCK))
+    out, _ = dflash.block_forward(draft.params, cache, jnp.asarray(block_ids),
+                                  CONTEXT + jnp.arange(BLOCK), metadata, config=config,
+                                  attention=get_attention_backend("native"),
+                                  embed=jnp.asarray(embed))
+    logits = np.asarray(out)[1:] @ lm_head.T
+
+    w = torch_tensors(path / "model.safetensors")
+    with torch.no_grad():
+        expected = reference_block_logits(w, cfg, torch.from_numpy(features),
+                                          torch.from_numpy(block_ids), torch.from_numpy(embed),
+                                          torch.from_numpy(lm_head))
+    np.testing.assert_allclose(logits, expected.numpy(), atol=2e-4, rtol=2e-4)
+
+
+def test_bad_heads_are_refused(target_config, tmp_path):
+    target = write_tiny_checkpoint(tmp_path / "t", "qwen3")
+    with pytest.raises(CheckpointError, match="not a DFlash draft"):
+        load_dflash_draft(str(target))
+    path = write_tiny_dflash_draft(tmp_path / "d", target_config)
+    hf = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="only full_attention layers are supported"):
+        dflash.config_from_hf({**hf, "layer_types": ["full_attention", "sliding_attention"]})
+    del hf["dflash_config"]["mask_token_id"]
+    with pytest.raises(ValueError, match="needs mask_token_id"):
+        dflash.config_from_hf(hf)
