@@ -17,9 +17,11 @@ from sgl_jax.speculative.suffix_index import SuffixConfig
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.
 ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
-# Drafters that need no draft model: their defaults for the shape flags (steps, draft tokens).
-MODEL_FREE_DEFAULTS = {"NGRAM": (7, 8)}
+SPECULATIVE_ALGORITHMS = ("DFLASH", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
+# Drafters whose default shape is not the 3-step chain: (steps, draft tokens). NGRAM's text
+# lookups cost nothing per step; a DFlash head drafts its whole block (the published heads'
+# 16 tokens: 15 steps and the root) in one forward.
+SHAPE_DEFAULTS = {"NGRAM": (7, 8), "DFLASH": (15, None)}  # None: a chain of the steps
 MAX_NGRAM_DRAFT_TOKENS = 64
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -274,7 +276,7 @@ class ServerArgs:
         if self.speculative_algorithm is None:
             return None
         algorithm = self.speculative_algorithm
-        default_steps, default_tokens = MODEL_FREE_DEFAULTS.get(algorithm, (3, None))
+        default_steps, default_tokens = SHAPE_DEFAULTS.get(algorithm, (3, None))
         steps = self.speculative_num_steps or default_steps
         topk = self.speculative_eagle_topk or 1
         if default_tokens is None:

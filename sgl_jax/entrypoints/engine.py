@@ -186,8 +186,8 @@ class Engine:
         elif not args.disable_radix_cache:
             radix = RadixCache(self._allocator, args.page_size)
         cache = CacheManager(self._allocator, radix, args.page_size,
-                             last_slot_needs_next_token=bool(draft and
-                                                             draft.uses_target_features),
+                             last_slot_needs_next_token=bool(
+                                 self._spec and self._spec.drafter.pairs_next_token),
                              states=self._state_slots)
         limits = PrefillLimits(
             max_prefill_tokens=min(args.max_prefill_tokens, buckets.max_tokens),

@@ -36,6 +36,9 @@ class Drafter(Protocol):
     defers: bool  # plain rounds may leave it behind, to be caught up later
     advances_on_plain: bool  # a plain round must still advance it (else: the target's step)
     full_depth: bool  # every tree reaches the round's depth (else its depth varies by row)
+    # Its cache slot t pairs the target's features at t with token t+1 (EAGLE's heads), so a
+    # prompt's last cached slot needs the token after the prompt.
+    pairs_next_token: bool
     slot_width: int  # D: its per-slot state SlotState.draft [S, D]
     slot_dtype: Any
     params: Any  # its weights (shared target arrays included), or {}
@@ -120,6 +123,7 @@ class ModelDrafter:
         self.slot_dtype = dtype
         self.advances_on_plain = True
         self.full_depth = True
+        self.pairs_next_token = draft.uses_target_features
         # A recurrent draft's state would need its own catch-up: it keeps extending.
         self.defers = draft.uses_target_features and not draft.recurrent
 

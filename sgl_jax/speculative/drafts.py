@@ -75,7 +75,7 @@ class Eagle3Draft:
         self.params = {
             "layer": {k: v for k, v in own.items() if k not in ("embed", "lm_head")},
             "embed": own.get("embed", target_params["embed"]),
-            "lm_head": own.get("lm_head", _target_head(target)),
+            "lm_head": own.get("lm_head", target_head(target)),
         }
 
     def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
@@ -105,7 +105,7 @@ class EagleDraft:
         self.params = {
             "layers": {k: v for k, v in own.items() if k != "embed"},
             "embed": own.get("embed", target_params["embed"]),
-            "lm_head": _target_head(target),
+            "lm_head": target_head(target),
         }
 
     def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
@@ -114,7 +114,7 @@ class EagleDraft:
                                    embed=params["embed"])
 
     def logits(self, params, hidden):
-        return _target_head_logits(params["lm_head"], hidden, self.config.vocab_size)
+        return target_head_logits(params["lm_head"], hidden, self.config.vocab_size)
 
     def to_target(self, params, draft_ids):
         return draft_ids
@@ -129,7 +129,7 @@ class NextnDraft(EagleDraft):
         self.config = self.cache_config = draft.config
         self.attention = attention
         self.params = {"mtp": draft.params, "embed": target.params["embed"],
-                       "lm_head": _target_head(target)}
+                       "lm_head": target_head(target)}
 
     def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target):
         return qwen3_next_mtp.forward(params["mtp"], kv, tokens, positions, inputs, metadata,
@@ -137,13 +137,13 @@ class NextnDraft(EagleDraft):
                                       embed=params["embed"])
 
 
-def _target_head(target: LoadedModel) -> jax.Array:
+def target_head(target: LoadedModel) -> jax.Array:
     """The target's lm_head [V', H] (its embedding when the two are tied)."""
     tied = target.config.tie_word_embeddings
     return target.params["embed"] if tied else target.params["lm_head"]
 
 
-def _target_head_logits(lm_head: jax.Array, hidden: jax.Array, vocab_size: int) -> jax.Array:
+def target_head_logits(lm_head: jax.Array, hidden: jax.Array, vocab_size: int) -> jax.Array:
     """f32[N, V]: the target's lm_head [V', H] over hidden f[N, H] (V' > V when the table is
     padded for sharding: those rows are dropped)."""
     logits = llama.matmul_rows(hidden, lm_head, preferred_element_type=jnp.float32)

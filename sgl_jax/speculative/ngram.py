@@ -57,6 +57,7 @@ class NgramDrafter:
     defers = False
     advances_on_plain = False  # a plain step's one token is the slot's last token
     full_depth = False  # a tree reaches as deep as the text's statistics go
+    pairs_next_token = False
     slot_dtype = jnp.int32
 
     def __init__(self, shapes: Sequence[TreeShape]):

@@ -9,15 +9,18 @@ import jax.numpy as jnp
 from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models import llama_eagle3, qwen3_next
+from sgl_jax.models.dflash import DFlashConfig
 from sgl_jax.models.loader import (
     LoadedDraft,
     LoadedModel,
+    load_dflash_draft,
     load_eagle3_draft,
     load_eagle_draft,
     load_model,
     load_nextn_draft,
 )
-from sgl_jax.server_args import ServerArgs
+from sgl_jax.server_args import ServerArgs, SpeculativeConfig
+from sgl_jax.speculative.dflash_drafter import DFlashDrafter
 from sgl_jax.speculative.drafter import ModelDrafter, NoProposer, Proposer
 from sgl_jax.speculative.drafts import (
     DraftModel,
@@ -36,7 +39,7 @@ from sgl_jax.speculative.verify import AcceptThresholds
 logger = logging.getLogger(__name__)
 
 
-def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | None:
+def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | DFlashDrafter | None:
     """Load --speculative-draft-model-path in the target's dtype (None for a drafter that
     needs no model: NGRAM); a draft that does not fit the target stops start-up (there is
     no fallback to plain decoding)."""
@@ -66,6 +69,11 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | None:
         loaded = load_nextn_draft(spec.draft_model_path, target.config, dtype=target.dtype,
                                   revision=spec.draft_model_revision, tp=target.tp)
         draft = NextnDraft(loaded, target, attention)
+    elif spec.algorithm == "DFLASH":
+        loaded = load_dflash_draft(spec.draft_model_path, dtype=dtype,
+                                   revision=spec.draft_model_revision, tp=target.tp)
+        _check_dflash_fits(loaded.config, spec, target)
+        draft = DFlashDrafter(loaded, target, attention, page_size=args.page_size)
     elif spec.algorithm == "STANDALONE":
         loaded = load_model(spec.draft_model_path, dtype=dtype,
                             revision=spec.draft_model_revision, tp=target.tp)
@@ -86,8 +94,8 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | None:
     return draft
 
 
-def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel | None
-                     ) -> SpecRunner:
+def make_spec_runner(args: ServerArgs, runner: ModelRunner,
+                     draft: DraftModel | DFlashDrafter | None) -> SpecRunner:
     """The runner of the flags' drafter: `draft` (load_draft's), or NGRAM's without one."""
     spec = args.speculative
     capture = ()
@@ -109,6 +117,8 @@ def make_spec_runner(args: ServerArgs, runner: ModelRunner, draft: DraftModel | 
                                   shape)))
     if draft is None:
         drafter, draft_kv = NgramDrafter(shapes), []
+    elif isinstance(draft, DFlashDrafter):
+        drafter, draft_kv, capture = draft, _draft_cache(runner, draft), draft.capture_layers
     else:
         drafter = ModelDrafter(draft, dtype=runner.model.dtype, page_size=runner.page_size)
         draft_kv = _draft_cache(runner, draft)
@@ -151,6 +161,30 @@ def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:
             f"the EAGLE3 draft has no own {' or '.join(shared)} and would share the target's, "
             f"but its hidden size {config.hidden_size} differs from the target's "
             f"{target.config.hidden_size}")
+
+
+def _check_dflash_fits(config: DFlashConfig, spec: SpeculativeConfig, target: LoadedModel
+                       ) -> None:
+    """A head for this target (its widths, its layers) whose block holds the flags' chain."""
+    layer, target_config = config.layer, target.config
+    if target_config.is_hybrid:
+        raise ValueError(f"DFLASH does not run on hybrid targets ({target_config.architecture}) "
+                         "yet; use NEXTN or EAGLE3 there")
+    if (layer.hidden_size, config.num_target_layers) != (target_config.hidden_size,
+                                                         target_config.num_layers):
+        raise ValueError(
+            f"the DFlash head is for a target of hidden size {layer.hidden_size} with "
+            f"{config.num_target_layers} layers; this target has {target_config.hidden_size} "
+            f"and {target_config.num_layers}: is it the head for another model?")
+    if not 0 <= config.mask_token_id < target_config.vocab_size:
+        raise ValueError(f"the DFlash head's mask token {config.mask_token_id} is outside the "
+                         f"target's vocabulary of {target_config.vocab_size}")
+    if spec.eagle_topk != 1 or spec.num_steps > config.block_size - 1:
+        raise ValueError(
+            f"DFLASH drafts a chain of at most block_size - 1 = {config.block_size - 1} tokens "
+            f"(the head's block of {config.block_size}): --speculative-eagle-topk must be 1 "
+            f"and --speculative-num-steps at most {config.block_size - 1}, got "
+            f"{spec.eagle_topk} and {spec.num_steps}")
 
 
 def _check_eagle_fits(draft: LoadedDraft, target: LoadedModel) -> None:

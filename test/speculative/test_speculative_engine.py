@@ -1,5 +1,6 @@
 """Speculative decoding through the Engine: greedy output equals plain decoding token for
-token (Llama, Qwen2, Qwen3; chain and tree; batch 1 and 8; page sizes 1 and 16), a target used
+token (Llama, Qwen2, Qwen3; EAGLE3, EAGLE, STANDALONE and DFLASH drafts; chain and tree;
+batch 1 and 8; page sizes 1 and 16), a target used
 as its own draft accepts every token, and stops inside an accepted run are honoured."""
 
 import json
@@ -9,6 +10,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
+from sgl_jax.testing.dflash import write_tiny_dflash_draft
 from sgl_jax.testing.eagle3 import (
     cached_draft_keys,
     write_tiny_eagle3_draft,
@@ -45,6 +47,7 @@ def checkpoints(tmp_path_factory):
             "eagle3": write_tiny_eagle3_draft(root / f"{preset}-eagle3", config),
             "eagle": write_tiny_eagle_draft(root / f"{preset}-eagle", config),
             "noisy": write_noisy_copy(target, root / f"{preset}-noisy", relative_noise=0.03),
+            "dflash": write_tiny_dflash_draft(root / f"{preset}-dflash", config),
         }
     return out
 
@@ -80,6 +83,8 @@ CASES = [
     ("qwen2", "STANDALONE", "noisy", CHAIN, 16),
     ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
     ("qwen3", "STANDALONE", "noisy", TREE, 1),
+    ("llama", "DFLASH", "dflash", CHAIN, 1),
+    ("qwen3", "DFLASH", "dflash", CHAIN, 16),
 ]
 
 

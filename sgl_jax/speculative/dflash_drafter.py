@@ -1,0 +1,110 @@
+"""DFLASH: a DFlash head (models/dflash.py) behind the drafter interface (drafter.py).
+
+Its cache holds, at every committed position t, each layer's context keys and values made
+from the target's captured layers at t (the prefill writes the prompt's, `advance` those of
+the accepted path, a catch-up those plain rounds left behind). A round runs one block
+[root, MASK x (B-1)] at the root's position over that cache and reads its first S drafts as
+a chain (S = the round's steps, at most B-1): one draft forward a round, whatever S is.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax.layers.attention import AttentionBackend, LayerKV
+from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
+from sgl_jax.models import dflash
+from sgl_jax.models.loader import LoadedDraft, LoadedModel
+from sgl_jax.speculative.drafts import TreeShape, target_head, target_head_logits
+from sgl_jax.speculative.tree import DraftTree
+
+
+class DFlashDrafter:
+    features = "aux"
+    defers = True  # its cache is caught up from the target's features alone
+    advances_on_plain = True
+    full_depth = True
+    pairs_next_token = False  # context t comes from the target's features at t alone
+    slot_width = 0  # nothing per slot: the root token and the cache are all it reads
+    recurrent = False  # (allocate_draft_cache)
+
+    def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend,
+                 *, page_size: int):
+        self.config: dflash.DFlashConfig = draft.config
+        self.cache_config = self.config.layer
+        self.attention = attention
+        self.page_size = page_size
+        self.slot_dtype = target.dtype
+        self.params = {"dflash": draft.params, "embed": target.params["embed"],
+                       "lm_head": target_head(target)}
+        self.vocab_size = target.config.vocab_size
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.config.capture_layers
+
+    def reach(self, shape: TreeShape) -> int:
+        return self.config.block_size if shape.num_draft_tokens > 1 else 0
+
+    def chains(self, shape: TreeShape) -> bool:
+        return True
+
+    def idle_hints(self, batch: int) -> None:
+        return None
+
+    def prefill(self, params, kv, batch, features, next_ids, run):
+        rows = batch.logits_indices.shape[0]
+        kv = jax.lax.cond(
+            run, lambda kv: dflash.context_kv(params["dflash"], kv, features, batch.positions,
+                                              batch.attention.slot_mapping, config=self.config),
+            lambda kv: kv, kv)
+        return jnp.zeros((rows, 0), self.slot_dtype), kv
+
+    def propose(self, params, kv, inputs, page_table, state_slots, hints, *, shape):
+        """One block per row at its root's position; its first num_steps drafts, greedy, as
+        a chain. Verification is exact whatever the drafts are."""
+        roots = inputs.root_tokens
+        batch, steps = roots.shape[0], shape.num_steps
+        if shape.num_draft_tokens == 1:
+            return DraftTree(roots[:, None], jnp.full((batch, 1), -1, jnp.int32)), kv
+        width = self.config.block_size
+        block = jnp.full((batch, width), self.config.mask_token_id, jnp.int32).at[:, 0].set(roots)
+        positions = inputs.kv_lens[:, None] + jnp.arange(width)
+        metadata = window_metadata(page_table, inputs.kv_lens,
+                                   jnp.where(inputs.active, width, 0), width, self.page_size,
+                                   dflash.full_block_mask(batch, width))
+        hidden, kv = dflash.block_forward(
+            params["dflash"], kv, block.reshape(-1), positions.reshape(-1), metadata,
+            config=self.config, attention=self.attention, embed=params["embed"])
+        drafted = hidden.reshape(batch, width, -1)[:, 1 : steps + 1]
+        logits = target_head_logits(params["lm_head"], drafted.reshape(batch * steps, -1),
+                                    self.vocab_size)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(batch, steps)
+        parents = jnp.broadcast_to(jnp.arange(-1, steps, dtype=jnp.int32), (batch, steps + 1))
+        return DraftTree(jnp.concatenate([roots[:, None], tokens], axis=1), parents), kv
+
+    def advance(self, params, kv, tree, verified, inputs, page_table, state_slots):
+        """The context of the accepted path (the root and each accepted token)."""
+        verdict = verified.verdict
+        valid = jnp.where(inputs.active, verdict.num_accepted + 1, 0)
+        return self.extend(params, kv, verdict.tokens, verified.features, page_table,
+                           inputs.kv_lens, valid, state_slots)
+
+    def extend(self, params, kv: list[LayerKV],
+               tokens: jax.Array,  # i32[B, W]: only its shape is read
+               features: jax.Array,  # f[B*W, F]: the target's, per position
+               page_table: jax.Array,  # i32[B, P]
+               start: jax.Array,  # i32[B]: positions the cache holds
+               valid: jax.Array,  # i32[B]: real positions per row (0: nothing written)
+               state_slots: jax.Array,
+               ) -> tuple[jax.Array, list[LayerKV]]:
+        """Write the context of `valid` positions per row from `start`."""
+        batch, width = tokens.shape
+        offsets = jnp.arange(width)[None, :]
+        positions = start[:, None] + offsets
+        slots = jnp.where(offsets < valid[:, None],
+                          kv_slots(page_table, positions, self.page_size), 0)
+        kv = dflash.context_kv(params["dflash"], kv, features, positions.reshape(-1),
+                               slots.reshape(-1), config=self.config)
+        return jnp.zeros((batch, 0), self.slot_dtype), kv
