@@ -80,9 +80,11 @@ def transformers_greedy(model_dir: Path) -> list[list[int]]:
 
 
 def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str | None = None,
-                 draft_algorithm: str = "EAGLE3", **settings: Any) -> dict[int, dict[str, Any]]:
+                 draft_algorithm: str = "EAGLE3", given_prompts: list[list[int]] | None = None,
+                 **settings: Any) -> dict[int, dict[str, Any]]:
     """Per TP size: the greedy output ids, the mean accepted length (with a draft, which
-    grows a tree) and the parameter bytes on one device. `settings`: more Engine arguments."""
+    grows a tree) and the parameter bytes on one device, for `given_prompts` (default:
+    `prompts`). `settings`: more Engine arguments."""
     from sgl_jax import Engine
     from sgl_jax.parallel import bytes_per_device
 
@@ -99,13 +101,10 @@ def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str 
         if engine.server_args.node_rank > 0:  # it has followed rank 0 to the end
             continue
         with engine:
-            # As transformers_greedy decodes: EOS suppressed until MAX_NEW_TOKENS (with
-            # ignore_eos, EOS would be free to be drawn, as in vLLM and SGLang).
-            params = [{"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS,
-                       "min_new_tokens": MAX_NEW_TOKENS}]
+            params = {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+            asked = given_prompts or prompts(engine.model.config.vocab_size)
             for _ in range(passes):
-                outputs = engine.generate(input_ids=prompts(engine.model.config.vocab_size),
-                                          sampling_params=params * len(PROMPT_LENGTHS))
+                outputs = engine.generate(input_ids=asked, sampling_params=[params] * len(asked))
             info = engine.get_server_info()
             results[tp] = {
                 "output_ids": [o["output_ids"] for o in outputs],
@@ -160,9 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--speculative-only", action="store_true",
                         help="with a draft, skip the runs without it")
+    parser.add_argument("--prompts", type=json.loads, default=None,
+                        help="a JSON list of token id lists (default: random prompts)")
     args = parser.parse_args(argv)
     common = dict(attention_backend=args.attention_backend, nnodes=args.nnodes,
-                  node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+                  node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                  given_prompts=args.prompts)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     results = {}
     speculative = args.draft_model_path is not None or args.draft_algorithm == "NGRAM"
