@@ -144,9 +144,7 @@ def block_forward(
     x = embed[input_ids]
     written = []
     for p, layer_kv in zip(params["layers"], kv_cache, strict=True):
-        mixed, layer_kv = attend(p, llama.norm(x, p["input_norm"], layer_config), layer_kv)
-        x = x + mixed
-        x = x + llama.mlp(p, llama.norm(x, p["post_norm"], layer_config))
+        x, layer_kv = llama.decoder_layer(p, x, attend, layer_kv, layer_config)
         written.append(layer_kv)
     return llama.norm(x, params["norm"], layer_config), written
 

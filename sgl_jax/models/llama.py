@@ -184,13 +184,19 @@ def decoder(
     for i, (layer, mix) in enumerate(zip(params["layers"], mixers, strict=True)):
         if i in capture_layers:
             captured[i] = hidden
-        mixed, layer_cache = mix(layer, norm(hidden, layer["input_norm"], config), cache[i])
-        hidden = hidden + mixed
-        hidden = hidden + feed_forward(layer, norm(hidden, layer["post_norm"], config), config)
+        hidden, layer_cache = decoder_layer(layer, hidden, mix, cache[i], config)
         new_cache.append(layer_cache)
     captured[config.num_layers] = hidden
     hidden = norm(hidden, params["norm"], config)
     return hidden, new_cache, tuple(captured[i] for i in capture_layers)
+
+
+def decoder_layer(p: Params, x: jax.Array, mix: Mixer, layer_cache: Any, config: ModelConfig
+                  ) -> tuple[jax.Array, Any]:
+    """One pre-norm layer: x + mix(norm(x)), then x + feed_forward(norm(x)); x [T, H]."""
+    mixed, layer_cache = mix(p, norm(x, p["input_norm"], config), layer_cache)
+    x = x + mixed
+    return x + feed_forward(p, norm(x, p["post_norm"], config), config), layer_cache
 
 
 def norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:

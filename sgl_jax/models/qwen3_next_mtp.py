@@ -87,9 +87,6 @@ def forward(
     token = llama.norm(embed[input_ids], params["pre_fc_norm_embedding"], config)
     hidden = llama.norm(features, params["pre_fc_norm_hidden"], config)
     x = llama.matmul_rows(jnp.concatenate([token, hidden], axis=-1), params["fc"])
-    layer = params["layers"][0]
     attend = llama.attention_mixer(positions, metadata, config, attention)
-    mixed, layer_kv = attend(layer, llama.norm(x, layer["input_norm"], config), kv_cache[0])
-    x = x + mixed
-    x = x + llama.feed_forward(layer, llama.norm(x, layer["post_norm"], config), config)
+    x, layer_kv = llama.decoder_layer(params["layers"][0], x, attend, kv_cache[0], config)
     return llama.norm(x, params["norm"], config), [layer_kv]
