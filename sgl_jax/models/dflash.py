@@ -104,6 +104,24 @@ def context(params: Params, features: jax.Array, config: DFlashConfig) -> jax.Ar
                       config.layer)
 
 
+def context_keys_values(
+    params: Params,
+    features: jax.Array,  # f[T, L*H]: the target's, at committed tokens
+    positions: jax.Array,  # i32[T]
+    config: DFlashConfig,
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Every layer's context keys f[T, n_kv, hd] (k_norm, RoPE at `positions`) and values."""
+    layer_config = config.layer
+    c = context(params, features, config)
+    cos, sin = rope_cos_sin(positions, inverse_frequencies(layer_config.rope,
+                                                           layer_config.rotary_dim))
+    keys_values = []
+    for p in params["layers"]:
+        _, _, k, v = llama.qkv_heads(p, c, layer_config)
+        keys_values.append((apply_rope(llama.norm(k, p["k_norm"], layer_config), cos, sin), v))
+    return keys_values
+
+
 def context_kv(
     params: Params,
     kv_cache: list[LayerKV],
@@ -114,16 +132,8 @@ def context_kv(
     config: DFlashConfig,
 ) -> list[LayerKV]:
     """Write every layer's context keys and values for the tokens into the cache."""
-    layer_config = config.layer
-    c = context(params, features, config)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(layer_config.rope,
-                                                           layer_config.rotary_dim))
-    written = []
-    for p, layer_kv in zip(params["layers"], kv_cache, strict=True):
-        _, _, k, v = llama.qkv_heads(p, c, layer_config)
-        k = apply_rope(llama.norm(k, p["k_norm"], layer_config), cos, sin)
-        written.append(write_kv(layer_kv, k, v, slot_mapping))
-    return written
+    return [write_kv(layer_kv, k, v, slot_mapping) for layer_kv, (k, v) in zip(
+        kv_cache, context_keys_values(params, features, positions, config), strict=True)]
 
 
 def block_forward(
