@@ -20,7 +20,8 @@ from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_model, read_hf_config
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.training import draft as draft_lib
-from sgl_jax.training.trainer import Batch, Hyper, Trainer
+from sgl_jax.training.objective import Batch, Eagle3Objective
+from sgl_jax.training.trainer import Hyper, Trainer
 
 
 def main() -> None:
@@ -44,8 +45,8 @@ def main() -> None:
     params = draft_lib.place_draft(config, draft_lib.initial_tensors(
         config, d2t, draft_lib.target_output_rows(target), 0), np.float32, tp)
     capture = llama_eagle3.target_capture_layers(target.config.num_layers, config)
-    trainer = Trainer(target, config, params, capture, Hyper(ttt_length=args.ttt_length), 100,
-                      tp)
+    trainer = Trainer(target, Eagle3Objective(config, capture, args.ttt_length), params, Hyper(),
+                      100, tp)
     ids = rng.integers(0, hf["vocab_size"], (args.batch, args.seq_len)).astype(np.int32)
     batch = Batch(ids, np.ones(ids.shape, bool))
     state = trainer.init_state()

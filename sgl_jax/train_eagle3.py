@@ -1,12 +1,14 @@
-"""Train an EAGLE3 draft head for a target model: `python -m sgl_jax.train_eagle3 --help`.
+"""Train an EAGLE3 or DFlash draft head for a target model: `python -m sgl_jax.train_eagle3
+--help`.
 
     python -m sgl_jax.train_eagle3 --output-dir heads/demo            # the demo model, ShareGPT
     python -m sgl_jax.train_eagle3 --target-model-path ./Llama-3.1-8B-Instruct \
         --data ./conversations.jsonl --regenerate --tp-size 8 --output-dir heads/llama
+    python -m sgl_jax.train_eagle3 --speculative-algorithm DFLASH --output-dir heads/dflash
 
 The output directory holds the exported head (config.json + model.safetensors, loadable by
 --speculative-draft-model-path here and in SGLang), `train_state/` for --resume, the draft
-vocabulary and config it was started with, and metrics.jsonl. See docs/training.md.
+config (and EAGLE3's vocabulary) it was started with, and metrics.jsonl. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -18,18 +20,23 @@ import json
 import logging
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from sgl_jax.demo import demo_model_path
+from sgl_jax.models import dflash as dflash_model
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import DTYPES, load_model, read_hf_config
 from sgl_jax.parallel import TensorParallel, init_distributed, shutdown_distributed
 from sgl_jax.tokenizer import load_tokenizer
+from sgl_jax.training import dflash as dflash_lib
 from sgl_jax.training import draft as draft_lib
 from sgl_jax.training.data import Example, build_examples, iter_conversations, read_records
+from sgl_jax.training.objective import Eagle3Objective, Objective
 from sgl_jax.training.trainer import (
     Hyper,
     LoopConfig,
@@ -43,11 +50,15 @@ from sgl_jax.training.trainer import (
 from sgl_jax.training.vocab import draft_vocab
 
 logger = logging.getLogger("sgl_jax.train_eagle3")
+ALGORITHMS = ("EAGLE3", "DFLASH")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sgl_jax.train_eagle3",
-                                description="Train an EAGLE3 draft head in JAX.")
+                                description="Train an EAGLE3 or DFlash draft head in JAX.")
+    p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="EAGLE3",
+                   help="the head to train: EAGLE3 (training-time test) or DFLASH (block "
+                        "drafting from random anchors)")
     g = p.add_argument_group("target and data")
     g.add_argument("--target-model-path", default=None,
                    help="the target (directory or .gguf); default: the built-in demo model")
@@ -69,12 +80,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the regenerating engine's --attention-backend (default: the server's)")
     g = p.add_argument_group("draft")
     g.add_argument("--draft-vocab-size", type=int, default=32000,
-                   help="most frequent loss-masked target ids kept (capped at the target's)")
+                   help="EAGLE3: most frequent loss-masked target ids kept (capped at the "
+                        "target's)")
     g.add_argument("--draft-config", default=None,
                    help="JSON file of config.json fields overriding the defaults (the "
-                        "target's widths), e.g. {\"intermediate_size\": 1024}")
+                        "target's widths), e.g. {\"intermediate_size\": 1024}; for DFLASH "
+                        "also num_hidden_layers (5), block_size (16) and dflash_config's "
+                        "mask_token_id and target_layer_ids")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--ttt-length", type=int, default=7, help="training-time-test steps")
+    g.add_argument("--ttt-length", type=int, default=7,
+                   help="EAGLE3: training-time-test steps")
+    g.add_argument("--num-anchors", type=int, default=128,
+                   help="DFLASH: random blocks per conversation and step (memory grows with "
+                        "anchors x block x row length)")
+    g.add_argument("--loss-gamma", type=float, default=dflash_lib.DEFAULT_GAMMA,
+                   help="DFLASH: block position k's loss weighs exp(-(k-1)/gamma)")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--warmup-ratio", type=float, default=0.02)
     g.add_argument("--max-grad-norm", type=float, default=0.5)
@@ -129,20 +149,15 @@ def train(args: argparse.Namespace) -> Path:
     held_out, examples = examples[: args.eval_conversations], examples[args.eval_conversations:]
     if not examples:
         raise SystemExit("no training conversations left after the held-out ones")
-    hf_config, d2t, t2d = _draft_setup(args, target_hf, examples, out)
-    config = llama_eagle3.config_from_hf(hf_config)
-    _check_trainable_split(config, tp)
-    capture = llama_eagle3.target_capture_layers(target.config.num_layers, config)
-    tensors = draft_lib.initial_tensors(config, d2t, draft_lib.target_output_rows(target),
-                                        args.seed)
-    params = draft_lib.place_draft(config, tensors, np.float32, tp)
+    head = (_dflash_head if args.speculative_algorithm == "DFLASH" else _eagle3_head)(
+        args, target, target_hf, examples, out, tp)
     loop = LoopConfig(args.epochs, args.max_steps, args.tokens_per_batch, args.save_interval,
                       args.seed)
     lengths = [len(e.input_ids) for e in examples]
     steps = total_steps(len(plan_batches(lengths, loop.tokens_per_batch, tp.dp_size, 0)), loop)
     hyper = Hyper(args.lr, args.warmup_ratio, args.max_grad_norm, args.weight_decay,
-                  args.ttt_length, DTYPES[args.dtype])
-    trainer = Trainer(target, config, params, capture, hyper, steps, tp)
+                  DTYPES[args.dtype])
+    trainer = Trainer(target, head.objective, head.params, hyper, steps, tp, args.seed)
     state = trainer.init_state()
     if args.resume and (out / "train_state").exists():
         state, meta = load_state(out / "train_state", state)
@@ -153,7 +168,9 @@ def train(args: argparse.Namespace) -> Path:
                 steps, len(examples), sum(lengths), len(held_out))
 
     def on_save(state, step):
-        _export(trainer, state, hf_config, t2d, out, args.export_dtype)
+        params = trainer.draft_params(state)
+        if jax.process_index() == 0:
+            head.export(params, out, args.export_dtype)
         _log_eval(trainer, state, held_out, tp, step, out)
 
     run_training(trainer, state, examples, loop, steps=steps, checkpoint_dir=out / "train_state",
@@ -210,55 +227,97 @@ def _regenerated(args, target_path: str, conversations, out: Path) -> list[list[
     return done
 
 
-def _draft_setup(args, target_hf: dict, examples: list[Example], out: Path):
-    """The draft's config.json and vocabulary: computed on a fresh start and saved, read back
-    on --resume so a resumed run trains the same head."""
-    saved = out / "draft_setup.json"
-    if args.resume and saved.exists():
-        setup = json.loads(saved.read_text())
-        t2d = np.zeros(target_hf["vocab_size"], bool)
-        t2d[setup["draft_target_ids"]] = True
-        return setup["config"], np.asarray(setup["d2t"], np.int64), t2d
+class Head(NamedTuple):
+    objective: Objective
+    params: dict  # the fresh head's parameters on the mesh
+    export: Callable[[dict, Path, str], Any]  # (host params, directory, dtype) -> the head
+
+
+def _eagle3_head(args, target, target_hf: dict, examples: list[Example], out: Path,
+                 tp: TensorParallel) -> Head:
+    setup = _draft_setup(args, out, lambda: _eagle3_setup(args, target_hf, examples))
+    hf_config = setup["config"]
+    t2d = np.zeros(target_hf["vocab_size"], bool)
+    t2d[setup["draft_target_ids"]] = True
+    d2t = np.asarray(setup["d2t"], np.int64)
+    config = llama_eagle3.config_from_hf(hf_config)
+    _check_trainable_split(config.layer.num_kv_heads, tp)
+    capture = llama_eagle3.target_capture_layers(target.config.num_layers, config)
+    tensors = draft_lib.initial_tensors(config, d2t, draft_lib.target_output_rows(target),
+                                        args.seed)
+    return Head(Eagle3Objective(config, capture, args.ttt_length),
+                draft_lib.place_draft(config, tensors, np.float32, tp),
+                lambda params, path, dtype: draft_lib.export_draft(path, hf_config, params, t2d,
+                                                                   dtype))
+
+
+def _eagle3_setup(args, target_hf: dict, examples: list[Example]) -> dict:
     size = min(args.draft_vocab_size, target_hf["vocab_size"])
     d2t, t2d = draft_vocab(examples, target_hf["vocab_size"], size)
-    overrides = json.loads(Path(args.draft_config).read_text()) if args.draft_config else None
-    config = draft_lib.draft_hf_config(target_hf, size, overrides)
+    config = draft_lib.draft_hf_config(target_hf, size, _overrides(args))
+    return {"config": config, "d2t": d2t.tolist(),
+            "draft_target_ids": np.flatnonzero(t2d).tolist()}
+
+
+def _dflash_head(args, target, target_hf: dict, examples: list[Example], out: Path,
+                 tp: TensorParallel) -> Head:
+    setup = _draft_setup(args, out, lambda: {
+        "config": dflash_lib.dflash_hf_config(target_hf, _overrides(args))})
+    hf_config = setup["config"]
+    config = dflash_model.config_from_hf(hf_config)
+    _check_trainable_split(config.layer.num_kv_heads, tp)
+    tensors = dflash_lib.initial_tensors(config, dflash_lib.target_norm_scale(target), args.seed)
+    objective = dflash_lib.DFlashObjective(config, target, num_anchors=args.num_anchors,
+                                           gamma=args.loss_gamma)
+    return Head(objective, dflash_lib.place_head(config, tensors, np.float32, tp),
+                lambda params, path, dtype: dflash_lib.export_head(path, hf_config, params,
+                                                                   dtype))
+
+
+def _overrides(args) -> dict | None:
+    return json.loads(Path(args.draft_config).read_text()) if args.draft_config else None
+
+
+def _draft_setup(args, out: Path, fresh: Callable[[], dict]) -> dict:
+    """The draft's config.json (and EAGLE3's vocabulary): made by `fresh` on a new run and
+    saved, read back on --resume so a resumed run trains the same head."""
+    saved = out / "draft_setup.json"
+    if args.resume and saved.exists():
+        return json.loads(saved.read_text())
+    setup = fresh()
     if jax.process_index() == 0:
-        saved.write_text(json.dumps({"config": config, "d2t": d2t.tolist(),
-                                     "draft_target_ids": np.flatnonzero(t2d).tolist()}))
-    return config, d2t, t2d
+        saved.write_text(json.dumps(setup))
+    return setup
 
 
-def _check_trainable_split(config, tp: TensorParallel) -> None:
+def _check_trainable_split(num_kv_heads: int, tp: TensorParallel) -> None:
     """Serving may copy KV heads when there are fewer than devices; trained copies would
     drift apart, so training needs KV heads that split evenly."""
-    if config.layer.num_kv_heads % tp.size:
+    if num_kv_heads % tp.size:
         raise SystemExit(f"--tp-size {tp.size} does not divide the draft's "
-                         f"{config.layer.num_kv_heads} KV heads; training needs an even split "
+                         f"{num_kv_heads} KV heads; training needs an even split "
                          "(set num_key_value_heads with --draft-config, or lower --tp-size)")
-
-
-def _export(trainer: Trainer, state, hf_config: dict, t2d, out: Path, dtype: str) -> None:
-    params = trainer.draft_params(state)
-    if jax.process_index() == 0:
-        draft_lib.export_draft(out, hf_config, params, t2d, dtype)
 
 
 def _log_eval(trainer: Trainer, state, held_out: list[Example], tp, step: int, out: Path
               ) -> None:
     if not held_out:
         return
-    totals = None
+    hits = counts = accepted = 0
     for start in range(0, len(held_out), 8):
         result = trainer.evaluate(state, collate(held_out[start: start + 8], tp.dp_size))
-        counts = np.asarray(result.counts)
-        hits = np.asarray(result.accuracies) * counts
-        totals = (hits, counts) if totals is None else (totals[0] + hits, totals[1] + counts)
-    accuracies = (totals[0] / np.maximum(totals[1], 1)).round(4).tolist()
-    logger.info("Held-out accuracy per step at step %d: %s", step, accuracies)
+        batch_counts = np.asarray(result.counts)
+        hits = hits + np.asarray(result.accuracies) * batch_counts
+        counts = counts + batch_counts
+        if hasattr(result, "accepted"):  # DFlash: per anchor, so weighed by anchors
+            accepted += float(result.accepted) * batch_counts[0]
+    record = {"step": step, "accuracies": (hits / np.maximum(counts, 1)).round(4).tolist()}
+    if hasattr(result, "accepted"):
+        record["accept_length"] = float(round(1 + accepted / max(int(counts[0]), 1), 3))
+    logger.info("Held-out metrics at step %d: %s", step, record)
     if jax.process_index() == 0:
         with (out / "eval.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "accuracies": accuracies}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def _append_metrics(out: Path, step: int, metrics: dict) -> None:

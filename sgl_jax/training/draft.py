@@ -115,16 +115,23 @@ def export_draft(path: str | Path, hf_config: dict[str, Any], params: dict[str, 
                  t2d: np.ndarray, dtype: str = "bfloat16") -> Path:
     """Write config.json + model.safetensors (`dtype` float32 or bfloat16) with d2t and t2d,
     as SpecForge does. `params` are host arrays of the draft's pytree."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     config = llama_eagle3.config_from_hf(hf_config)
     specs = llama_eagle3.hf_weight_specs(config, ["fc.weight", "lm_head.weight", "d2t"])
     tensors = checkpoint_tensors(params, specs)
+    return save_head(path, hf_config, {name: t for name, t in tensors.items() if name != "d2t"},
+                     dtype, {"d2t": tensors["d2t"].astype(np.int64),
+                             "t2d": np.asarray(t2d, bool)})
+
+
+def save_head(path: str | Path, hf_config: dict[str, Any], tensors: dict[str, np.ndarray],
+              dtype: str, exact: dict[str, np.ndarray] | None = None) -> Path:
+    """config.json and model.safetensors in `path`: float `tensors` cast to `dtype` (float32
+    or bfloat16), `exact` ones (index tables) as they are."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
     cast = _float_caster(dtype)
-    tensors = {name: (t.astype(np.int64) if name == "d2t" else cast(t))
-               for name, t in tensors.items()}
-    tensors["t2d"] = np.asarray(t2d, bool)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({**{name: cast(t) for name, t in tensors.items()}, **(exact or {})},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}, indent=2)
                                      + "\n")
     return out

@@ -26,18 +26,15 @@ import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.loader import LoadedModel
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.training.data import Example
-from sgl_jax.training.loss import TTTLoss, ttt_loss
-from sgl_jax.training.target import target_outputs
-from sgl_jax.training.ttt import ttt_logits
+from sgl_jax.training.objective import Batch, Objective
 
 logger = logging.getLogger(__name__)
 
 ROW_ALIGN = 64  # row lengths are rounded up to this, so few batch shapes are compiled
-FROZEN = ("d2t",)  # draft tensors that are not trained
+EVAL_SEED = 12345  # what an objective samples at evaluation is the same at every checkpoint
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,6 @@ class Hyper:
     warmup_ratio: float = 0.02
     max_grad_norm: float = 0.5
     weight_decay: float = 0.0
-    ttt_length: int = 7
     compute_dtype: Any = jnp.float32  # the draft's and the target's arithmetic; master f32
 
 
@@ -54,11 +50,6 @@ class TrainState(NamedTuple):
     step: jax.Array  # i32[]
     params: dict[str, Any]  # the trainable draft tensors, float32
     opt_state: Any
-
-
-class Batch(NamedTuple):
-    input_ids: np.ndarray  # i32[B, T], right-padded with 0
-    loss_mask: np.ndarray  # bool[B, T]
 
 
 # --------------------------------------------------------------------------- batches
@@ -114,14 +105,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class Trainer:
-    """Holds the target, the draft's fixed parts and the compiled steps."""
+    """Holds the target, the objective, the draft's fixed parts and the compiled steps."""
 
-    def __init__(self, target: LoadedModel, draft_config: Eagle3Config, draft_params: dict,
-                 capture_layers: tuple[int, ...], hyper: Hyper, total_steps: int,
-                 tp: TensorParallel):
-        self.target, self.config, self.hyper, self.tp = target, draft_config, hyper, tp
-        self.capture_layers = capture_layers
-        self.frozen = {k: v for k, v in draft_params.items() if k in FROZEN}
+    def __init__(self, target: LoadedModel, objective: Objective, draft_params: dict,
+                 hyper: Hyper, total_steps: int, tp: TensorParallel, seed: int = 0):
+        self.target, self.objective, self.hyper, self.tp = target, objective, hyper, tp
+        self.key = jax.random.key(seed)
+        self.frozen = {k: v for k, v in draft_params.items() if k in objective.frozen}
         schedule = optax.warmup_cosine_decay_schedule(
             0.0, hyper.lr, max(1, round(hyper.warmup_ratio * total_steps)),
             max(total_steps, 2), end_value=0.0)
@@ -129,8 +119,8 @@ class Trainer:
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(hyper.max_grad_norm),
             optax.adamw(schedule, weight_decay=hyper.weight_decay))
-        self._initial_params = {k: v.astype(jnp.float32) for k, v in draft_params.items()
-                                if k not in FROZEN}
+        self._initial_params = _cast({k: v for k, v in draft_params.items()
+                                      if k not in objective.frozen}, jnp.float32)
         # The target and the draft run as separate programs, and the state is not donated:
         # on XLA:CPU either change alone made a step 1.2x (one program) to 1.5x (donation)
         # slower.
@@ -145,44 +135,36 @@ class Trainer:
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         batch = self._device_batch(batch)
-        features, logits = self._target_step(self.target.params, batch)
-        return self._train_step(state, self.target.params, features, logits, batch)
+        outputs = self._target_step(self.target.params, batch)
+        return self._train_step(state, self.target.params, outputs, batch)
 
-    def evaluate(self, state: TrainState, batch: Batch) -> TTTLoss:
+    def evaluate(self, state: TrainState, batch: Batch):
+        """The objective's metrics of the draft on a held-out batch."""
         batch = self._device_batch(batch)
-        features, logits = self._target_step(self.target.params, batch)
-        return self._eval_step(state.params, self.target.params, features, logits, batch)
+        outputs = self._target_step(self.target.params, batch)
+        return self._eval_step(state.params, self.target.params, outputs, batch)
 
     def draft_params(self, state: TrainState) -> dict[str, Any]:
         """The whole draft pytree (trained tensors and d2t) on the host."""
         return {**_to_host(state.params), **_to_host(self.frozen)}
 
     def target_outputs(self, batch: Batch):
-        """The target's features and logits of a host batch, on the device."""
+        """What the target gives the objective for a host batch, on the device."""
         return self._target_step(self.target.params, self._device_batch(batch))
 
     # ------------------------------------------------------------------ jitted bodies
 
     def _target(self, target_params, batch: Batch):
-        return target_outputs(self.target, target_params, batch.input_ids, self.capture_layers)
+        return self.objective.target(self.target, target_params, batch)
 
-    def _loss(self, params, target_params, features, logits, batch: Batch
-              ) -> tuple[jax.Array, TTTLoss]:
-        dtype = self.hyper.compute_dtype
-        layer = {**{k: v.astype(dtype) for k, v in params.items()}, **self.frozen}
-        draft_logits = ttt_logits(layer, target_params["embed"], layer["lm_head"],
-                                  features.astype(dtype), batch.input_ids,
-                                  config=self.config, length=self.hyper.ttt_length)
-        # Index t predicts token t + 2: the target's distribution for it sits at t + 1.
-        d2t = self.frozen["d2t"]
-        result = ttt_loss(draft_logits, _shift(logits, 1), _shift(batch.loss_mask, 2),
-                          jnp.arange(d2t.shape[0], dtype=d2t.dtype) + d2t)
-        return result.total, result
+    def _loss(self, params, target_params, outputs, batch: Batch, key):
+        draft = {**_cast(params, self.hyper.compute_dtype), **self.frozen}
+        return self.objective.loss(draft, target_params, outputs, batch, key)
 
-    def _train_step_impl(self, state: TrainState, target_params, features, logits,
-                         batch: Batch):
+    def _train_step_impl(self, state: TrainState, target_params, outputs, batch: Batch):
+        key = jax.random.fold_in(self.key, state.step)
         grads, result = jax.grad(self._loss, has_aux=True)(state.params, target_params,
-                                                           features, logits, batch)
+                                                           outputs, batch, key)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": result.total, "losses": result.losses,
@@ -191,10 +173,10 @@ class Trainer:
         return TrainState(state.step + 1, params, opt_state), self.tp.constrain_replicated(
             metrics)
 
-    def _eval_step_impl(self, params, target_params, features, logits, batch: Batch
-                        ) -> TTTLoss:
+    def _eval_step_impl(self, params, target_params, outputs, batch: Batch):
+        key = jax.random.key(EVAL_SEED)
         return self.tp.constrain_replicated(
-            self._loss(params, target_params, features, logits, batch)[1])
+            self._loss(params, target_params, outputs, batch, key)[1])
 
     def _device_batch(self, batch: Batch) -> Batch:
         sharding = self.tp.batch_sharding()
@@ -203,14 +185,12 @@ class Trainer:
                        for a in batch))
 
 
+def _cast(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
 def _index(array: np.ndarray, index) -> np.ndarray:
     return array[index]
-
-
-def _shift(x: jax.Array, k: int) -> jax.Array:
-    """x[:, t + k] at index t along axis 1, zeros past the end."""
-    pad = [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x[:, k:], pad)
 
 
 def _to_host(tree: Any) -> Any:

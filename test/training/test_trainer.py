@@ -1,6 +1,7 @@
-"""The EAGLE3 trainer: TTT attention against a reference written here, step 0 of the TTT forward
+"""The draft trainer: TTT attention against a reference written here, step 0 of the TTT forward
 against the serving draft on the paged cache, the same losses on 1 device and on 8-device
-meshes (DP 2 x TP 4, TP 8), resuming, and an export the server loads as it was trained."""
+meshes (DP 2 x TP 4, TP 8), resuming, an export the server loads as it was trained, and a
+DFlash head exported in the published layout."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 
 from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.models import llama_eagle3
-from sgl_jax.models.loader import load_eagle3_draft, load_model
+from sgl_jax.models.loader import load_dflash_draft, load_eagle3_draft, load_model
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.dflash import write_tiny_dflash_draft
 from sgl_jax.testing.parallel import cpu_devices_env
 from sgl_jax.training import draft as draft_lib
 from sgl_jax.training.ttt import DenseBatch, ttt_attention, ttt_logits
@@ -231,3 +233,29 @@ def test_the_export_loads_as_trained(training_setup, tmp_path):
     assert not np.allclose(tensors["midlayer.self_attn.q_proj.weight"], 0)
     assert jax.tree.all(jax.tree.map(lambda x: np.isfinite(np.asarray(x)).all(),
                                      loaded.params))
+
+
+def test_a_dflash_head_trains_and_loads_as_a_z_lab_head(training_setup, tmp_path):
+    """--speculative-algorithm DFLASH: the loss falls, and the export has a published head's
+    config fields and tensor names (a head written the z-lab way, same depth) and loads."""
+    metrics = run_cli(training_setup, tmp_path, "--speculative-algorithm", "DFLASH",
+                      "--num-anchors", "8", "--max-steps", "4", "--lr", "3e-3")
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    target_config = json.loads((training_setup[0] / "config.json").read_text())
+    zlab = write_tiny_dflash_draft(tmp_path / "zlab", target_config,
+                                   num_layers=config["num_hidden_layers"],
+                                   block_size=config["block_size"],
+                                   target_layer_ids=config["dflash_config"]["target_layer_ids"])
+    published = json.loads((zlab / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert set(published) - {"torch_dtype"} <= set(config)
+    assert set(config["dflash_config"]) == set(published["dflash_config"])
+    from safetensors.numpy import load_file
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert set(tensors) == set(load_file(zlab / "model.safetensors"))
+    loaded = load_dflash_draft(str(tmp_path), dtype="float32", progress=False)
+    np.testing.assert_array_equal(np.asarray(loaded.params["fc"]), tensors["fc.weight"])
+    assert not np.allclose(tensors["layers.0.self_attn.q_proj.weight"], 0)
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 4] and all("accept_length" in e for e in evals)
