@@ -17,7 +17,7 @@ from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
 from sgl_jax.models import dflash
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
 from sgl_jax.speculative.drafts import TreeShape, target_head, target_head_logits
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.tree import DraftTree, select_tree
 
 
 class DFlashDrafter:
@@ -48,7 +48,7 @@ class DFlashDrafter:
         return self.config.block_size if shape.num_draft_tokens > 1 else 0
 
     def chains(self, shape: TreeShape) -> bool:
-        return True
+        return shape.topk == 1
 
     def idle_hints(self, batch: int) -> None:
         return None
@@ -62,8 +62,9 @@ class DFlashDrafter:
         return jnp.zeros((rows, 0), self.slot_dtype), kv
 
     def propose(self, params, kv, inputs, page_table, state_slots, hints, *, shape):
-        """One block per row at its root's position; its first num_steps drafts, greedy, as
-        a chain. Verification is exact whatever the drafts are."""
+        """One block per row at its root's position; a tree from the top-k of its first
+        num_steps positions (a chain of argmaxes at top-k 1). Verification is exact whatever
+        the drafts are."""
         roots = inputs.root_tokens
         batch, steps = roots.shape[0], shape.num_steps
         if shape.num_draft_tokens == 1:
@@ -80,9 +81,9 @@ class DFlashDrafter:
         drafted = hidden.reshape(batch, width, -1)[:, 1 : steps + 1]
         logits = target_head_logits(params["lm_head"], drafted.reshape(batch * steps, -1),
                                     self.vocab_size)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(batch, steps)
-        parents = jnp.broadcast_to(jnp.arange(-1, steps, dtype=jnp.int32), (batch, steps + 1))
-        return DraftTree(jnp.concatenate([roots[:, None], tokens], axis=1), parents), kv
+        logprobs = jax.nn.log_softmax(logits.reshape(batch, steps, -1), axis=-1)
+        return position_topk_tree(roots, logprobs, topk=shape.topk,
+                                  num_draft_tokens=shape.num_draft_tokens), kv
 
     def advance(self, params, kv, tree, verified, inputs, page_table, state_slots):
         """The context of the accepted path (the root and each accepted token)."""
@@ -108,3 +109,34 @@ class DFlashDrafter:
         kv = dflash.context_kv(params["dflash"], kv, features, positions.reshape(-1),
                                slots.reshape(-1), config=self.config)
         return jnp.zeros((batch, 0), self.slot_dtype), kv
+
+
+def position_topk_tree(
+    roots: jax.Array,  # i32[B]
+    logprobs: jax.Array,  # f32[B, S, V]: block position 1..S's own distribution
+    *,
+    topk: int,
+    num_draft_tokens: int,  # N, the root included
+) -> DraftTree:
+    """The best N-1 paths through each position's top-k tokens, scored as if positions were
+    independent (a path's score is the sum of its tokens' log-probabilities): the `topk` best
+    paths of each depth are extended by the next position's top-k, as EAGLE-2 grows its
+    frontier, and `select_tree` keeps the best candidates, ancestors first."""
+    batch, steps, _ = logprobs.shape
+    top_scores, top_ids = jax.lax.top_k(logprobs, topk)  # [B, S, K]
+    top_ids = top_ids.astype(jnp.int32)
+    frontier_scores = top_scores[:, 0]
+    frontier = jnp.broadcast_to(jnp.arange(topk, dtype=jnp.int32), (batch, topk))
+    scores, tokens, parents = [frontier_scores], [top_ids[:, 0]], [jnp.full_like(frontier, -1)]
+    offset = topk
+    for depth in range(1, steps):
+        child_scores = (frontier_scores[:, :, None] + top_scores[:, depth, None, :]
+                        ).reshape(batch, topk * topk)  # child j of frontier node i at i*K + j
+        scores.append(child_scores)
+        tokens.append(jnp.tile(top_ids[:, depth], (1, topk)))
+        parents.append(jnp.repeat(frontier, topk, axis=1))
+        frontier_scores, best = jax.lax.top_k(child_scores, topk)
+        frontier = (offset + best).astype(jnp.int32)
+        offset += topk * topk
+    return select_tree(roots, jnp.concatenate(scores, 1), jnp.concatenate(tokens, 1),
+                       jnp.concatenate(parents, 1), num_draft_tokens)

@@ -83,7 +83,7 @@ CASES = [
     ("qwen2", "STANDALONE", "noisy", CHAIN, 16),
     ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
     ("qwen3", "STANDALONE", "noisy", TREE, 1),
-    ("qwen3", "DFLASH", "dflash", CHAIN, 16),  # a random head: nothing accepted
+    ("qwen3", "DFLASH", "dflash", TREE, 16),  # a random head: per-position top-k trees
 ]
 
 
