@@ -3,8 +3,10 @@ layers that draft a whole block of tokens in one forward pass, conditioned on th
 hidden states.
 
 config.json: `architectures: ["DFlashDraftModel"]`, Qwen3's attention and MLP fields,
-`block_size`, `num_target_layers`, `layer_types`, and `dflash_config: {mask_token_id,
-target_layer_ids}` (each of the three also read at the top level, as z-lab's loader does).
+`block_size`, `num_target_layers`, `layer_types` (each "full_attention" or
+"sliding_attention"; absent: all full), `sliding_window` (needed when a layer slides), and
+`dflash_config: {mask_token_id, target_layer_ids}` (each of the three also read at the top
+level, as z-lab's loader does).
 Tensors: `fc.weight` [H, L*H] (L target layers), `hidden_norm.weight`, `norm.weight` [H], and
 per layer i `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
 `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
@@ -21,12 +23,15 @@ The forward, in two parts:
   target's lm_head at block positions 1..B-1 gives B-1 drafts at once. The block's own keys
   are written into the cache past the context and overwritten by the next block or by the
   context of what gets committed.
-Layers of type `sliding_attention` (newer heads) are refused: the attention kernels have no
-sliding window.
+A `sliding_attention` layer (newer heads) with window W hides, from a block query at
+position p, every key at position p - W or before: context keys and block keys alike, so a
+query still sees every later block key and the block keys up to W - 1 behind it. The cache
+keeps every context key; the window only masks them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +57,12 @@ class DFlashConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]  # target layers whose outputs make the context
     num_target_layers: int
+    sliding_windows: tuple[int | None, ...]  # per layer: its window W, None for full attention
+
+    def __post_init__(self):
+        if len(self.sliding_windows) != self.layer.num_layers:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for "
+                             f"{self.layer.num_layers} layers")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -72,17 +83,32 @@ def config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
                              "at the top level)")
         return value
 
-    sliding = [i for i, kind in enumerate(hf.get("layer_types") or ())
-               if kind != "full_attention"]
-    if sliding:
-        raise ValueError(f"DFlash layers {sliding} are {hf['layer_types'][sliding[0]]!r}: only "
-                         "full_attention layers are supported (no sliding-window attention)")
+    # Windows are ours to apply per layer; the Qwen3 layer config itself has none.
     layer = dense_config_from_hf({**hf, "architectures": ["Qwen3ForCausalLM"],
                                   "use_sliding_window": False}, qk_norm=True)
     return DFlashConfig(layer=layer, block_size=int(field("block_size", 16)),
                         mask_token_id=int(field("mask_token_id")),
                         target_layer_ids=tuple(int(i) for i in field("target_layer_ids")),
-                        num_target_layers=int(field("num_target_layers")))
+                        num_target_layers=int(field("num_target_layers")),
+                        sliding_windows=sliding_windows_from_hf(hf, layer.num_layers))
+
+
+def sliding_windows_from_hf(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window from `layer_types` and `sliding_window` (None: full attention)."""
+    kinds = hf.get("layer_types") or ["full_attention"] * num_layers
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, but the DFlash head has "
+                         f"{num_layers}")
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"DFlash layer types {unknown} are not supported: only "
+                         "full_attention and sliding_attention")
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    window = hf.get("sliding_window")
+    if sliding and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"DFlash layers {sliding} are sliding_attention, but config.json's "
+                         f"sliding_window is {window!r}, not a positive number of tokens")
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 def hf_weight_specs(config: DFlashConfig, names: Collection[str] = ()
@@ -150,13 +176,27 @@ def block_forward(
     """The blocks' final-normed hidden states f[T, H] (the target's lm_head of each one past
     the first is a draft) and the cache, the blocks' own keys written past the context."""
     layer_config = config.layer
-    attend = llama.attention_mixer(positions, metadata, layer_config, attention)
     x = embed[input_ids]
     written = []
-    for p, layer_kv in zip(params["layers"], kv_cache, strict=True):
+    for p, layer_kv, attend in zip(params["layers"], kv_cache, _layer_mixers(
+            positions, metadata, config, attention), strict=True):
         x, layer_kv = llama.decoder_layer(p, x, attend, layer_kv, layer_config)
         written.append(layer_kv)
     return llama.norm(x, params["norm"], layer_config), written
+
+
+def _layer_mixers(positions: jax.Array, metadata: AttentionMetadata, config: DFlashConfig,
+                  attention: AttentionBackend) -> list[llama.Mixer]:
+    """One attention mixer per layer, with that layer's window; one mixer per distinct window
+    so RoPE tables are built once. Full layers call the backend without a window argument."""
+    mixers = {window: llama.attention_mixer(positions, metadata, config.layer,
+                                            _windowed(attention, window))
+              for window in set(config.sliding_windows)}
+    return [mixers[window] for window in config.sliding_windows]
+
+
+def _windowed(attention: AttentionBackend, window: int | None) -> AttentionBackend:
+    return attention if window is None else functools.partial(attention, sliding_window=window)
 
 
 def full_block_mask(num_blocks: int, block_size: int) -> jax.Array:

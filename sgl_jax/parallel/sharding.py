@@ -137,9 +137,10 @@ class TensorParallel:
 
     def attention(self, backend: AttentionBackend) -> AttentionBackend:
         """The backend run on each device over its own heads and its own KV cache shard."""
-        def sharded(q, k, v, layer_kv, metadata, *, scale):
+        def sharded(q, k, v, layer_kv, metadata, *, scale, sliding_window=None):
             local = jax.shard_map(
-                functools.partial(backend, scale=scale), mesh=self.mesh,
+                functools.partial(backend, scale=scale, sliding_window=sliding_window),
+                mesh=self.mesh,
                 in_specs=(_HEADS, _HEADS, _HEADS, (_PAGES, _PAGES), P()),
                 out_specs=(_HEADS, (_PAGES, _PAGES)), check_vma=False)
             return local(q, k, v, layer_kv, metadata)

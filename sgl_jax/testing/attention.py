@@ -136,8 +136,10 @@ def naive_attention(q, keys, values, visible, scale):
     return out
 
 
-def expected_outputs(problem: AttentionProblem, scale: float) -> list[np.ndarray]:
-    """Per sequence [q_len, n_heads, hd], token by token in float64."""
+def expected_outputs(problem: AttentionProblem, scale: float,
+                     sliding_window: int | None = None) -> list[np.ndarray]:
+    """Per sequence [q_len, n_heads, hd], token by token in float64; with a sliding window W,
+    token i of the KV sees key j only when i - W < j."""
     outputs = []
     for chunk, k, v, where in zip(problem.chunks, problem.full_k, problem.full_v, problem.rows,
                                   strict=True):
@@ -146,6 +148,8 @@ def expected_outputs(problem: AttentionProblem, scale: float) -> list[np.ndarray
             visible = np.arange(len(k)) <= chunk.prefix_len + j
             if chunk.tree_mask is not None:
                 visible[chunk.prefix_len :] = chunk.tree_mask[j]
+            if sliding_window is not None:
+                visible &= np.arange(len(k)) > chunk.prefix_len + j - sliding_window
             rows.append(naive_attention(np.asarray(problem.q[token], np.float32), k, v, visible,
                                         scale))
         outputs.append(np.stack(rows))
@@ -185,6 +189,9 @@ def _head_dim_cases() -> list[tuple[str, int, int, str, int]]:
 KERNEL_HEAD_DIM_CASES = _head_dim_cases()
 # (mode, head_dim, gqa, n_kv): Qwen3-Next's head_dim 256, Qwen2.5-7B's 7 query heads per KV head.
 KERNEL_WIDE_HEADS = list(itertools.product(["mixed", "tree_topk4"], [(128, 7, 1), (256, 2, 2)]))
+# (mode, sliding_window) at page size 4, gqa 2, float32 and 16-token KV blocks: the windows cut
+# prefixes and new tokens, and leave whole KV blocks behind them (which kernels may skip).
+KERNEL_SLIDING_WINDOWS = [("mixed", 20), ("tree_topk1", 9)]
 
 
 def kernel_problem(mode: str, *, page_size: int, gqa: int, dtype: str, head_dim: int = 64,
@@ -201,9 +208,11 @@ def check_wide_heads(kernel, mode: str, heads: tuple[int, int, int]) -> None:
     assert_kernel_matches_reference(kernel, problem, dtype="bfloat16")
 
 
-def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype: str) -> None:
+def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype: str,
+                                    sliding_window: int | None = None) -> None:
     """kernel(q, k_pages, v_pages, metadata, scale) against the jnp reference on the same
-    cache: equal on every real token, and finite everywhere although unused slots are NaN."""
+    cache: equal on every real token, and finite everywhere although unused slots are NaN.
+    The reference runs with `sliding_window`; the kernel must carry the same one itself."""
     from sgl_jax.layers.attention.checks import check_dynamic_inputs
     from sgl_jax.layers.attention.native import ragged_paged_attention_reference, write_kv
 
@@ -214,7 +223,8 @@ def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype:
                         jnp.asarray(problem.new_k), jnp.asarray(problem.new_v),
                         problem.metadata.slot_mapping)
     q, scale = jnp.asarray(problem.q), head_dim**-0.5
-    expected = ragged_paged_attention_reference(q, *layer_kv, problem.metadata, scale=scale)
+    expected = ragged_paged_attention_reference(q, *layer_kv, problem.metadata, scale=scale,
+                                                sliding_window=sliding_window)
     out = kernel(q, *layer_kv, problem.metadata, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,15 @@ def write_tiny_dflash_draft(
     block_size: int = 8,
     target_layer_ids: tuple[int, ...] = (0, 2),
     mask_token_id: int | None = None,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
     seed: int = 0,
 ) -> Path:
     """A random DFlash head for the target (a Qwen3 config of its widths): fc [H, L*H],
     hidden_norm, norm, and `num_layers` Qwen3 layers with q/k norms. The mask token is the
-    last id of the target's vocabulary unless given."""
+    last id of the target's vocabulary unless given. `layer_types` ("full_attention" or
+    "sliding_attention" per layer; default all full) and `sliding_window` go to config.json
+    as given, so a head that lacks a window can be written too."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     h = target_config["hidden_size"]
@@ -40,10 +45,12 @@ def write_tiny_dflash_draft(
         head_dim=target_config.get("head_dim", h // config["num_attention_heads"]),
         hidden_act="silu", tie_word_embeddings=False, block_size=block_size,
         num_target_layers=target_config["num_hidden_layers"],
-        layer_types=["full_attention"] * num_layers,
+        layer_types=list(layer_types or ["full_attention"] * num_layers),
         dflash_config={"mask_token_id": (config["vocab_size"] - 1 if mask_token_id is None
                                          else mask_token_id),
                        "target_layer_ids": list(target_layer_ids)})
+    if sliding_window is not None:  # transformers' Qwen3Config drops the window without the flag
+        config.update(sliding_window=sliding_window, use_sliding_window=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(seed)
     shapes = {"fc.weight": (h, len(target_layer_ids) * h)}
@@ -75,6 +82,8 @@ def fit_dflash_draft(
     steps: int = 300,
     lr: float = 3e-3,
     gamma: float = 4.0,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
     seed: int = 0,
 ) -> list[list[int]]:
     """A DFlash head fitted to the target's own greedy continuations of `prompts` (all of one
@@ -91,6 +100,7 @@ def fit_dflash_draft(
     target_config = json.loads((target_dir / "config.json").read_text())
     out = write_tiny_dflash_draft(path, target_config, num_layers=num_layers,
                                   block_size=block_size, target_layer_ids=target_layer_ids,
+                                  layer_types=layer_types, sliding_window=sliding_window,
                                   seed=seed)
     config = json.loads((out / "config.json").read_text())
     torch.manual_seed(seed)
@@ -161,9 +171,14 @@ def _torch_block_forward(w: dict, config: dict, features: Any, block_embeds: Any
     block_of = torch.arange(num_blocks).repeat_interleave(width)
     sees_blk = block_of[:, None] == block_of[None, :]  # [A*B, A*B]
     visible = torch.cat([sees_ctx, sees_blk], 1)
+    # A sliding layer also hides keys W or more positions behind the query.
+    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [A*B, L + A*B]
     x = block_embeds.reshape(-1, h)
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
+        layer_visible = visible
+        if config["layer_types"][i] == "sliding_attention":
+            layer_visible = visible & (behind < config["sliding_window"])
 
         def project(t, name, count, p=p):
             return (t @ w[p + f"self_attn.{name}_proj.weight"].T).view(t.shape[0], count, hd)
@@ -177,7 +192,7 @@ def _torch_block_forward(w: dict, config: dict, features: Any, block_embeds: Any
         v = torch.cat([project(c, "v", kv_heads), project(a, "v", kv_heads)])
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        scores = scores.masked_fill(~visible[None], float("-inf"))
+        scores = scores.masked_fill(~layer_visible[None], float("-inf"))
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], -1)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)

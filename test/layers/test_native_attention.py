@@ -68,6 +68,36 @@ def test_device_built_tree_windows_match_per_token_loop(page_size, tree):
         np.testing.assert_allclose(out[rows], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch,window", [
+    (BATCH_MODES["mixed"], 5),
+    (BATCH_MODES["prefill"], 7),
+    (dict(q_lens=[7, 7, 5], prefix_lens=TREE_PREFIX_LENS, tree="chain", windows=True), 4),
+], ids=["mixed", "prefill", "chain_windows"])
+def test_sliding_window_matches_per_token_loop(batch, window):
+    """Query i sees key j only when i - W < j: prefix keys and earlier new tokens drop out."""
+    rng = np.random.default_rng(4)
+    problem = random_problem(rng, **batch, page_size=4, n_heads=4, n_kv=2, head_dim=8)
+    layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
+                        problem.new_k, problem.new_v, problem.metadata.slot_mapping)
+    out = np.asarray(ragged_paged_attention_reference(
+        problem.q, *layer_kv, problem.metadata, scale=0.5, block_tokens=4,
+        sliding_window=window))
+    windowed, full = expected_outputs(problem, 0.5, window), expected_outputs(problem, 0.5)
+    for expected, rows in zip(windowed, problem.rows, strict=True):
+        np.testing.assert_allclose(out[rows], expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.concatenate(windowed), np.concatenate(full)), "window cut nothing"
+
+
+@pytest.mark.parametrize("window", [0, 2.5, True])
+def test_sliding_window_must_be_a_positive_int(window):
+    problem = random_problem(np.random.default_rng(0), **BATCH_MODES["decode"], page_size=4,
+                             n_heads=2, n_kv=2, head_dim=8)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int or None"):
+        native_attention(problem.q, problem.new_k, problem.new_v,
+                         (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
+                         problem.metadata, scale=1.0, sliding_window=window)
+
+
 def test_mask_bits_round_trip_past_one_word():
     rng = np.random.default_rng(2)
     mask = rng.random((3, 70)) < 0.5

@@ -14,6 +14,7 @@ from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.testing.attention import (
     KERNEL_HEAD_DIM_CASES,
     KERNEL_PRODUCT,
+    KERNEL_SLIDING_WINDOWS,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
     check_wide_heads,
@@ -57,6 +58,14 @@ def test_wide_heads_and_odd_groups(mode, heads):
 def test_several_kv_blocks_per_sequence():
     problem = kernel_problem("mixed", page_size=4, gqa=2, dtype="float32")
     assert_kernel_matches_reference(interpreted(kv_block_tokens=16), problem, dtype="float32")
+
+
+@pytest.mark.parametrize("mode,window", KERNEL_SLIDING_WINDOWS)
+def test_sliding_window_matches_reference(mode, window):
+    """Rows mask keys `window` or more behind them; KV blocks wholly behind are not walked."""
+    problem = kernel_problem(mode, page_size=4, gqa=2, dtype="float32")
+    kernel = interpreted(kv_block_tokens=16, sliding_window=window)
+    assert_kernel_matches_reference(kernel, problem, dtype="float32", sliding_window=window)
 
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
@@ -107,7 +116,7 @@ def test_lowers_to_triton(mode, head_dim, dtype, page_size, gqa):
 def test_lowers_with_other_tunables():
     problem = kernel_problem("mixed", page_size=16, gqa=4, dtype="bfloat16")
     assert TRITON_CALL in lower_for_cuda(problem, kv_block_tokens=16, num_warps=8,
-                                         num_stages=3)
+                                         num_stages=3, sliding_window=20)
 
 
 @pytest.mark.parametrize("head_dim,kv_block_tokens,message", [

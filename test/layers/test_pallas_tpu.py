@@ -15,6 +15,7 @@ from sgl_jax.layers.attention.pallas_tpu import ragged_paged_attention_tpu
 from sgl_jax.testing.attention import (
     KERNEL_HEAD_DIM_CASES,
     KERNEL_PRODUCT,
+    KERNEL_SLIDING_WINDOWS,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
     check_wide_heads,
@@ -54,6 +55,16 @@ def test_several_kv_blocks_per_sequence():
     assert_kernel_matches_reference(interpreted(kernel), problem, dtype="float32")
 
 
+@pytest.mark.parametrize("mode,window", KERNEL_SLIDING_WINDOWS)
+def test_sliding_window_matches_reference(mode, window):
+    """Rows mask keys `window` or more behind them; KV blocks wholly behind are skipped."""
+    problem = kernel_problem(mode, page_size=4, gqa=2, dtype="float32")
+    kernel = functools.partial(ragged_paged_attention_tpu, kv_block_tokens=16,
+                               sliding_window=window)
+    assert_kernel_matches_reference(interpreted(kernel), problem, dtype="float32",
+                                    sliding_window=window)
+
+
 @pytest.mark.parametrize("head_dim,dtype,mode,page_size", [
     (64, "float32", "decode", 1),
     (128, "bfloat16", "mixed", 16),
@@ -65,6 +76,12 @@ def test_several_kv_blocks_per_sequence():
 def test_lowers_to_mosaic(head_dim, dtype, mode, page_size):
     problem = kernel_problem(mode, page_size=page_size, gqa=4, dtype=dtype, head_dim=head_dim)
     kernel = functools.partial(ragged_paged_attention_tpu, scale=0.1)
+    assert "tpu_custom_call" in lowered_text(kernel, problem, "tpu")
+
+
+def test_lowers_to_mosaic_with_a_sliding_window():
+    problem = kernel_problem("tree_topk1", page_size=16, gqa=4, dtype="bfloat16")
+    kernel = functools.partial(ragged_paged_attention_tpu, scale=0.1, sliding_window=9)
     assert "tpu_custom_call" in lowered_text(kernel, problem, "tpu")
 
 

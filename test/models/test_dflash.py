@@ -2,8 +2,9 @@
 context c = hidden_norm(fc(target features)) gives every layer's keys and values for the
 committed tokens (k_norm(k_proj(c)) with RoPE, v_proj(c)); the block [token, MASK ...] runs
 through Qwen3 layers whose queries see all of that context and, non-causally, the whole
-block; norm, the target's lm_head at block positions 1..B-1. Context keys are written once
-into the paged cache, the block runs over it. Config and layout errors are refused."""
+block (a sliding layer of window W: only keys less than W positions behind the query); norm,
+the target's lm_head at block positions 1..B-1. Context keys are written once into the paged
+cache, the block runs over it. Config and layout errors are refused."""
 
 import json
 
@@ -23,6 +24,9 @@ from sgl_jax.testing.torch_reference import rms_norm, rope, torch_tensors
 
 PAGE_SIZE = 4
 CONTEXT, BLOCK = 13, 8
+# Positions run 0..20: a window of 5 hides most of the context from every block query and,
+# from the block's later queries, its first keys too.
+SLIDING = (["sliding_attention", "full_attention"], 5)
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +35,21 @@ def target_config(tmp_path_factory):
     return json.loads((target / "config.json").read_text())
 
 
-def reference_block_logits(w, cfg, features, block_ids, embed, lm_head):
-    """Logits [B-1, V] of block positions 1..B-1, context at positions 0..C-1 before it."""
+def reference_block_logits(w, cfg, features, block_ids, embed, lm_head, *, windows=True):
+    """Logits [B-1, V] of block positions 1..B-1, context at positions 0..C-1 before it.
+    windows=False ignores the config's sliding windows (to show that they cut something)."""
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
     heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     n_ctx, n_blk = features.shape[0], len(block_ids)
     ctx_pos, blk_pos = torch.arange(n_ctx), n_ctx + torch.arange(n_blk)
     c = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [B, C + B]
     x = embed[block_ids]
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
+        visible = torch.ones_like(behind, dtype=torch.bool)  # all context, all block
+        if windows and cfg["layer_types"][i] == "sliding_attention":
+            visible = behind < cfg["sliding_window"]
         a = rms_norm(x, w[p + "input_layernorm.weight"], eps)
 
         def heads_of(t, proj, count, p=p):
@@ -53,7 +62,8 @@ def reference_block_logits(w, cfg, features, block_ids, embed, lm_head):
                        for src, pos in ((c, ctx_pos), (a, blk_pos))])
         v = torch.cat([heads_of(c, "v", kv_heads), heads_of(a, "v", kv_heads)])
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5  # no mask: all context, all block
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        scores = scores.masked_fill(~visible[None], float("-inf"))
         out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, heads * hd)
         x = x + out @ w[p + "self_attn.o_proj.weight"].T
         m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -62,12 +72,17 @@ def reference_block_logits(w, cfg, features, block_ids, embed, lm_head):
     return rms_norm(x, w["norm.weight"], eps)[1:] @ lm_head.T
 
 
-def test_block_logits_match_the_reference(target_config, tmp_path):
+@pytest.mark.parametrize("layer_types,sliding_window", [(None, None), SLIDING],
+                         ids=["full", "sliding"])
+def test_block_logits_match_the_reference(target_config, tmp_path, layer_types,
+                                          sliding_window):
     path = write_tiny_dflash_draft(tmp_path / "dflash", target_config, num_layers=2,
-                                   block_size=BLOCK, target_layer_ids=(0, 2))
+                                   block_size=BLOCK, target_layer_ids=(0, 2),
+                                   layer_types=layer_types, sliding_window=sliding_window)
     draft = load_dflash_draft(str(path), dtype="float32", progress=False)
     config = draft.config
     assert config.capture_layers == (1, 3) and config.block_size == BLOCK
+    assert config.sliding_windows == ((sliding_window, None) if layer_types else (None, None))
     cfg = json.loads((path / "config.json").read_text())
     rng = np.random.default_rng(3)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
@@ -92,11 +107,13 @@ def test_block_logits_match_the_reference(target_config, tmp_path):
     logits = np.asarray(out)[1:] @ lm_head.T
 
     w = torch_tensors(path / "model.safetensors")
+    inputs = [torch.from_numpy(a) for a in (features, block_ids, embed, lm_head)]
     with torch.no_grad():
-        expected = reference_block_logits(w, cfg, torch.from_numpy(features),
-                                          torch.from_numpy(block_ids), torch.from_numpy(embed),
-                                          torch.from_numpy(lm_head))
-    np.testing.assert_allclose(logits, expected.numpy(), atol=2e-4, rtol=2e-4)
+        expected = reference_block_logits(w, cfg, *inputs).numpy()
+        unwindowed = reference_block_logits(w, cfg, *inputs, windows=False).numpy()
+    np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=2e-4)
+    if sliding_window is not None:  # so an ignored window could not pass
+        assert np.abs(expected - unwindowed).max() > 1e-2
 
 
 def test_bad_heads_are_refused(target_config, tmp_path):
@@ -105,8 +122,13 @@ def test_bad_heads_are_refused(target_config, tmp_path):
         load_dflash_draft(str(target))
     path = write_tiny_dflash_draft(tmp_path / "d", target_config)
     hf = json.loads((path / "config.json").read_text())
-    with pytest.raises(ValueError, match="only full_attention layers are supported"):
+    with pytest.raises(ValueError, match=r"layers \[1\] are sliding_attention, but "
+                                         "config.json's sliding_window is None"):
         dflash.config_from_hf({**hf, "layer_types": ["full_attention", "sliding_attention"]})
+    with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\] are not"):
+        dflash.config_from_hf({**hf, "layer_types": ["full_attention", "chunked_attention"]})
+    with pytest.raises(ValueError, match="layer_types lists 1 layers"):
+        dflash.config_from_hf({**hf, "layer_types": ["full_attention"]})
     del hf["dflash_config"]["mask_token_id"]
     with pytest.raises(ValueError, match="needs mask_token_id"):
         dflash.config_from_hf(hf)

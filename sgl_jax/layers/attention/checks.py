@@ -22,8 +22,10 @@ def check_static_inputs(
     *,
     head_dim_ok: Callable[[int], bool] = lambda hd: True,
     head_dim_rule: str = "",
+    sliding_window: int | None = None,
 ) -> None:
-    """Raise ValueError naming the first shape or dtype the kernels cannot take."""
+    """Raise ValueError naming the first shape, dtype or window the kernels cannot take."""
+    check_sliding_window(sliding_window)
     if q.ndim != 3 or k_pages.ndim != 4:
         raise ValueError(f"q must be [T, n_heads, head_dim] and the pages [num_pages, n_kv, "
                          f"page_size, head_dim]; got {q.shape} and {k_pages.shape}")
@@ -57,6 +59,15 @@ def check_static_inputs(
                              or bits.dtype != np.int32):
         raise ValueError(f"tree_bits must be i32[{num_tokens}, words], got {bits.shape} "
                          f"{bits.dtype}")
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """A window is a static positive Python int (it shapes the compiled mask), or None."""
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got "
+                         f"{sliding_window!r}")
 
 
 def check_dynamic_inputs(metadata: AttentionMetadata, *, num_pages: int, page_size: int) -> None:

@@ -37,9 +37,11 @@ def flash_attention(
     metadata: AttentionMetadata,
     *,
     scale: float,
+    sliding_window: int | None = None,
 ) -> tuple[jax.Array, LayerKV]:
     # The scatter runs in the same jitted step as the kernel, on the donated cache, so it
     # updates the pages in place before the kernel reads them.
     layer_kv = write_kv(layer_kv, k, v, metadata.slot_mapping)
-    out = platform_kernel(jax.default_backend())(q, *layer_kv, metadata, scale=scale)
+    out = platform_kernel(jax.default_backend())(q, *layer_kv, metadata, scale=scale,
+                                                 sliding_window=sliding_window)
     return out, layer_kv

@@ -9,6 +9,12 @@ window_start .. kv_len - 1, and everything before window_start (the prefix) was 
 earlier steps. Padding tokens write their K/V into the reserved null page 0; padding blocks
 have kv_len 0.
 
+A layer with a sliding window of W tokens (a static Python int passed to the backend call;
+None = none) also hides every key W or more KV indices behind its query: query i sees key j
+only when i - W < j. KV index is position for every sequence here, except inside a branching
+tree window, where a query's index is its window slot, not its depth: no caller combines a
+branching tree with a window (DFlash's non-causal blocks are not trees).
+
 A tree verify window carries its mask as bits: row t holds one bit per new token of its own
 sequence (bit w % 32 of word w // 32 says whether token t sees the w-th new token). A window
 of up to 32 tokens costs one int32 per query, built on the device; the prefix is always
@@ -83,6 +89,13 @@ def window_visible(words: list[jax.Array], window_offset: jax.Array) -> jax.Arra
     return visible
 
 
+def within_sliding_window(key_index: jax.Array, query_index: jax.Array,
+                          sliding_window: int) -> jax.Array:
+    """Whether each key lies inside its query's sliding window (i - W < j); the arguments
+    broadcast to the result's bool shape."""
+    return key_index > query_index - sliding_window
+
+
 # (k_pages, v_pages), each [num_pages, n_kv, page_size, hd]. Head-major within a page, so one
 # KV head's tokens of a page are one contiguous [page_size, hd] slab: gathering a sequence's
 # keys per head (what attention reads) is a plain copy of slabs, with no transpose.
@@ -105,7 +118,8 @@ def read_slots(pages: jax.Array, slots: jax.Array) -> jax.Array:
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the layer's paged cache, then attends over it.
 
-    q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim].
+    q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim]. sliding_window (static):
+    hide keys that many tokens or more behind each query; None attends over everything.
     Returns the attention output [T, n_heads, head_dim] and the updated layer cache.
     """
 
@@ -118,4 +132,5 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         *,
         scale: float,
+        sliding_window: int | None = None,
     ) -> tuple[jax.Array, LayerKV]: ...

@@ -6,15 +6,18 @@ pages at a time and folded in with an online softmax, so memory stays bounded by
 and a loop over as many blocks as the longest sequence needs keeps sequence length out of the
 compiled shapes. Masked keys and
 values are zeroed so that garbage (even NaN) in unused pages can never leak into an output.
+A sliding window (a static int) only narrows the mask; every KV block is still walked.
 """
 
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.layers.attention.checks import check_sliding_window
 from sgl_jax.layers.attention.metadata import (
     AttentionMetadata,
     LayerKV,
     window_visible,
+    within_sliding_window,
     write_slots,
 )
 
@@ -35,12 +38,14 @@ def ragged_paged_attention_reference(
     *,
     scale: float,
     block_tokens: int = 32,
+    sliding_window: int | None = None,  # static: hide keys this far or further behind
 ) -> jax.Array:  # [T, n_heads, hd]
     """Each query block walks its sequence's KV in blocks of pages with an online softmax.
 
     The loop runs as many KV blocks as the longest sequence needs (a traced count), so the
     compiled shape does not depend on how long the sequences are, only on the page table width.
     """
+    check_sliding_window(sliding_window)
     num_tokens, n_heads, hd = q.shape
     n_kv, page_size = k_pages.shape[1], k_pages.shape[2]
     num_blocks, q_block = metadata.num_blocks, metadata.q_block
@@ -61,7 +66,8 @@ def ragged_paged_attention_reference(
         # must be zeroed, since 0 * NaN would still poison the weighted sum.
         keys = _gather_pages(k_pages, pages)  # [NB, n_kv, B, hd]
         values = jnp.where(kv_valid[:, None, :, None], _gather_pages(v_pages, pages), 0)
-        visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_words, kv_valid)
+        visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_words, kv_valid,
+                              sliding_window)
         return _online_softmax_step(carry, queries, keys, values, visible, scale)
 
     num_kv_blocks = _cdiv(jnp.max(metadata.kv_lens), block_len)
@@ -123,6 +129,7 @@ def _visibility(
     q_offsets: jax.Array,  # i32[NB, Bq]: each query's index among its sequence's new tokens
     mask_words: list[jax.Array] | None,  # each i32[NB, Bq, 1]: tree-mask words, or None
     kv_valid: jax.Array,  # bool[NB, B]
+    sliding_window: int | None,
 ) -> jax.Array:  # bool[NB, Bq, B]
     # Position of each key inside the window of new tokens; negative means prefix.
     window_offset = (kv_index[None, :] - window_starts[:, None])[:, None, :]  # i32[NB, 1, B]
@@ -130,8 +137,10 @@ def _visibility(
         in_window_visible = window_offset <= q_offsets[:, :, None]
     else:
         in_window_visible = window_visible(mask_words, window_offset)
-    visible = (window_offset < 0) | in_window_visible
-    return visible & kv_valid[:, None, :]
+    visible = ((window_offset < 0) | in_window_visible) & kv_valid[:, None, :]
+    if sliding_window is not None:  # offsets from the same window start compare as KV indices
+        visible &= within_sliding_window(window_offset, q_offsets[:, :, None], sliding_window)
+    return visible
 
 
 def native_attention(
@@ -142,7 +151,9 @@ def native_attention(
     metadata: AttentionMetadata,
     *,
     scale: float,
+    sliding_window: int | None = None,
 ) -> tuple[jax.Array, LayerKV]:
     layer_kv = write_kv(layer_kv, k, v, metadata.slot_mapping)
-    out = ragged_paged_attention_reference(q, *layer_kv, metadata, scale=scale)
+    out = ragged_paged_attention_reference(q, *layer_kv, metadata, scale=scale,
+                                           sliding_window=sliding_window)
     return out, layer_kv

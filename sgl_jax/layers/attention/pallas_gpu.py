@@ -14,6 +14,10 @@ with zeros in the wrapper (a copy of q, which `_to_rows` makes anyway) and the o
 columns are dropped, but the cache is never copied: keys and values are loaded straight from the
 pages with a column mask, so the padding columns are zeros in registers and never read from
 memory. Zero columns add nothing to q.k, and `scale` stays the caller's (of the real head dim).
+
+Sliding window. With `sliding_window` W, keys W or more behind a row's query are masked, and
+the loop starts at the KV block holding the first key the block's earliest query sees, so
+blocks wholly behind the window are never loaded.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sgl_jax.layers.attention.checks import check_static_inputs
-from sgl_jax.layers.attention.metadata import AttentionMetadata, window_visible
+from sgl_jax.layers.attention.metadata import (
+    AttentionMetadata,
+    window_visible,
+    within_sliding_window,
+)
 
 _MASKED = -1e30  # finite, so fully masked rows give zeros instead of NaN
 _MIN_DOT = 16  # smallest dimension tl.dot accepts
@@ -54,7 +62,8 @@ def _head_dim_ok(head_dim: int) -> bool:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "kv_block_tokens", "num_warps", "num_stages", "interpret")
+    jax.jit, static_argnames=("scale", "sliding_window", "kv_block_tokens", "num_warps",
+                              "num_stages", "interpret")
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, n_heads, hd]
@@ -63,6 +72,7 @@ def ragged_paged_attention_gpu(
     metadata: AttentionMetadata,
     *,
     scale: float,
+    sliding_window: int | None = None,
     kv_block_tokens: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -70,7 +80,7 @@ def ragged_paged_attention_gpu(
 ) -> jax.Array:  # [T, n_heads, hd], q.dtype
     """Attention of every query block over its sequence's paged KV (see module docstring)."""
     check_static_inputs(q, k_pages, v_pages, metadata, head_dim_ok=_head_dim_ok,
-                        head_dim_rule="a multiple of 8")
+                        head_dim_rule="a multiple of 8", sliding_window=sliding_window)
     if not _is_pow2(kv_block_tokens) or kv_block_tokens < _MIN_DOT:
         raise ValueError(f"kv_block_tokens must be a power of two >= {_MIN_DOT}, "
                          f"got {kv_block_tokens}")
@@ -88,6 +98,7 @@ def ragged_paged_attention_gpu(
     kernel = functools.partial(
         _attention_kernel, scale=scale, group=group, q_block=q_block, page_size=page_size,
         kv_block_tokens=kv_block_tokens, tree=tree_bits is not None,
+        sliding_window=sliding_window,
     )
     out = pl.pallas_call(
         kernel,
@@ -178,10 +189,17 @@ def _attention_kernel(
     page_size: int,
     kv_block_tokens: int,
     tree: bool,
+    sliding_window: int | None,
 ):
     rows, width = q_ref.shape
     kv_len, window_start = kv_len_ref[...], window_start_ref[...]
     q_offset = q_start_ref[...] + jnp.arange(rows, dtype=jnp.int32) // group  # i32[R]
+    first_kv_block = 0
+    if sliding_window is not None:
+        # No row's window starts before the block's first query's: KV blocks wholly before
+        # that start hold no visible key, so the loop begins past them.
+        first_key = jnp.maximum(window_start + q_start_ref[...] - sliding_window + 1, 0)
+        first_kv_block = first_key // kv_block_tokens
     q = q_ref[...]
     # in_window: i32[1, Bk] window offsets of the keys -> bool[R, Bk] for keys in the window.
     if tree:
@@ -200,6 +218,8 @@ def _attention_kernel(
                                       width)
         offset = (kv_index - window_start)[None, :]  # i32[1, Bk]: negative for prefix keys
         visible = ((offset < 0) | in_window(offset)) & (kv_index < kv_len)[None, :]
+        if sliding_window is not None:  # offsets from one window start compare as KV indices
+            visible &= within_sliding_window(offset, q_offset[:, None], sliding_window)
         return _online_softmax_step(carry, q, keys, values, visible, scale)
 
     init = (
@@ -208,7 +228,7 @@ def _attention_kernel(
         jnp.zeros((rows, width), jnp.float32),  # running weighted sum of values
     )
     num_kv_blocks = (end + kv_block_tokens - 1) // kv_block_tokens
-    _, denominator, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
+    _, denominator, acc = jax.lax.fori_loop(first_kv_block, num_kv_blocks, body, init)
     o_ref[...] = (acc / jnp.maximum(denominator, 1e-30)[:, None]).astype(o_ref.dtype)
 
 

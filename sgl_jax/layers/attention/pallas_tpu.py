@@ -10,6 +10,8 @@ rows (query token, head in group), so each KV head's scores are one [rows, B] ma
 stay in HBM (`pl.ANY`); the kernel DMAs the pages of one KV block, per KV head, into VMEM,
 using page ids from the scalar-prefetched page table. KV blocks past the sequence's length are
 skipped, and the online-softmax state lives in VMEM scratch across the KV axis of the grid.
+With a `sliding_window` W, keys W or more behind a row's query are masked, and KV blocks
+wholly behind the window of the block's earliest query are skipped too (no DMA, no matmul).
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sgl_jax.layers.attention.checks import check_static_inputs
-from sgl_jax.layers.attention.metadata import AttentionMetadata, window_visible
+from sgl_jax.layers.attention.metadata import (
+    AttentionMetadata,
+    window_visible,
+    within_sliding_window,
+)
 
 _MASKED = -1e30  # finite, as in the reference: fully masked rows give 0, not NaN
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "kv_block_tokens"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "kv_block_tokens"))
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, n_heads, hd]
     k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
@@ -35,6 +41,7 @@ def ragged_paged_attention_tpu(
     metadata: AttentionMetadata,
     *,
     scale: float,
+    sliding_window: int | None = None,
     kv_block_tokens: int = 128,
 ) -> jax.Array:  # [T, n_heads, hd]
     """Attention of every query block over its sequence's pages. On a CPU, run it under
@@ -43,7 +50,8 @@ def ragged_paged_attention_tpu(
     # multiple of 128 lanes out padded in VMEM and vregs, and zero-masks that padding in the
     # matmul's contraction. Padding here would copy the whole cache every step.
     check_static_inputs(q, k_pages, v_pages, metadata,
-                        head_dim_ok=lambda hd: hd % 8 == 0, head_dim_rule="a multiple of 8")
+                        head_dim_ok=lambda hd: hd % 8 == 0, head_dim_rule="a multiple of 8",
+                        sliding_window=sliding_window)
     num_tokens, n_heads, hd = q.shape
     _, n_kv, page_size, _ = k_pages.shape
     group, q_block, num_blocks = n_heads // n_kv, metadata.q_block, metadata.num_blocks
@@ -69,7 +77,7 @@ def ragged_paged_attention_tpu(
 
     kernel = functools.partial(
         _attention_kernel, scale=scale, group=group, pages_per_block=pages_per_block,
-        table_width=page_table.shape[1], tree=tree,
+        table_width=page_table.shape[1], tree=tree, sliding_window=sliding_window,
     )
     block_kv = (n_kv, pages_per_block, page_size, hd)
     state = (n_kv, rows, 1)
@@ -113,6 +121,7 @@ def _attention_kernel(
     pages_per_block: int,
     table_width: int,
     tree: bool,
+    sliding_window: int | None,
 ):
     bits_ref = refs[0] if tree else None
     k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, max_ref, sum_ref, acc_ref = refs[int(tree):]
@@ -122,6 +131,12 @@ def _attention_kernel(
     block_len = pages_per_block * page_size
     kv_len = kv_lens_ref[block]
     block_start = kv_block * block_len
+    # KV index of the block's first query (row 0): no row's window starts before its window,
+    # so a KV block wholly before that start holds no visible key and is skipped.
+    first_query = window_starts_ref[block] + q_starts_ref[block]
+    holds_visible_keys = block_start < kv_len
+    if sliding_window is not None:
+        holds_visible_keys &= block_start + block_len > first_query - sliding_window + 1
 
     @pl.when(kv_block == 0)
     def _init():
@@ -129,7 +144,7 @@ def _attention_kernel(
         sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(block_start < kv_len)
+    @pl.when(holds_visible_keys)
     def _fold_kv_block():
         _copy_kv_block(page_table_ref, k_hbm, v_hbm, k_buf, v_buf, sems,
                        first_page=block * table_width + kv_block * pages_per_block,
@@ -145,6 +160,10 @@ def _attention_kernel(
             row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
             in_window = window_offset <= q_starts_ref[block] + jax.lax.div(row, group)
         visible = ((window_offset < 0) | in_window) & kv_valid  # bool[rows, B]
+        if sliding_window is not None:
+            query = first_query + jax.lax.div(
+                jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)  # i32[rows, 1]
+            visible &= within_sliding_window(kv_index, query, sliding_window)
         for head in range(n_kv):
             keys = k_buf[head].reshape(block_len, hd)
             # Zero, not scale, invalid values: 0 * NaN would poison the weighted sum.
