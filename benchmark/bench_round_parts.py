@@ -22,6 +22,7 @@ trees do not change the cost (every shape is fixed), so random tokens stand in f
         --draft-model-path lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B --dtype bfloat16
     python benchmark/bench_round_parts.py --model-path Qwen/Qwen3-Next-80B-A3B-Instruct \\
         --algorithm NEXTN --shapes 3/1/4 --dtype bfloat16
+    python benchmark/bench_round_parts.py --algorithm DFLASH --shapes 7/1/8,15/1/16,7/3/16
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ class Row:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="demo", help="target; default: the demo model")
-    p.add_argument("--algorithm", default="EAGLE3", choices=("EAGLE3", "NEXTN"),
+    p.add_argument("--algorithm", default="EAGLE3", choices=("EAGLE3", "NEXTN", "DFLASH"),
                    help="NEXTN: the target's own multi-token-prediction module (Qwen3-Next; "
-                        "--draft-model-path is ignored)")
+                        "--draft-model-path is ignored); DFLASH: a DFlash head")
     p.add_argument("--draft-model-path", default="demo",
-                   help="EAGLE3 head; default: the demo model's trained head")
+                   help="the head; default: the demo model's trained EAGLE3 head, or for "
+                        "DFLASH a random head of the published shape (5 layers, block 16: "
+                        "weights do not change the cost)")
     p.add_argument("--shapes", default="chain,tree",
                    help="comma-separated: chain, tree, plain, or steps/topk/draft-tokens")
     p.add_argument("--batch-sizes", default="1,8")
@@ -74,6 +77,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output-json")
     return p.parse_args(argv)
+
+
+def random_dflash_head(target: str) -> str:
+    """A random DFlash head for the target, of the published heads' shape, in a temporary
+    directory."""
+    import tempfile
+    from pathlib import Path
+
+    from sgl_jax.testing.dflash import write_tiny_dflash_draft
+    from sgl_jax.training.dflash import DEFAULT_BLOCK, DEFAULT_LAYERS, default_target_layer_ids
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    layers = default_target_layer_ids(config["num_hidden_layers"], DEFAULT_LAYERS)
+    return str(write_tiny_dflash_draft(tempfile.mkdtemp(prefix="dflash-"), config,
+                                       num_layers=DEFAULT_LAYERS, block_size=DEFAULT_BLOCK,
+                                       target_layer_ids=tuple(layers)))
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -117,6 +136,8 @@ class Setup:
         backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
         if args.algorithm == "NEXTN":
             draft = None  # the target's checkpoint holds the module
+        elif args.algorithm == "DFLASH" and args.draft_model_path == "demo":
+            draft = random_dflash_head(target)
         server_args = ServerArgs(
             model_path=target, dtype=args.dtype, page_size=args.page_size,
             speculative_algorithm=args.algorithm, speculative_draft_model_path=draft,

@@ -113,7 +113,17 @@ NEXTN_SHAPES = {
     "tree": SHAPES["tree"],
     "adaptive": SHAPES["adaptive"],
 }
-ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN")
+# DFLASH: one block forward drafts every step, so its chain goes 7 deep (the CPU-trained
+# demo head's block is 8); its tree takes each position's top 3 within 16 nodes.
+DFLASH_SHAPES = {
+    "chain": {"speculative_num_steps": 7, "speculative_eagle_topk": 1,
+              "speculative_num_draft_tokens": 8, "speculative_adaptive": False},
+    "tree": {"speculative_num_steps": 7, "speculative_eagle_topk": 3,
+             "speculative_num_draft_tokens": 16, "speculative_adaptive": False},
+    "adaptive": {"speculative_num_steps": 7, "speculative_eagle_topk": 3,
+                 "speculative_num_draft_tokens": 16, "speculative_adaptive": True},
+}
+ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN", "DFLASH")
 
 DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")
 SHAREGPT_PROMPTS = 200
@@ -164,7 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the drafter; NGRAM drafts from the text itself and loads no draft "
                         "model (its shapes: chain 5/1/6, tree 6/4/12, adaptive); NEXTN runs "
                         "the target's own MTP module (Qwen3-Next; a built target gets one "
-                        "fitted to its greedy continuations of the prompts; chain 3/1/4)")
+                        "fitted to its greedy continuations of the prompts; chain 3/1/4); "
+                        "DFLASH takes a DFlash head (chain 7/1/8, tree 7/3/16)")
     p.add_argument("--draft", default="random-eagle3", choices=["random-eagle3", "noisy-copy"],
                    help="the draft built when --draft-model-path is not given (an EAGLE "
                         "head for --algorithm EAGLE, a noisy copy for STANDALONE)")
@@ -232,6 +243,10 @@ def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str | No
         return target, str(write_noisy_copy(target, workdir / "draft", relative_noise=0.03)), \
             "STANDALONE"
     config = json.loads((Path(target) / "config.json").read_text())
+    if args.algorithm == "DFLASH":  # random: the round's cost, nothing accepted
+        from sgl_jax.testing.dflash import write_tiny_dflash_draft
+
+        return target, str(write_tiny_dflash_draft(workdir / "draft", config)), "DFLASH"
     if args.algorithm == "EAGLE":
         return target, str(write_tiny_eagle_draft(workdir / "draft", config)), "EAGLE"
     return target, str(write_tiny_eagle3_draft(workdir / "draft", config,
@@ -252,7 +267,8 @@ def build_target(args: argparse.Namespace, workdir: Path) -> str:
 
 def shapes_for(algorithm: str) -> dict[str, dict[str, Any]]:
     """The engine settings of each named draft shape for the drafter."""
-    return {"NGRAM": NGRAM_SHAPES, "NEXTN": NEXTN_SHAPES}.get(algorithm, SHAPES)
+    return {"NGRAM": NGRAM_SHAPES, "NEXTN": NEXTN_SHAPES, "DFLASH": DFLASH_SHAPES}.get(
+        algorithm, SHAPES)
 
 
 def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:

@@ -24,16 +24,24 @@ ROWS, LENGTH, ANCHORS, BLOCK = 2, 24, 5, 4
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dflash")
-    target = json.loads((write_tiny_checkpoint(root / "target", "qwen3") / "config.json")
-                        .read_text())
-    path = write_tiny_dflash_draft(root / "head", target, block_size=BLOCK)
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("target")
+    return json.loads((write_tiny_checkpoint(root, "qwen3") / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    path = write_tiny_dflash_draft(tmp_path_factory.mktemp("dflash"), target, block_size=BLOCK)
     return target, load_dflash_draft(str(path), dtype="float32", progress=False), path
 
 
-def test_block_states_match_the_published_objective_in_torch(head):
-    target, draft, path = head
+@pytest.mark.parametrize("windows", [None, 6], ids=["full", "sliding"])
+def test_block_states_match_the_published_objective_in_torch(target, windows, tmp_path):
+    """With a sliding layer of window 6 a block query at p sees keys after p - 6 only."""
+    layer_types = None if windows is None else ["sliding_attention", "full_attention"]
+    path = write_tiny_dflash_draft(tmp_path, target, block_size=BLOCK, layer_types=layer_types,
+                                   sliding_window=windows)
+    draft = load_dflash_draft(str(path), dtype="float32", progress=False)
     rng = np.random.default_rng(0)
     h = target["hidden_size"]
     features = rng.standard_normal((ROWS, LENGTH, 2 * h)).astype(np.float32)
