@@ -16,11 +16,16 @@
 #   nextn      NEXTN on a Qwen3-Next-shaped random target (hidden 1024, 16 layers, 8 experts):
 #              the round in parts beside a plain step and an EAGLE3 round of the same shapes,
 #              then end to end with an MTP module fitted to the target's own text
+#   dflash     DFLASH round cost on the Llama-3.1-8B shape (a random head of the published
+#              shape: 5 layers, block 16) beside a plain step and an EAGLE3 round
+#   dflashdemo a DFlash head for the demo model trained on regenerated ShareGPT (kept in
+#              $DFLASH_DIR, default $ckpt/dflash_demo; a cut run resumes), then DFLASH
+#              against plain on MT-Bench, HumanEval and ShareGPT
 # Random checkpoints are written once under $CKPT_DIR (default /tmp/sgl_jax_ckpt).
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn}
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn dflash dflashdemo}
 ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" "$ckpt"
@@ -105,6 +110,37 @@ EOF
         --hidden-size 1024 --num-layers 16 --batch-sizes 1,8,32 --input-len 256 \
         --output-len 128 --dtype bfloat16 --shapes chain,adaptive \
         --output-json "$out/nextn.json" ;;
+    dflash)
+      one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null
+      python3 -c 'import json, sys; from pathlib import Path
+from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+path = Path(sys.argv[1])
+if not (path.parent / "llama8b_eagle3").is_dir():
+    write_tiny_eagle3_draft(path.parent / "llama8b_eagle3",
+                            json.loads((path / "config.json").read_text()))' "$ckpt/llama8b"
+      python3 "$here/bench_round_parts.py" --model-path "$ckpt/llama8b" --algorithm DFLASH \
+        --shapes 0/1/1,7/1/8,15/1/16,7/3/16 --batch-sizes 1,8,32 --context 1024 \
+        --dtype bfloat16 --attention-backend fa --output-json "$out/rounds_DFLASH.json"
+      python3 "$here/bench_round_parts.py" --model-path "$ckpt/llama8b" --algorithm EAGLE3 \
+        --draft-model-path "$ckpt/llama8b_eagle3" --shapes 3/1/4,5/1/6,3/4/8 \
+        --batch-sizes 1,8,32 --context 1024 --dtype bfloat16 --attention-backend fa \
+        --output-json "$out/rounds_EAGLE3_8b.json" ;;
+    dflashdemo)
+      head=${DFLASH_DIR:-$ckpt/dflash_demo}
+      mkdir -p "$head"
+      [ -f "$head/cfg.json" ] || echo '{"num_hidden_layers": 3, "block_size": 16}' \
+        > "$head/cfg.json"
+      python3 -m sgl_jax.train_eagle3 --speculative-algorithm DFLASH --output-dir "$head" \
+        --draft-config "$head/cfg.json" --num-conversations 2213 --eval-conversations 64 \
+        --max-length 512 --regenerate --regenerate-temperature 0.7 \
+        --regenerate-max-tokens 256 --regenerate-batch 512 --num-anchors 64 \
+        --tokens-per-batch 16384 --lr 6e-4 --epochs 6 --save-interval 100 --resume
+      for dataset in mtbench humaneval sharegpt; do
+        python3 "$here/bench_speculative.py" --model-path demo --algorithm DFLASH \
+          --draft-model-path "$head" --dataset "$dataset" --num-prompts 64 \
+          --batch-sizes 1,8,32 --shapes chain,tree,adaptive --output-len 256 \
+          --output-json "$out/dflashdemo_$dataset.json"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
