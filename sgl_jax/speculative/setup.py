@@ -165,26 +165,30 @@ def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:
 
 def _check_dflash_fits(config: DFlashConfig, spec: SpeculativeConfig, target: LoadedModel
                        ) -> None:
-    """A head for this target (its widths, its layers) whose block holds the flags' chain."""
+    """A head for this target (its widths, its layers) whose block holds the flags' chain.
+    Any target layer may feed it, a hybrid target's linear-attention layers included: what
+    is captured is the residual stream after the layer, one vector per token, which verify
+    computes for every draft node from its parent's state as decoding would."""
     layer, target_config = config.layer, target.config
-    if target_config.is_hybrid:
-        raise ValueError(f"DFLASH does not run on hybrid targets ({target_config.architecture}) "
-                         "yet; use NEXTN or EAGLE3 there")
     if (layer.hidden_size, config.num_target_layers) != (target_config.hidden_size,
                                                          target_config.num_layers):
         raise ValueError(
             f"the DFlash head is for a target of hidden size {layer.hidden_size} with "
             f"{config.num_target_layers} layers; this target has {target_config.hidden_size} "
             f"and {target_config.num_layers}: is it the head for another model?")
+    outside = [i for i in config.target_layer_ids if not 0 <= i < target_config.num_layers]
+    if outside:
+        raise ValueError(f"the DFlash head's target_layer_ids {list(config.target_layer_ids)} "
+                         f"name layers {outside} that the target does not have (its layers "
+                         f"are 0 to {target_config.num_layers - 1})")
     if not 0 <= config.mask_token_id < target_config.vocab_size:
         raise ValueError(f"the DFlash head's mask token {config.mask_token_id} is outside the "
                          f"target's vocabulary of {target_config.vocab_size}")
-    if spec.eagle_topk != 1 or spec.num_steps > config.block_size - 1:
+    if spec.num_steps > config.block_size - 1:
         raise ValueError(
-            f"DFLASH drafts a chain of at most block_size - 1 = {config.block_size - 1} tokens "
-            f"(the head's block of {config.block_size}): --speculative-eagle-topk must be 1 "
-            f"and --speculative-num-steps at most {config.block_size - 1}, got "
-            f"{spec.eagle_topk} and {spec.num_steps}")
+            f"DFLASH drafts at most block_size - 1 = {config.block_size - 1} tokens deep (the "
+            f"head's block of {config.block_size}): --speculative-num-steps must be at most "
+            f"{config.block_size - 1}, got {spec.num_steps}")
 
 
 def _check_eagle_fits(draft: LoadedDraft, target: LoadedModel) -> None:

@@ -1,12 +1,13 @@
 """Speculative decoding on a hybrid target (the tiny Qwen3-Next: Gated DeltaNet layers with a
 recurrent state per request, gated attention at layers 3 and 7): greedy output with an EAGLE3
 head, with the target's own multi-token-prediction module (NEXTN, fitted here to the
-target's text), with the target as its own STANDALONE draft and with a noisy copy of it
-equals plain greedy (chain and topk > 1 tree, page sizes 1 and 16, batch sizes 1 and 8) and
-every state slot comes back; the NEXTN, self and noisy drafts are accepted; a verify round
-whose trees hold the target's own greedy tokens accepts them all and commits, into each
-request's slot, the state that decoding the accepted path one token at a time leaves; EAGLE3
-captures attention layers' outputs only."""
+target's text), with a DFlash head (fitted here, chains of 15), with the target as its own
+STANDALONE draft and with a noisy copy of it equals plain greedy (chain and topk > 1 tree,
+page sizes 1 and 16, batch sizes 1 and 8) and every state slot comes back; the NEXTN,
+DFlash, self and noisy drafts are accepted; a verify round whose trees hold the target's
+own greedy tokens (a tree, and a chain of 15 cut by a wrong token) accepts them and
+commits, into each request's slot, the state that decoding the accepted path one token at
+a time leaves; EAGLE3 captures attention layers' outputs only, DFlash any layer's."""
 
 import dataclasses
 import json
@@ -25,6 +26,7 @@ from sgl_jax.models.loader import load_eagle3_draft
 from sgl_jax.speculative.round import RoundInputs, verify_trees
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
+from sgl_jax.testing.dflash import fit_dflash_draft, write_tiny_dflash_draft
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.engines import walk_away_mid_run
 from sgl_jax.testing.mtp import fit_mtp_tensors
@@ -33,6 +35,7 @@ from sgl_jax.testing.parallel import run_subprocess
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[1, 8],
             max_prefill_tokens=64, chunked_prefill_size=32, skip_server_warmup=True)
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
+LONG_CHAIN = dict(speculative_num_steps=15, speculative_eagle_topk=1)  # DFLASH's default
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=8)
 # Every candidate kept (2 + 2 * 4 = 10 draft nodes).
 FULL_TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2,
@@ -183,7 +186,42 @@ def test_noisy_tree_draft_is_accepted_and_lossless(paths, references):
         assert states_all_free(engine)
 
 
-def test_capture_layers_are_attention_outputs(paths):
+def test_dflash_rolls_the_state_back_over_a_chain_of_15(paths, references, tmp_path):
+    """A DFlash head with a block of 16 (chains of 15 drafts) reading linear-attention layers
+    1 and 6 and attention layer 3, briefly fitted to the target's text: most rounds accept a
+    part of the chain, so verify rolls each state back to a node inside it; the output is
+    transformers' greedy text on the fitted prompts and plain greedy on the test batch, and
+    every page and state slot comes back, after an abort too."""
+    head = tmp_path / "dflash"
+    continuations = fit_dflash_draft(head, paths["target"], FIT_PROMPTS[:4],
+                                     new_tokens=FIT_NEW_TOKENS, block_size=16,
+                                     target_layer_ids=(1, 3, 6), steps=20)
+    # One bucket of each kind: two programs to compile (prefill and the 16-node round).
+    one_bucket = {**BASE, "precompile_token_paddings": [64], "precompile_bs_paddings": [8]}
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="DFLASH",
+                speculative_draft_model_path=str(head), page_size=16, **one_bucket) as engine:
+        assert engine._spec.shape.num_steps == 15 and engine._spec.capture_layers == (2, 4, 7)
+        own = engine.generate(input_ids=FIT_PROMPTS[:4], sampling_params=[{
+            "temperature": 0, "max_new_tokens": FIT_NEW_TOKENS,
+            "min_new_tokens": FIT_NEW_TOKENS}] * 4)
+        assert [o["output_ids"] for o in own] == continuations
+        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in own)
+        per_depth = np.sum([o["meta_info"]["spec_accepted_per_position"] for o in own], axis=0)
+        assert per_depth.sum() > rounds  # accept length above 2
+        # Most rounds accept a part of the chain: 1 to 14 of its 15 drafts.
+        assert per_depth[0] - per_depth[-1] > rounds // 2
+        assert states_all_free(engine)
+        batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                      MAX_NEW])
+        assert [o["output_ids"] for o in batch] == references
+        walk_away_mid_run(engine, prompts()[:3])
+        assert states_all_free(engine)
+
+
+def test_capture_layers(paths, tmp_path):
+    """EAGLE3 reads attention layers' outputs (its published hybrid head's convention);
+    DFlash reads any layer's (the test above fits one to linear layers 1 and 6), and a layer
+    the target lacks stops start-up."""
     from sgl_jax.models.loader import load_model
     target = load_model(str(paths["target"]), dtype="float32", progress=False).config
     draft = load_eagle3_draft(str(paths["eagle3"]), dtype="float32").config
@@ -194,6 +232,12 @@ def test_capture_layers_are_attention_outputs(paths):
     wrong = dataclasses.replace(draft, aux_layer_ids=(1, 3, 7))
     with pytest.raises(ValueError, match="linear-attention layers"):
         llama_eagle3.target_capture_layers(8, wrong, target=target)
+    config = json.loads((paths["target"] / "config.json").read_text())
+    head = write_tiny_dflash_draft(tmp_path / "dflash", config, target_layer_ids=(1, 8))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 8\] name layers \[8\] that "
+                                         r"the target does not have \(its layers are 0 to 7\)"):
+        Engine(model_path=str(paths["target"]), speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(head), speculative_num_steps=7, **BASE)
 
 
 def _pools(runner, slot):
@@ -202,14 +246,19 @@ def _pools(runner, slot):
             for i in range(config.num_layers) if config.is_linear_layer(i)]
 
 
-@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, shape):
-    """Trees holding the target's own greedy continuation: every draft token is accepted, and
-    the committed state equals decoding root, g1, g2, g3 one token at a time."""
+@pytest.mark.parametrize("shape,accepted", [(LONG_CHAIN, (9, 5)), (TREE, (3, 3))],
+                         ids=["chain15", "tree"])
+def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, shape,
+                                                            accepted):
+    """Trees holding the target's own greedy continuation g1, g2, ...: a chain of 15 (DFLASH's
+    length) whose token after g9 (g5 in the other row) is wrong, and a tree with decoys around
+    its greedy path g1, g2, g3. Each row accepts its greedy tokens and commits the state that
+    decoding the root, g1 ... ga one token at a time leaves: the chain's state is rolled back
+    to a node inside it."""
     with spec_engine(paths, shape, 16) as engine:
         runner, spec = engine._runner, engine._spec
         ids = [prompts()[i] for i in (2, 5)]
-        follow = [references[i] for i in (2, 5)]
+        follow = [references[i] for i in (2, 5)]  # 12 and 6 greedy tokens
         n = spec.shape.num_draft_tokens
         slots = [engine._state_slots.allocate() for _ in range(4)]
         pages = [engine._allocator.allocate(8) for _ in range(4)]
@@ -218,14 +267,20 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                         for j, p in enumerate(ids)])
         runner.forward([SeqChunk(p[:-1], 0, pages[j + 2], state_slot=slots[j + 2])
                         for j, p in enumerate(ids)])
-        for depth in range(4):
-            runner.forward([SeqChunk([([p[-1]] + f)[depth]], len(p) - 1 + depth, pages[j + 2],
-                                     state_slot=slots[j + 2])
+        decoded = [None, None]  # each row's states after its root and accepted tokens
+        for depth in range(max(accepted) + 1):  # a row past its accepted depth goes on
+            runner.forward([SeqChunk([([p[-1]] + f)[min(depth, len(f))]], len(p) - 1 + depth,
+                                     pages[j + 2], state_slot=slots[j + 2])
                             for j, (p, f) in enumerate(zip(ids, follow, strict=True))])
+            for j in range(2):
+                if depth == accepted[j]:
+                    decoded[j] = _pools(runner, slots[j + 2])
         trees, paths_taken = [], []
-        for p, f in zip(ids, follow, strict=True):
-            if n == 4:  # the chain root, g1, g2, g3
-                tokens, parents, path = [p[-1], *f[:3]], [-1, 0, 1, 2], [0, 1, 2, 3]
+        for p, f, a in zip(ids, follow, accepted, strict=True):
+            if shape is LONG_CHAIN:  # root, g1 ... ga, a wrong token, more wrong ones
+                wrong = [(f[a] + 1 + i) % 500 for i in range(n - 1 - a)]
+                tokens, parents = [p[-1], *f[:a], *wrong], list(range(-1, n - 1))
+                path = list(range(a + 1))
             else:  # decoys beside and below the greedy path, which lies at nodes 0, 2, 4, 7
                 decoy = [(t + 1) % 500 for t in f[:3]]
                 tokens = [p[-1], decoy[0], f[0], decoy[1], f[1], decoy[2], decoy[2], f[2]]
@@ -260,14 +315,13 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                                        kv_lens, active, tree, sampling, suppress, state_slots)
         runner.state.kv_cache = kv
         verdict = jax.device_get(verified.verdict)
-        for j, f in enumerate(follow):
-            assert verdict.num_accepted[j] == 3
-            assert verdict.path[j].tolist() == paths_taken[j]
-            assert verdict.tokens[j].tolist() == f[:4]
-            for committed, decoded in zip(_pools(runner, slots[j]), _pools(runner, slots[j + 2]),
-                                          strict=True):
-                np.testing.assert_allclose(committed.conv, decoded.conv, rtol=1e-4, atol=1e-4)
-                np.testing.assert_allclose(committed.ssm, decoded.ssm, rtol=1e-4, atol=1e-4)
+        for j, (f, a) in enumerate(zip(follow, accepted, strict=True)):
+            assert verdict.num_accepted[j] == a
+            assert verdict.path[j, : a + 1].tolist() == paths_taken[j]
+            assert verdict.tokens[j, : a + 1].tolist() == f[: a + 1]  # the bonus: g(a+1)
+            for committed, plain in zip(_pools(runner, slots[j]), decoded[j], strict=True):
+                np.testing.assert_allclose(committed.conv, plain.conv, rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(committed.ssm, plain.ssm, rtol=1e-4, atol=1e-4)
         for slot in slots:
             engine._state_slots.free(slot)
         for page_ids in pages:
