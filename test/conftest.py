@@ -12,6 +12,14 @@ import pytest
 jax.config.update("jax_enable_compilation_cache", False)
 
 
+def pytest_configure(config):
+    """One torch thread per test process: the oracles' second thread spins against the other
+    test worker on the 2-core CI machine (fitting a DFlash head took 30x longer)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Each compiled program maps its JIT code into the process, and the kernel allows
@@ -37,6 +45,7 @@ LONG_MODULES = (
     "parallel/test_router.py", "entrypoints/test_client_libraries.py",
     "benchmark/test_bench_round_parts.py", "test_examples.py", "models/test_qwen3_next.py",
     "training/test_train_demo.py", "training/test_trainer.py",
+    "speculative/test_dflash_engine.py",
 )
 
 

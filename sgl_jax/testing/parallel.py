@@ -34,6 +34,8 @@ ENGINE_SETTINGS = dict(
 )
 # A small tree (2 steps of top-2, 4 nodes verified) compiles sooner than the seed shapes.
 TREE = dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+# DFLASH reads a chain from one block: the tiny heads' whole block of 8 (7 drafts).
+SHAPES = {"DFLASH": dict(speculative_num_steps=7, speculative_eagle_topk=1)}
 
 
 # Eight heads of 16 split up to 8 ways (small, and the kernels' fast path). Vocabularies
@@ -83,15 +85,16 @@ def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str 
                  draft_algorithm: str = "EAGLE3", given_prompts: list[list[int]] | None = None,
                  **settings: Any) -> dict[int, dict[str, Any]]:
     """Per TP size: the greedy output ids, the mean accepted length (with a draft, which
-    grows a tree) and the parameter bytes on one device, for `given_prompts` (default:
-    `prompts`). `settings`: more Engine arguments."""
+    grows a tree, or DFLASH's chain) and the parameter bytes on one device, for
+    `given_prompts` (default: `prompts`). `settings`: more Engine arguments."""
     from sgl_jax import Engine
     from sgl_jax.parallel import bytes_per_device
 
     if draft_model_path is not None or draft_algorithm == "NGRAM":
         draft = {} if draft_model_path is None else {
             "speculative_draft_model_path": draft_model_path}
-        settings = {**TREE, "speculative_algorithm": draft_algorithm, **draft, **settings}
+        settings = {**SHAPES.get(draft_algorithm, TREE), "speculative_algorithm": draft_algorithm,
+                    **draft, **settings}
     # NGRAM drafts from text it has read: the prompts run twice, and the second pass, which
     # drafts from the first one's answers, is reported.
     passes = 2 if settings.get("speculative_algorithm") == "NGRAM" else 1

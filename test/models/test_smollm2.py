@@ -64,17 +64,12 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
     """transformers' greedy answer (EOS included when it stops) and its raw logits,
-    f32[len(answer), vocab]. One thread: two contend badly on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            ids = torch.tensor([prompt_ids])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, output_logits=True,
-                                 return_dict_in_generate=True)
-    finally:
-        torch.set_num_threads(threads)
+    f32[len(answer), vocab] (one torch thread: conftest)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True)
     answer = out.sequences[0, len(prompt_ids):].tolist()
     return answer, torch.cat(out.logits).numpy()
 

@@ -1,15 +1,24 @@
 """Tensor parallelism with the `native` attention backend: greedy outputs of TP 1, 2, 4 and 8
 on an 8-device CPU mesh are identical, with and without EAGLE3, and TP 1 is transformers'
-greedy output. Parameter memory per device falls as 1/tp (printed).
+greedy output; STANDALONE, NGRAM and DFLASH drafts accepted over a sharded target keep it.
+Parameter memory per device falls as 1/tp (printed).
 
 Each case runs in a subprocess: the device count is fixed when JAX starts.
 """
 
 import json
 
+import numpy as np
 import pytest
 
-from sgl_jax.testing.parallel import run_subprocess, transformers_greedy, write_tp_checkpoints
+from sgl_jax.testing.dflash import fit_dflash_draft
+from sgl_jax.testing.parallel import (
+    MAX_NEW_TOKENS,
+    TP_PRESETS,
+    run_subprocess,
+    transformers_greedy,
+    write_tp_checkpoints,
+)
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -82,3 +91,22 @@ def test_ngram_drafts_accept_over_a_sharded_target(tmp_path):
                               "--speculative-only", "--tp-sizes", "2"], devices=2)["speculative"]
     assert results[2]["output_ids"] == transformers_greedy(target)
     assert results[2]["accept_length"] > 1.3
+
+
+def test_a_fitted_dflash_head_drafts_whole_blocks_over_a_sharded_target(tmp_path):
+    """A DFlash head fitted to the Qwen3 target's greedy text, its layers and its context KV
+    split over 2 devices as the target's are: a 7-token chain from one block a round, drafts
+    accepted (so each round writes the context of several accepted tokens into the sharded
+    draft cache), greedy output transformers'."""
+
+    target, _ = write_tp_checkpoints(tmp_path, "qwen3")
+    prompts = np.random.default_rng(5).integers(3, TP_PRESETS["qwen3"]["vocab_size"],
+                                                (4, 12)).tolist()
+    continuations = fit_dflash_draft(tmp_path / "dflash", target, prompts,
+                                     new_tokens=MAX_NEW_TOKENS, steps=40)
+    results = run_subprocess(["--model-path", str(target), "--draft-model-path",
+                              str(tmp_path / "dflash"), "--draft-algorithm", "DFLASH",
+                              "--speculative-only", "--tp-sizes", "2",
+                              "--prompts", json.dumps(prompts)], devices=2)["speculative"]
+    assert results[2]["output_ids"] == continuations
+    assert results[2]["accept_length"] > 2

@@ -1,0 +1,150 @@
+"""DFLASH through the Engine with a DFlash head fitted here to the target's own greedy text,
+so its drafts are accepted: in a KV pool too small for the batch (requests are retracted and
+run again), beside a regex-constrained request (its chains masked on the host), greedy
+output equals plain decoding's and every page comes back, aborts mid-run included (the
+head's context KV lives in the target's pages, so the same count covers it); sampled tokens
+at temperature > 0 follow the target's distribution (chi-square) while drafts are accepted.
+Greedy equality over batches and page sizes: test_speculative_engine; TP 2: test_tp_native.
+"""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_jax import Engine
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.dflash import fit_dflash_draft
+from sgl_jax.testing.engines import walk_away_mid_run
+
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
+            precompile_bs_paddings=[1, 8], max_prefill_tokens=256, chunked_prefill_size=48,
+            skip_server_warmup=True)
+STEPS = 7  # the tiny head's whole block of 8
+FIT_PROMPTS = np.random.default_rng(5).integers(3, 500, (4, 12)).tolist()
+FIT_NEW = 32
+LENGTHS = [70, 3, 40, 9]  # prompts nothing was fitted to; 70 takes two prefill chunks
+MAX_NEW = [9, 24, 12, 20]
+CONSTRAINED = [7, 8, 9, 10]
+REGEX = "[ab]{3,12}"
+
+
+def greedy(n, **extra):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra}
+
+
+def other_prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 500, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """The Llama target, a DFlash head fitted to its greedy continuations of FIT_PROMPTS
+    (EOS suppressed, which these prompts' ignore_eos answers equal) and those continuations."""
+    root = tmp_path_factory.mktemp("dflash-engine")
+    target = write_tiny_checkpoint(root / "llama", "llama")
+    continuations = fit_dflash_draft(root / "head", target, FIT_PROMPTS, new_tokens=FIT_NEW,
+                                     steps=40)
+    return {"target": target, "head": root / "head", "continuations": continuations}
+
+
+@pytest.fixture(scope="module")
+def references(fitted):
+    """Plain decoding's greedy answers to other_prompts() and to CONSTRAINED under REGEX."""
+    with Engine(model_path=str(fitted["target"]), page_size=16, **BASE) as engine:
+        out = engine.generate(input_ids=[*other_prompts(), CONSTRAINED], sampling_params=[
+            *(greedy(n) for n in MAX_NEW), greedy(20, regex=REGEX)])
+    return [o["output_ids"] for o in out]
+
+
+def dflash_engine(fitted, **extra):
+    return Engine(model_path=str(fitted["target"]), speculative_algorithm="DFLASH",
+                  speculative_draft_model_path=str(fitted["head"]),
+                  speculative_num_steps=STEPS, **{**BASE, **extra})
+
+
+def pages_all_free(engine) -> bool:
+    """No request holds a page (the target's KV and the head's context alike), and with the
+    prefix cache flushed every page is free."""
+    return (engine.flush_cache() and engine.get_server_info()["kv_pages_in_use"] == 0
+            and engine._allocator.num_free == engine._allocator.capacity)
+
+
+def test_retraction_grammar_and_aborts(fitted, references):
+    """Page size 1 and a pool of 256 tokens for 9 requests that need about 450: requests are
+    retracted and run again (prompt and head context recomputed), a regex-constrained one
+    among them; outputs are plain decoding's, the fitted prompts' drafts are accepted all
+    along, and retractions and aborts mid-run give every page back."""
+    with dflash_engine(fitted, page_size=1, max_total_tokens=256) as engine:
+        out = engine.generate(
+            input_ids=[*FIT_PROMPTS, *other_prompts(), CONSTRAINED],
+            sampling_params=[*[greedy(FIT_NEW)] * 4, *(greedy(n) for n in MAX_NEW),
+                             greedy(20, regex=REGEX)])
+        assert [o["output_ids"] for o in out] == [*fitted["continuations"], *references]
+        info = engine.get_server_info()
+        assert info["num_retractions"] > 0 and info["spec_masked_rounds"] > 0
+        accept = [o["meta_info"]["spec_accept_length"] for o in out[:4]]
+        assert min(accept) > 2, accept
+        assert pages_all_free(engine)
+        walk_away_mid_run(engine, FIT_PROMPTS[:3])
+        assert pages_all_free(engine)
+
+
+TEMPERATURE, TOP_K = 0.5, 4
+SAMPLES = 1024
+CHI2_LIMIT = 30.0  # 3 degrees of freedom: far beyond the 99.999th percentile (25.9)
+
+
+def target_distribution(model, ids):
+    """The target's next-token distribution after ids (transformers), as the sampler
+    filters it: temperature, then the top TOP_K renormalised."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].double().numpy() / TEMPERATURE
+    probs = np.exp(logits - logits.max())
+    keep = np.argsort(-probs, kind="stable")[:TOP_K]
+    out = np.zeros_like(probs)
+    out[keep] = probs[keep] / probs[keep].sum()
+    return out
+
+
+def chi_square(tokens, probs):
+    counts = np.bincount(tokens, minlength=len(probs))
+    assert counts[probs == 0].sum() == 0, "a token outside the top-k was emitted"
+    live = probs > 0
+    expected = counts.sum() * probs[live]
+    return float(((counts[live] - expected) ** 2 / expected).sum())
+
+
+def test_sampling_emits_the_target_distribution(fitted):
+    """SAMPLES requests of one fitted prompt at temperature 0.5, top-k 4, each with its own
+    seed: the second and third tokens (speculative rounds', whose drafts are accepted often)
+    follow the target's distribution given the tokens before them, for every prefix sampled
+    at least 100 times. A verifier that accepts drafts 1.25 times too often
+    (--speculative-accept-threshold-acc 0.8) fails it (chi-square 34 for the greedy prefix),
+    one at 2 times (0.5) by far (416); the lossless one gives at most 3.1."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = FIT_PROMPTS[0]
+    with dflash_engine(fitted, page_size=16, precompile_bs_paddings=[1, 8, 64]) as engine:
+        out = engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=[
+            {"temperature": TEMPERATURE, "top_k": TOP_K, "max_new_tokens": 3,
+             "ignore_eos": True, "seed": i} for i in range(SAMPLES)])
+        info = engine.get_server_info()
+        assert pages_all_free(engine)
+    ids = np.array([o["output_ids"] for o in out])
+    # Drafts were accepted (a head that never drafts right would leave verification to
+    # sample every token itself), past the first position too.
+    accepted = info["spec_accepted_per_position"]
+    assert accepted[0] > 0.2 * SAMPLES and accepted[1] > 0, accepted
+    model = AutoModelForCausalLM.from_pretrained(fitted["target"], dtype=torch.float32)
+    stats = {}
+    for depth in (1, 2):
+        for prefix, count in Counter(map(tuple, ids[:, :depth].tolist())).items():
+            if count >= 100:
+                rows = (ids[:, :depth] == prefix).all(axis=1)
+                stats[prefix] = chi_square(ids[rows, depth],
+                                           target_distribution(model, prompt + list(prefix)))
+    assert len([p for p in stats if len(p) == 2]) >= 1, stats  # a third token was tested
+    assert max(stats.values()) < CHI2_LIMIT, stats
