@@ -79,22 +79,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--regenerate-attention-backend", default=None,
                    help="the regenerating engine's --attention-backend (default: the server's)")
     g = p.add_argument_group("draft")
-    g.add_argument("--draft-vocab-size", type=int, default=32000,
+    g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="EAGLE3: most frequent loss-masked target ids kept (capped at the "
-                        "target's)")
+                        "target's; default 32000)")
     g.add_argument("--draft-config", default=None,
                    help="JSON file of config.json fields overriding the defaults (the "
                         "target's widths), e.g. {\"intermediate_size\": 1024}; for DFLASH "
                         "also num_hidden_layers (5), block_size (16) and dflash_config's "
                         "mask_token_id and target_layer_ids")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--ttt-length", type=int, default=7,
-                   help="EAGLE3: training-time-test steps")
-    g.add_argument("--num-anchors", type=int, default=128,
-                   help="DFLASH: random blocks per conversation and step (memory grows with "
-                        "anchors x block x row length)")
-    g.add_argument("--loss-gamma", type=float, default=dflash_lib.DEFAULT_GAMMA,
-                   help="DFLASH: block position k's loss weighs exp(-(k-1)/gamma)")
+    g.add_argument("--ttt-length", type=int, default=None,
+                   help="EAGLE3: training-time-test steps (default 7)")
+    g.add_argument("--num-anchors", type=int, default=None,
+                   help="DFLASH: random blocks per conversation and step (default 128; memory "
+                        "grows with anchors x block x row length)")
+    g.add_argument("--loss-gamma", type=float, default=None,
+                   help="DFLASH: block position k's loss weighs exp(-(k-1)/gamma) (default "
+                        f"{dflash_lib.DEFAULT_GAMMA:g})")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--warmup-ratio", type=float, default=0.02)
     g.add_argument("--max-grad-norm", type=float, default=0.5)
@@ -117,7 +118,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from output-dir/train_state")
     g.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    return p.parse_args(argv)
+    return _with_algorithm_defaults(p, p.parse_args(argv))
+
+
+# Flags only one algorithm reads, and their defaults; the other one refuses them.
+ALGORITHM_FLAGS = {
+    "EAGLE3": {"draft_vocab_size": 32000, "ttt_length": 7},
+    "DFLASH": {"num_anchors": 128, "loss_gamma": dflash_lib.DEFAULT_GAMMA},
+}
+
+
+def _with_algorithm_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace
+                             ) -> argparse.Namespace:
+    for algorithm, flags in ALGORITHM_FLAGS.items():
+        for name, default in flags.items():
+            if algorithm == args.speculative_algorithm:
+                if getattr(args, name) is None:
+                    setattr(args, name, default)
+            elif getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')} applies to --speculative-algorithm "
+                             f"{algorithm} only, not {args.speculative_algorithm}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

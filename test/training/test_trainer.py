@@ -182,11 +182,11 @@ def training_setup(tmp_path_factory):
 
 def run_cli(setup, out, *args, devices=1):
     target_dir, data, overrides = setup
+    eagle3 = [] if "DFLASH" in args else ["--draft-vocab-size", "64", "--ttt-length", "3"]
     command = [sys.executable, "-m", "sgl_jax.train_eagle3", "--target-model-path",
                str(target_dir), "--data", str(data), "--draft-config", str(overrides),
-               "--draft-vocab-size", "64", "--eval-conversations", "4",
-               "--tokens-per-batch", "512", "--ttt-length", "3", "--lr", "1e-3",
-               "--export-dtype", "float32", "--output-dir", str(out), *args]
+               *eagle3, "--eval-conversations", "4", "--tokens-per-batch", "512",
+               "--lr", "1e-3", "--export-dtype", "float32", "--output-dir", str(out), *args]
     done = subprocess.run(command, env=cpu_devices_env(devices), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
