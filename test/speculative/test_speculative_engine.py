@@ -10,7 +10,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
-from sgl_jax.testing.dflash import fit_dflash_draft, write_tiny_dflash_draft
+from sgl_jax.testing.dflash import write_tiny_dflash_draft
 from sgl_jax.testing.eagle3 import (
     cached_draft_keys,
     write_tiny_eagle3_draft,
@@ -221,26 +221,6 @@ def test_seeded_sampling_with_speculation_is_reproducible(self_draft):
     a = self_draft.generate(input_ids=prompts()[2], sampling_params=params)
     b = self_draft.generate(input_ids=prompts()[2], sampling_params=params)
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 12
-
-
-FIT_PROMPTS = np.random.default_rng(5).integers(3, 500, (4, 12)).tolist()
-
-
-def test_a_fitted_dflash_head_drafts_whole_blocks(checkpoints, tmp_path):
-    """A DFlash head fitted here to the Llama target's own greedy continuations (the DFlash
-    objective): a block of 8 drafts 7 tokens a round and they are accepted, so every round
-    writes the context of many accepted tokens; page size 1; the output is transformers'."""
-    target = checkpoints["llama"]["target"]
-    head = tmp_path / "fitted"
-    continuations = fit_dflash_draft(head, target, FIT_PROMPTS, new_tokens=32, steps=40)
-    with Engine(model_path=str(target), speculative_algorithm="DFLASH",
-                speculative_draft_model_path=str(head), speculative_num_steps=7, page_size=1,
-                **BASE) as engine:
-        out = engine.generate(input_ids=FIT_PROMPTS, sampling_params=[{
-            "temperature": 0, "max_new_tokens": 32, "min_new_tokens": 32}] * 4)
-        assert [o["output_ids"] for o in out] == continuations
-        assert engine.get_server_info()["avg_spec_accept_length"] > 3
-        assert pages_all_free(engine)
 
 
 def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tmp_path):
