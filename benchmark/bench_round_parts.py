@@ -79,16 +79,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def random_dflash_head(target: str) -> str:
-    """A random DFlash head for the target, of the published heads' shape, in a temporary
-    directory."""
+def random_dflash_head(config: dict[str, Any]) -> str:
+    """A random DFlash head for the target (its config.json), of the published heads' shape,
+    in a temporary directory."""
     import tempfile
-    from pathlib import Path
 
     from sgl_jax.testing.dflash import write_tiny_dflash_draft
     from sgl_jax.training.dflash import DEFAULT_BLOCK, DEFAULT_LAYERS, default_target_layer_ids
 
-    config = json.loads((Path(target) / "config.json").read_text())
     layers = default_target_layer_ids(config["num_hidden_layers"], DEFAULT_LAYERS)
     return str(write_tiny_dflash_draft(tempfile.mkdtemp(prefix="dflash-"), config,
                                        num_layers=DEFAULT_LAYERS, block_size=DEFAULT_BLOCK,
@@ -123,7 +121,7 @@ class Setup:
         from sgl_jax.demo import demo_draft_path, demo_model_path
         from sgl_jax.model_executor.forward_batch import Buckets
         from sgl_jax.model_executor.model_runner import ModelRunner
-        from sgl_jax.models.loader import load_model
+        from sgl_jax.models.loader import load_model, read_hf_config
         from sgl_jax.server_args import ServerArgs
         from sgl_jax.speculative.drafts import TreeShape
         from sgl_jax.speculative.setup import load_draft, make_spec_runner
@@ -136,14 +134,14 @@ class Setup:
         backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
         if args.algorithm == "NEXTN":
             draft = None  # the target's checkpoint holds the module
-        elif args.algorithm == "DFLASH" and args.draft_model_path == "demo":
-            draft = random_dflash_head(target)
+        self.model = load_model(target, dtype=args.dtype, tp=None)
+        if args.algorithm == "DFLASH" and args.draft_model_path == "demo":
+            draft = random_dflash_head(read_hf_config(self.model.model_dir))
         server_args = ServerArgs(
             model_path=target, dtype=args.dtype, page_size=args.page_size,
             speculative_algorithm=args.algorithm, speculative_draft_model_path=draft,
             speculative_num_steps=steps, speculative_eagle_topk=topk,
             speculative_num_draft_tokens=tokens, speculative_adaptive=plain, **backend)
-        self.model = load_model(target, dtype=server_args.dtype, tp=None)
         context_len = args.context + 64
         self.pages_per_seq = -(-context_len // args.page_size)
         buckets = Buckets.automatic(max_tokens=256, max_seqs=max_batch, context_len=context_len,

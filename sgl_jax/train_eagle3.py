@@ -287,7 +287,7 @@ def _dflash_head(args, target, target_hf: dict, examples: list[Example], out: Pa
     hf_config = setup["config"]
     config = dflash_model.config_from_hf(hf_config)
     _check_trainable_split(config.layer.num_kv_heads, tp)
-    tensors = dflash_lib.initial_tensors(config, dflash_lib.target_norm_scale(target), args.seed)
+    tensors = dflash_lib.initial_tensors(config, args.seed)
     objective = dflash_lib.DFlashObjective(config, target, num_anchors=args.num_anchors,
                                            gamma=args.loss_gamma)
     return Head(objective, dflash_lib.place_head(config, tensors, np.float32, tp),

@@ -82,23 +82,17 @@ def dflash_hf_config(target_hf: dict[str, Any], overrides: dict[str, Any] | None
     return config
 
 
-def initial_tensors(config: DFlashConfig, target_norm: np.ndarray, seed: int
-                    ) -> dict[str, np.ndarray]:
-    """A fresh head's checkpoint tensors: the final norm starts as the target's (`target_norm`
-    f32[H]), so its states reach the target's lm_head at the scale the head expects; other
+def initial_tensors(config: DFlashConfig, seed: int) -> dict[str, np.ndarray]:
+    """A fresh head's checkpoint tensors: the final norm at zero, so the first logits are all
+    zero (a uniform guess; a norm at one puts the mask token's own embedding through the
+    target's lm_head, a confident wrong guess whose gradients swamp the first steps); other
     norms at one, matrices N(0, INIT_STD)."""
     rng = np.random.default_rng(seed)
     tensors = {name: (np.ones(spec.shape, np.float32) if name.endswith("norm.weight") else
                       (INIT_STD * rng.standard_normal(spec.shape)).astype(np.float32))
                for name, spec in dflash.hf_weight_specs(config).items()}
-    tensors["norm.weight"] = np.asarray(target_norm, np.float32)
+    tensors["norm.weight"] = np.zeros_like(tensors["norm.weight"])
     return tensors
-
-
-def target_norm_scale(target: LoadedModel) -> np.ndarray:
-    """f32[H]: what the target's final RMSNorm multiplies by (1 + weight when zero-centred)."""
-    weight = np.asarray(target.params["norm"], np.float32)
-    return weight + 1.0 if target.config.zero_centered_norm else weight
 
 
 def place_head(config: DFlashConfig, tensors: dict[str, np.ndarray], dtype: Any,

@@ -266,7 +266,7 @@ def test_a_dflash_head_trained_here_loads_as_a_z_lab_head_and_serves(training_se
     loaded = load_dflash_draft(str(out), dtype="float32", progress=False)
     np.testing.assert_array_equal(np.asarray(loaded.params["fc"]), tensors["fc.weight"])
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    assert evals[0]["accept_length"] == 1.0 and evals[-1]["accept_length"] > 1.1, evals
+    assert evals[-1]["accept_length"] > max(1.1, evals[0]["accept_length"] + 0.05), evals
     _served_answers_are_the_targets(target_dir, out, training_setup[1])
 
 
