@@ -123,8 +123,11 @@ def position_topk_tree(
     paths of each depth are extended by the next position's top-k, as EAGLE-2 grows its
     frontier, and `select_tree` keeps the best candidates, ancestors first."""
     batch, steps, _ = logprobs.shape
-    top_scores, top_ids = jax.lax.top_k(logprobs, topk)  # [B, S, K]
-    top_ids = top_ids.astype(jnp.int32)
+    # The barrier keeps one top-k over the vocabulary: without it XLA moves each depth's
+    # slice below the top-k and sorts the whole vocabulary once per depth (0.55 s a round
+    # on the demo model's CPU, against 3 ms).
+    top_scores, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(logprobs, topk))
+    top_ids = top_ids.astype(jnp.int32)  # [B, S, K]
     frontier_scores = top_scores[:, 0]
     frontier = jnp.broadcast_to(jnp.arange(topk, dtype=jnp.int32), (batch, topk))
     scores, tokens, parents = [frontier_scores], [top_ids[:, 0]], [jnp.full_like(frontier, -1)]
