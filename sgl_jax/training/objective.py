@@ -18,6 +18,8 @@ from sgl_jax.training.ttt import ttt_logits
 
 
 class Batch(NamedTuple):
+    """Host arrays from `collate`, device arrays inside the jitted steps."""
+
     input_ids: jax.Array  # i32[B, T], right-padded with 0
     loss_mask: jax.Array  # bool[B, T]
 
