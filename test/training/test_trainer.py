@@ -248,7 +248,7 @@ def test_a_dflash_head_trained_here_loads_as_a_z_lab_head_and_serves(training_se
                       "--regenerate", "--regenerate-temperature", "0",
                       "--regenerate-max-tokens", "24", "--num-anchors", "16", "--lr", "3e-3",
                       "--epochs", "30", "--max-steps", "40", "--save-interval", "40")
-    assert metrics[-1]["loss"] < 0.7 * metrics[0]["loss"]
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.2  # from ln V: a uniform first guess
     config = json.loads((out / "config.json").read_text())
     target_dir = training_setup[0]
     target_config = json.loads((target_dir / "config.json").read_text())
