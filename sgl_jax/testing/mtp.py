@@ -124,6 +124,19 @@ def fit_mtp_tensors(model_dir: str | Path, prompts: list[list[int]], *, new_toke
     return text[:, prompt.shape[1]:].tolist()
 
 
+def _drawn(layer: torch.nn.Module) -> torch.nn.Module:
+    """`layer` with every weight drawn from N(0, 1/fan_in) and every norm at zero (its
+    centre). transformers leaves a bare layer's expert stacks as torch.empty (its model
+    class initialises them), and a fit from that memory turned NaN in some runs."""
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if name.endswith("norm.weight"):
+                param.zero_()
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+    return layer
+
+
 class _TorchMtp(torch.nn.Module):
     """The module for fitting: qwen3_next_mtp's forward, batched and causal."""
 
@@ -131,7 +144,7 @@ class _TorchMtp(torch.nn.Module):
         super().__init__()
         h = config.hidden_size
         self.eps = config.rms_norm_eps
-        self.layer = Qwen3NextDecoderLayer(config, 0)
+        self.layer = _drawn(Qwen3NextDecoderLayer(config, 0))
         self.rotary = Qwen3NextRotaryEmbedding(config)
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
         self.norms = torch.nn.ParameterDict(
