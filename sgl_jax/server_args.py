@@ -29,6 +29,12 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "hermes", "llama3_json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Weight formats (SGLang's names): int8 / fp8 quantize a float checkpoint at load; an FP8
+# checkpoint (quantization_config.quant_method "fp8") loads as fp8 without the flag.
+QUANTIZATION_CHOICES = ("int8", "fp8")
+# A draft head's format: the target's by default; "unquant" keeps it in the model dtype.
+DRAFT_QUANTIZATION_CHOICES = ("unquant", *QUANTIZATION_CHOICES)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -71,10 +77,12 @@ class ServerArgs:
     revision: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
+    quantization: str | None = None  # None: the checkpoint's own format
     context_length: int | None = None  # default: the model's max_position_embeddings
     device: str | None = None  # default: JAX's default backend
     # KV cache
     page_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto: the model dtype
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
     mem_fraction_static: float | None = None  # of device memory for weights + KV pool
     disable_radix_cache: bool = False
@@ -100,6 +108,7 @@ class ServerArgs:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_draft_model_revision: str | None = None
+    speculative_draft_model_quantization: str | None = None  # None: as --quantization
     speculative_num_steps: int | None = None  # default 3
     speculative_eagle_topk: int | None = None  # default 1
     speculative_num_draft_tokens: int | None = None  # default: num_steps + 1 (chain)
@@ -149,6 +158,12 @@ class ServerArgs:
         self._validate_nodes()
         if self.speculative_algorithm is not None:
             self._validate_speculative()
+        if self.speculative_draft_model_quantization and self.speculative_algorithm in (
+                None, "NGRAM"):
+            raise ValueError(f"speculative_draft_model_quantization "
+                             f"{self.speculative_draft_model_quantization!r} applies to a draft "
+                             f"model; {self.speculative_algorithm or 'plain decoding'} has no "
+                             "draft model")
 
     def _validate_choices(self) -> None:
         choices = {
@@ -158,6 +173,8 @@ class ServerArgs:
             "reasoning_parser": (None, *REASONING_PARSERS), "router_policy": ROUTER_POLICIES,
             "tool_call_parser": (None, *TOOL_CALL_PARSERS), "log_level": LOG_LEVELS,
             "sampling_defaults": SAMPLING_DEFAULTS,
+            "quantization": (None, *QUANTIZATION_CHOICES), "kv_cache_dtype": KV_CACHE_DTYPES,
+            "speculative_draft_model_quantization": (None, *DRAFT_QUANTIZATION_CHOICES),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -381,6 +398,10 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                             "model itself always runs this project's implementation")
     group.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="weights and activations; auto = float32 on CPU, bfloat16 elsewhere")
+    group.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                       help="store the weights in 8 bits with per-output-channel scales (int8, "
+                            "or fp8 e4m3); default: the checkpoint's own format (an FP8 "
+                            "checkpoint loads as fp8, its block scales kept)")
     group.add_argument("--context-length", type=int, default=None,
                        help="longest prompt + completion; default: max_position_embeddings")
     group.add_argument("--device", default=None, choices=DEVICE_CHOICES,
@@ -389,6 +410,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
 
 def _add_memory_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="what the KV pages store; fp8 halves a bfloat16 cache's bytes per "
+                            "token (values cast, no scales); auto = the model dtype")
     group.add_argument("--max-total-tokens", type=int, default=None,
                        help="KV pool size in tokens; default: from --mem-fraction-static")
     group.add_argument("--mem-fraction-static", type=float, default=None,
@@ -458,6 +482,10 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
                        help="local directory or hub id of the draft weights")
     group.add_argument("--speculative-draft-model-revision", default=None,
                        help="hub branch, tag or commit of the draft weights")
+    group.add_argument("--speculative-draft-model-quantization", default=None,
+                       choices=DRAFT_QUANTIZATION_CHOICES,
+                       help="the draft's weight format; default: as --quantization; unquant "
+                            "keeps the draft in the model dtype")
     group.add_argument("--speculative-num-steps", type=int, default=None,
                        help="draft depth per round (default 3)")
     group.add_argument("--speculative-eagle-topk", type=int, default=None,

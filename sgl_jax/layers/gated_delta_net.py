@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgl_jax.layers.linear import matmul_rows
 from sgl_jax.models.weights import FusedPart, WeightSpec
 
 Params = dict[str, Any]
@@ -419,7 +420,7 @@ def _in_proj(
     [..., Hv], all in x.dtype. Head counts come from the parameters' shapes, which hold only
     this device's key heads when they are split for tensor parallelism."""
     lead, cg, r = x.shape[:-1], config.group_channels, config.ratio
-    y = _linear(x.reshape(-1, x.shape[-1]), params["w_in"])  # [N, nk, rows]
+    y = matmul_rows(x.reshape(-1, x.shape[-1]), params["w_in"])  # [N, nk, rows]
     y = y.reshape(*lead, *y.shape[1:])
     rv = r * config.value_head_dim
     z = y[..., cg : cg + rv].reshape(*lead, -1, config.value_head_dim)
@@ -475,15 +476,7 @@ def _out_proj(
     normed = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + config.rms_norm_eps)
     gated = normed * params["norm"].astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
     flat = gated.reshape(-1, o.shape[-2] * o.shape[-1]).astype(dtype)
-    return _linear(flat, params["w_out"]).reshape(*o.shape[:-2], -1)
-
-
-def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [N, in] times weight [*out, in] -> [N, *out], the weight flattened to one matrix
-    (XLA:CPU runs a product with several output axes several times slower)."""
-    rows = weight.reshape(-1, weight.shape[-1])
-    y = jax.lax.dot_general(x, rows, (((1,), (1,)), ((), ())))
-    return y.reshape(x.shape[0], *weight.shape[:-1])
+    return matmul_rows(flat, params["w_out"]).reshape(*o.shape[:-2], -1)
 
 
 # ---------------------------------------------------------------- the layer over a state pool

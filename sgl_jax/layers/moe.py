@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.linear import matmul_rows
+from sgl_jax.layers.quantization import QuantizedWeight, dequantize, per_channel_operand
 
 Params = dict[str, Any]
 
@@ -117,10 +118,20 @@ def expert_mlp(
 
 def grouped_matmul(
     rows: jax.Array,  # [M, in]: the first group_sizes[0] rows for expert 0, and so on
-    weight: jax.Array,  # [E, out, in]
+    weight: jax.Array | QuantizedWeight,  # [E, out, in]
     group_sizes: jax.Array,  # i32[E]
 ) -> jax.Array:  # [M, out]: each row times its expert's matrix
-    return jax.lax.ragged_dot_general(rows, weight, group_sizes, _GROUPED_ROWS)
+    if not isinstance(weight, QuantizedWeight):
+        return jax.lax.ragged_dot_general(rows, weight, group_sizes, _GROUPED_ROWS)
+    if weight.num_blocks > 1:
+        return jax.lax.ragged_dot_general(rows, dequantize(weight, rows.dtype), group_sizes,
+                                          _GROUPED_ROWS)
+    values, scales = per_channel_operand(weight, rows.dtype)  # scales f32[E, out]
+    y = jax.lax.ragged_dot_general(rows, values, group_sizes, _GROUPED_ROWS,
+                                   preferred_element_type=jnp.float32)
+    expert_of_row = jnp.repeat(jnp.arange(weight.shape[0]), group_sizes,
+                               total_repeat_length=rows.shape[0])  # i32[M]
+    return (y * scales[expert_of_row]).astype(rows.dtype)
 
 
 def shared_expert(

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from sgl_jax.layers.quantization import QUANTIZED_PARAMS, QuantizedWeight, quantize
 from sgl_jax.models import dflash, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.dflash import DFlashConfig
@@ -29,7 +30,7 @@ from sgl_jax.models.gguf import GGUFCheckpoint, find_gguf_file
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
 from sgl_jax.models.weights import WeightSpec
-from sgl_jax.parallel.sharding import TensorParallel
+from sgl_jax.parallel.sharding import TensorParallel, split_in_features
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 DTYPE_CHOICES = ("auto", *DTYPES)
 _CHECKPOINT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _INDEX_DTYPES = {"I64", "I32"}
+_FP8_DTYPE = "F8_E4M3"
+_FP8_SCALE_SUFFIX = "_scale_inv"  # X.weight_scale_inv: the block scales of X.weight
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 # Buffers some exporters save that carry no learned weights.
@@ -75,6 +78,42 @@ def open_checkpoint(model_path: str, revision: str | None = None) -> Checkpoint:
 
 
 @dataclass(frozen=True)
+class WeightFormat:
+    """How a checkpoint's projections (`quantization.QUANTIZED_PARAMS`) are kept once
+    loaded: float, quantized here per output channel (`quantize`: int8 or fp8), or as an
+    FP8 checkpoint stores them (`fp8_block`: its [out, in] scale block)."""
+
+    quantize: str | None = None
+    fp8_block: tuple[int, int] | None = None
+
+    @property
+    def name(self) -> str | None:
+        return "fp8" if self.fp8_block else self.quantize
+
+
+def weight_format(hf_config: dict[str, Any], quantization: str | None, what: str
+                  ) -> WeightFormat:
+    """--quantization against the checkpoint's own `quantization_config`: a float checkpoint
+    is quantized as asked; a block-wise FP8 one (Qwen's `*-FP8`) loads as it is stored."""
+    stored = hf_config.get("quantization_config")
+    if stored is None:
+        return WeightFormat(quantize=quantization)
+    method = stored.get("quant_method")
+    block = stored.get("weight_block_size")
+    if method != "fp8" or not block or stored.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(
+            f"cannot start: {what} is quantized with quantization_config {stored}; this "
+            "version loads float checkpoints (--quantization int8 or fp8 stores them in 8 "
+            "bits) and block-wise FP8 ones (quant_method fp8, weight_block_size, dynamic "
+            "activations)")
+    if quantization not in (None, "fp8"):
+        raise CheckpointError(
+            f"cannot start: {what} is an FP8 checkpoint (blocks {block}); --quantization "
+            f"{quantization} does not apply to it: leave --quantization out or pass fp8")
+    return WeightFormat(fp8_block=(int(block[0]), int(block[1])))
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     impl: ModelImpl
     config: ModelConfig
@@ -86,9 +125,10 @@ class LoadedModel:
 
 def load_model(
     model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, quantization: str | None = None,
 ) -> LoadedModel:
-    """`tp`: the mesh to load onto, split by its rules (default: the first device)."""
+    """`tp`: the mesh to load onto, split by its rules (default: the first device);
+    `quantization`: --quantization (see `weight_format`)."""
     checkpoint = open_checkpoint(model_path, revision)
     hf_config = read_hf_config(checkpoint.model_dir)
     impl = get_model_impl(hf_config)
@@ -96,10 +136,11 @@ def load_model(
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
     tp = tp or TensorParallel.of_size(1)
     specs = impl.hf_weight_specs(config, checkpoint.tensors.names())
+    what = f"the model in {model_path!r}"
     params = load_params(checkpoint.tensors, specs, jax_dtype,
                          progress=progress, tp=tp, config=config,
-                         ignored_prefixes=impl.ignored_tensor_prefixes,
-                         what=f"the model in {model_path!r}")
+                         ignored_prefixes=impl.ignored_tensor_prefixes, what=what,
+                         weights=weight_format(hf_config, quantization, what))
     return LoadedModel(impl, config, params, checkpoint.model_dir, jax_dtype, tp)
 
 
@@ -114,7 +155,7 @@ class LoadedDraft:
 
 def load_eagle3_draft(
     model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, quantization: str | None = None,
 ) -> LoadedDraft:
     """An EAGLE3 draft head in any of the accepted tensor spellings."""
     model_dir = resolve_model_dir(model_path, revision)
@@ -129,15 +170,16 @@ def load_eagle3_draft(
     source = SafetensorsSource(model_dir)
     specs = llama_eagle3.hf_weight_specs(config, source.names())
     jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
+    what = f"the draft in {model_path!r}"
     params = load_params(source, specs, jax_dtype, progress=progress, tp=tp,
                          config=config.layer, ignored=llama_eagle3.TRAINING_ONLY_TENSORS,
-                         what=f"the draft in {model_path!r}")
+                         what=what, weights=weight_format(hf_config, quantization, what))
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
 def load_eagle_draft(
     model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, quantization: str | None = None,
 ) -> LoadedDraft:
     """An EAGLE (v1 / v2) draft head: fc [H, 2H] and Llama layers (see llama_eagle)."""
     model_dir = resolve_model_dir(model_path, revision)
@@ -152,14 +194,16 @@ def load_eagle_draft(
     config = llama_eagle.config_from_hf(hf_config)
     specs, ignored = llama_eagle.hf_weight_specs(config, names)
     jax_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
+    what = f"the draft in {model_path!r}"
     params = load_params(source, specs, jax_dtype, progress=progress, tp=tp, config=config,
-                         ignored=ignored, what=f"the draft in {model_path!r}")
+                         ignored=ignored, what=what,
+                         weights=weight_format(hf_config, quantization, what))
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
 def load_dflash_draft(
     model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, quantization: str | None = None,
 ) -> LoadedDraft:
     """A DFlash draft head in the z-lab / SpecForge layout (see models/dflash.py)."""
     model_dir = resolve_model_dir(model_path, revision)
@@ -172,14 +216,16 @@ def load_dflash_draft(
     source = SafetensorsSource(model_dir)
     specs = dflash.hf_weight_specs(config, source.names())
     jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
+    what = f"the DFlash draft in {model_path!r}"
     params = load_params(source, specs, jax_dtype, progress=progress, tp=tp,
-                         config=config.layer, what=f"the DFlash draft in {model_path!r}")
+                         config=config.layer, what=what,
+                         weights=weight_format(hf_config, quantization, what))
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 
 def load_nextn_draft(
     model_path: str, target: ModelConfig, *, dtype: Any, revision: str | None = None,
-    progress: bool = True, tp: TensorParallel | None = None,
+    progress: bool = True, tp: TensorParallel | None = None, quantization: str | None = None,
 ) -> LoadedDraft:
     """A Qwen3-Next checkpoint's multi-token-prediction module (its `mtp.*` tensors, which
     loading the target leaves out), shaped by the target's config (qwen3_next_mtp)."""
@@ -193,8 +239,11 @@ def load_nextn_draft(
     config = qwen3_next_mtp.layer_config(target, names)
     specs = qwen3_next_mtp.hf_weight_specs(config, names)
     others = frozenset(n for n in names if not n.startswith(qwen3_next_mtp.PREFIX))
+    what = f"the MTP module in {model_path!r}"
     params = load_params(source, specs, dtype, progress=progress, tp=tp, config=config,
-                         ignored=others, what=f"the MTP module in {model_path!r}")
+                         ignored=others, what=what,
+                         weights=weight_format(read_hf_config(source.model_dir), quantization,
+                                               what))
     return LoadedDraft(config, params, source.model_dir, dtype)
 
 
@@ -279,25 +328,74 @@ def load_params(
     source: TensorSource, specs: dict[str, WeightSpec], dtype: Any, *, config: ModelConfig,
     tp: TensorParallel | None = None, progress: bool = True,
     ignored: frozenset[str] = frozenset(), ignored_prefixes: tuple[str, ...] = (),
-    what: str = "the model",
+    what: str = "the model", weights: WeightFormat = WeightFormat(),
 ) -> dict[str, Any]:
     """`config`: the layers' shapes, checked against `tp` before any tensor is read;
     `ignored` / `ignored_prefixes`: tensors a checkpoint may hold that inference does not
-    use (by name / by the start of their name)."""
+    use (by name / by the start of their name); `weights`: how projections are kept."""
     tp = tp or TensorParallel.of_size(1)
     tp.check(config, what=what)
-    names = [n for n in source.names()
-             if n in specs or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored
-                                   or n.startswith(ignored_prefixes))]
-    _check_tensor_names(names, specs)
-    names = [n for n in names if n in specs]
-    source.check(names, specs)
-    host: dict[tuple, np.ndarray] = {}
+    all_names = source.names()
+    scales = fp8_scale_specs(specs, all_names, weights.fp8_block, tp.size, what)
+    names = [n for n in all_names
+             if n in specs or n in scales or not (n.endswith(_IGNORED_SUFFIXES) or n in ignored
+                                                  or n.startswith(ignored_prefixes))]
+    _check_tensor_names([n for n in names if n not in scales], specs)
+    names = [n for n in names if n in specs or n in scales]
+    source.check(names, {**specs, **scales})
+    host: dict[tuple, Any] = {}
+    block_scales: dict[tuple, np.ndarray] = {}
     with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for name, array in source.read(names):
-            _place(host, array, specs[name], dtype)
+        scale_of = dict(source.read(list(scales)))  # small: read first, used as weights arrive
+        bar.update(len(scales))
+        for name, array in source.read([n for n in names if n not in scales]):
+            scale = scale_of.pop(name + _FP8_SCALE_SUFFIX, None)
+            if scale is None:
+                _place(host, array, specs[name], dtype)
+            else:
+                _place_fp8(host, block_scales, array, scale, specs[name], weights.fp8_block)
             bar.update()
+    for path, scale in block_scales.items():
+        host[path] = QuantizedWeight(host[path], scale)
+    if weights.quantize:
+        host = {path: quantize(a, weights.quantize) if _quantizable(path, a) else a
+                for path, a in host.items()}
     return _unflatten(tp.shard_params(host, config))
+
+
+def _quantizable(path: tuple, array: Any) -> bool:
+    return path[-1] in QUANTIZED_PARAMS and isinstance(array, np.ndarray)
+
+
+def fp8_scale_specs(specs: dict[str, WeightSpec], names: list[str],
+                    block: tuple[int, int] | None, tp_size: int, what: str
+                    ) -> dict[str, WeightSpec]:
+    """An FP8 checkpoint's block-scale tensors (X.weight_scale_inv beside X.weight), as
+    specs of their shapes [ceil(out / block), ceil(in / block)]. A split of a projection's
+    input features that cuts its blocks stops start-up here, before anything is read,
+    naming the --tp-size values that work."""
+    if block is None:
+        return {}
+    present = set(names)
+    scales = {}
+    for name, spec in specs.items():
+        scale_name = name + _FP8_SCALE_SUFFIX
+        if scale_name not in present:
+            continue
+        if len(spec.shape) != 2:
+            raise CheckpointError(f"{what}: {name} has block scales but is not a matrix "
+                                  f"(shape {list(spec.shape)})")
+        rows, features = spec.shape
+        scales[scale_name] = WeightSpec(spec.path, (-(-rows // block[0]),
+                                                    -(-features // block[1])))
+        if split_in_features(spec.path[-1]) and features % (block[1] * tp_size):
+            usable = [t for t in range(1, len(jax.devices()) + 1) if features % (block[1] * t) == 0]
+            raise CheckpointError(
+                f"cannot start: --tp-size {tp_size} splits the {features} input features of "
+                f"{name} into {features // tp_size}-wide shards, which cut its FP8 scale blocks "
+                f"of {block[1]}; --tp-size values that work with this checkpoint and the "
+                f"{len(jax.devices())} device(s) here: {', '.join(map(str, usable))}")
+    return scales
 
 
 class SafetensorsSource:
@@ -318,13 +416,28 @@ class SafetensorsSource:
         for path, file_names in self._by_file(names).items():
             with safe_open(path, framework="numpy") as f:
                 for name in file_names:
-                    yield name, f.get_tensor(name)
+                    if f.get_slice(name).get_dtype() == _FP8_DTYPE:
+                        yield name, _read_fp8(path, name)
+                    else:
+                        yield name, f.get_tensor(name)
 
     def _by_file(self, names: list[str]) -> dict[Path, list[str]]:
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self._files[name], []).append(name)
         return by_file
+
+
+def _read_fp8(path: Path, name: str) -> np.ndarray:
+    """An F8_E4M3 tensor straight from the file's bytes (safetensors' numpy reader has no
+    FP8 type; ml_dtypes, which JAX uses, does)."""
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_size))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_size + start)
+        data = np.frombuffer(f.read(end - start), dtype=jnp.float8_e4m3fn)
+    return data.reshape(entry["shape"])
 
 
 def _check_tensor_names(names: list[str], specs: dict[str, WeightSpec]) -> None:
@@ -362,11 +475,30 @@ def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -
                 if dtype not in _INDEX_DTYPES:
                     raise CheckpointError(f"tensor {name!r} in {path.name} has dtype {dtype}; "
                                           "an integer index table was expected")
+            elif dtype == _FP8_DTYPE and name + _FP8_SCALE_SUFFIX in specs:
+                continue  # an FP8 checkpoint's projection, read with its block scales
             elif dtype not in _CHECKPOINT_DTYPES:
                 raise CheckpointError(
                     f"tensor {name!r} in {path.name} has dtype {dtype}; only floating-point "
                     f"checkpoints ({', '.join(sorted(_CHECKPOINT_DTYPES))}) are supported"
                 )
+
+
+def _place_fp8(host: dict[tuple, Any], block_scales: dict[tuple, np.ndarray],
+               values: np.ndarray, scale: np.ndarray, spec: WeightSpec, block: tuple[int, int]
+               ) -> None:
+    """An FP8 weight [out, in] and its block scales [out / b0, in / b1] into the parameter's
+    values and f32 scales [*out, in / b1] (each block's scale repeated over its rows)."""
+    rows = np.repeat(scale.astype(np.float32), block[0], axis=0)[: spec.shape[0]]
+    if spec.shape[1] % block[1]:
+        raise CheckpointError(f"the FP8 weight of {'.'.join(map(str, spec.path))} has "
+                              f"{spec.shape[1]} input features, not a multiple of its scale "
+                              f"block {block[1]}")
+    _place(host, values, spec, values.dtype)
+    scale_spec = spec if spec.part is None else replace(spec, part=replace(
+        spec.part, param_shape=(*spec.part.param_shape[:-1], rows.shape[1]),
+        view=(*spec.part.view[:-1], rows.shape[1])))
+    _place(block_scales, rows, replace(scale_spec, shape=rows.shape), np.float32)
 
 
 def _place(host: dict[tuple, np.ndarray], array: np.ndarray, spec: WeightSpec, dtype: Any

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from sgl_jax.layers.attention import AttentionBackend
 from sgl_jax.layers.gated_delta_net import GdnState
+from sgl_jax.layers.quantization import QuantizedWeight
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.weights import LOGICAL_AXES
 from sgl_jax.parallel.mesh import DP_AXIS, TP_AXIS, make_mesh
@@ -94,13 +95,12 @@ class TensorParallel:
         out = {}
         for path, array in host.items():
             name = path[-1]
-            array = self._adapt(name, array, config)
-            out[path] = jax.device_put(array, self.param_sharding(name, array.ndim))
+            array = jax.tree.map(lambda a, name=name: self._adapt(name, a, config), array)
+            specs = param_spec(name, array)
+            out[path] = jax.device_put(
+                array, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                    is_leaf=lambda x: isinstance(x, P)))
         return out
-
-    def param_sharding(self, name: str, ndim: int) -> NamedSharding:
-        axes = LOGICAL_AXES.get(name, (None,) * ndim)
-        return NamedSharding(self.mesh, P(*(MESH_AXES.get(a) for a in axes)))
 
     def _adapt(self, name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
         if name in _QKV and array.shape[0] < self.size:
@@ -152,7 +152,7 @@ class TensorParallel:
         each device over its own key heads (their parameters and their share of the state
         pool); out_proj's partial outputs are summed across devices."""
         def sharded(params, x, pool, layout):
-            specs = {name: self.param_sharding(name, w.ndim).spec for name, w in params.items()}
+            specs = {name: param_spec(name, w) for name, w in params.items()}
 
             def local(params, x, pool, layout):
                 out, pool = layer(params, x, pool, layout)
@@ -161,6 +161,25 @@ class TensorParallel:
                                  out_specs=(P(), _STATE), check_vma=False)(params, x, pool,
                                                                            layout)
         return sharded
+
+
+def param_spec(name: str, param: jax.Array | np.ndarray | QuantizedWeight
+               ) -> P | QuantizedWeight:
+    """A parameter's partition spec from its logical axes (names not listed: replicated).
+    An 8-bit weight's scales split as its values do, except that one scale per row (a
+    size-1 feature axis) is whole on every device."""
+    axes = LOGICAL_AXES.get(name, (None,) * param.ndim)
+    spec = P(*(MESH_AXES.get(a) for a in axes))
+    if not isinstance(param, QuantizedWeight):
+        return spec
+    per_row = param.num_blocks == 1
+    return QuantizedWeight(spec, P(*spec[:-1], None if per_row else spec[-1]))
+
+
+def split_in_features(name: str) -> bool:
+    """Whether the parameter's input features (its last axis) are split across devices."""
+    axes = LOGICAL_AXES.get(name)
+    return bool(axes) and MESH_AXES.get(axes[-1]) is not None
 
 
 def bytes_per_device(arrays: Iterable[jax.Array]) -> int:

@@ -48,14 +48,14 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | DFlashDraf
         return None
     dtype = jnp.dtype(target.dtype).name
     attention = target.tp.attention(get_attention_backend(args.attention_backend))
+    formats = dict(revision=spec.draft_model_revision, tp=target.tp,
+                   quantization=draft_quantization(args))
     if spec.algorithm == "EAGLE3":
-        loaded = load_eagle3_draft(spec.draft_model_path, dtype=dtype,
-                                   revision=spec.draft_model_revision, tp=target.tp)
+        loaded = load_eagle3_draft(spec.draft_model_path, dtype=dtype, **formats)
         _check_eagle3_fits(loaded, target)
         draft = Eagle3Draft(loaded, target, attention)
     elif spec.algorithm == "EAGLE":
-        loaded = load_eagle_draft(spec.draft_model_path, dtype=dtype,
-                                  revision=spec.draft_model_revision, tp=target.tp)
+        loaded = load_eagle_draft(spec.draft_model_path, dtype=dtype, **formats)
         _check_eagle_fits(loaded, target)
         draft = EagleDraft(loaded, target, attention)
     elif spec.algorithm == "NEXTN":
@@ -67,16 +67,14 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | DFlashDraf
                 f"{target.config.architecture} is not one: use EAGLE3, EAGLE, STANDALONE "
                 "or NGRAM")
         loaded = load_nextn_draft(spec.draft_model_path, target.config, dtype=target.dtype,
-                                  revision=spec.draft_model_revision, tp=target.tp)
+                                  **formats)
         draft = NextnDraft(loaded, target, attention)
     elif spec.algorithm == "DFLASH":
-        loaded = load_dflash_draft(spec.draft_model_path, dtype=dtype,
-                                   revision=spec.draft_model_revision, tp=target.tp)
+        loaded = load_dflash_draft(spec.draft_model_path, dtype=dtype, **formats)
         _check_dflash_fits(loaded.config, spec, target)
         draft = DFlashDrafter(loaded, target, attention, page_size=args.page_size)
     elif spec.algorithm == "STANDALONE":
-        loaded = load_model(spec.draft_model_path, dtype=dtype,
-                            revision=spec.draft_model_revision, tp=target.tp)
+        loaded = load_model(spec.draft_model_path, dtype=dtype, **formats)
         if loaded.config.vocab_size > target.config.vocab_size:
             raise ValueError(
                 f"the STANDALONE draft's vocabulary ({loaded.config.vocab_size}) is larger than "
@@ -92,6 +90,13 @@ def load_draft(args: ServerArgs, target: LoadedModel) -> DraftModel | DFlashDraf
         raise NotImplementedError(f"--speculative-algorithm {spec.algorithm} is not supported")
     logger.info("Draft %s loaded from %s", spec.algorithm, spec.draft_model_path)
     return draft
+
+
+def draft_quantization(args: ServerArgs) -> str | None:
+    """--speculative-draft-model-quantization: the target's --quantization unless it says
+    otherwise; "unquant" keeps the draft in the model dtype."""
+    chosen = args.speculative_draft_model_quantization or args.quantization
+    return None if chosen == "unquant" else chosen
 
 
 def make_spec_runner(args: ServerArgs, runner: ModelRunner,
@@ -141,7 +146,7 @@ def _draft_cache(runner: ModelRunner, draft: DraftModel) -> list:
     return allocate_draft_cache(
         draft, num_pages=runner.state.kv_cache[first_attention][0].shape[0],
         page_size=runner.page_size, dtype=runner.model.dtype, tp=runner.tp,
-        num_state_slots=runner.num_state_slots)
+        num_state_slots=runner.num_state_slots, kv_dtype=runner.kv_dtype)
 
 
 def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:

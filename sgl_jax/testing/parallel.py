@@ -164,10 +164,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="with a draft, skip the runs without it")
     parser.add_argument("--prompts", type=json.loads, default=None,
                         help="a JSON list of token id lists (default: random prompts)")
+    parser.add_argument("--engine-settings", type=json.loads, default={},
+                        help='more Engine arguments as JSON, e.g. {"quantization": "int8"}')
     args = parser.parse_args(argv)
     common = dict(attention_backend=args.attention_backend, nnodes=args.nnodes,
                   node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
-                  given_prompts=args.prompts)
+                  given_prompts=args.prompts, **args.engine_settings)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     results = {}
     speculative = args.draft_model_path is not None or args.draft_algorithm == "NGRAM"
