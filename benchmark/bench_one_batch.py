@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from transformers_peer import describe_peer, run_peer  # this folder, on sys.path[0]
 
 from sgl_jax.demo import DEMO_MODEL_NAME, demo_model_path
+from sgl_jax.mem_cache.kv_cache import kv_cache_dtype
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.model_executor.forward_batch import (
     Buckets,
@@ -87,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "batch, plus the null page)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--attention-backend", default="native")
+    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                        help="8-bit weights (the server's --quantization)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the KV pages' dtype (the server's --kv-cache-dtype)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed decode steps after the compiling one, per batch size")
     parser.add_argument("--repeats", type=int, default=3,
@@ -178,9 +183,10 @@ def parameter_bytes(model: LoadedModel) -> dict[str, int]:
             "num_params": int(sum(x.size for x in jax.tree.leaves(model.params)))}
 
 
-def kv_bytes_per_token(model: LoadedModel) -> int:
+def kv_bytes_per_token(model: LoadedModel, kv_cache: str) -> int:
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
+    return (2 * c.num_layers * c.num_kv_heads * c.head_dim
+            * kv_cache_dtype(kv_cache, model.dtype).itemsize)
 
 
 # --------------------------------------------------------------------------- bandwidth
@@ -249,7 +255,8 @@ def make_runner(model: LoadedModel, args: argparse.Namespace, max_batch: int,
     hybrid = model.config.is_hybrid  # sequence i holds recurrent-state slot i + 1
     runner = ModelRunner(model, num_pages=allocator.num_pages, page_size=args.page_size,
                          buckets=buckets, attention_backend=args.attention_backend,
-                         num_state_slots=max_batch + 1 if hybrid else 0)
+                         num_state_slots=max_batch + 1 if hybrid else 0,
+                         kv_dtype=kv_cache_dtype(args.kv_cache_dtype, model.dtype))
     page_ids = [allocator.allocate(pages_per_seq(args)) for _ in range(max_batch)]
     return runner, page_ids
 
@@ -569,7 +576,7 @@ def run(args: argparse.Namespace, path: str) -> dict:
     info = machine_info()
     print(f"Machine: {info['platform']}, {info['cpu_count']} CPUs, "
           f"{info['memory_gib'] or 0:.0f} GiB, JAX {info['jax_version']} on {info['devices']}")
-    model = load_model(path, dtype=args.dtype, progress=False)
+    model = load_model(path, dtype=args.dtype, progress=False, quantization=args.quantization)
     weights = parameter_bytes(model)
     print(f"Model: {model.config.architecture}, {weights['num_params'] / 1e6:.1f}M parameters, "
           f"{args.dtype}: {weights['all'] / 1e6:.1f} MB in all, {weights['streamed'] / 1e6:.1f} "
@@ -588,7 +595,7 @@ def run(args: argparse.Namespace, path: str) -> dict:
                             else float("nan"))
         probes.append(probe.measure())
         # A busy neighbour can only slow a probe down, so the best adjacent one counts.
-        add_roofline(r, weights, kv_bytes_per_token(model),
+        add_roofline(r, weights, kv_bytes_per_token(model, args.kv_cache_dtype),
                      max(probes[-2]["best_GBps"], probes[-1]["best_GBps"]), args)
         results.append(r)
         print(f"  batch {batch:>3}: prefill {r['prefill_ms']:.1f} ms "

@@ -27,7 +27,7 @@ from sgl_jax.demo import DEMO_MODEL_NAME, demo_draft_path, demo_model_path
 from sgl_jax.entrypoints.output_stream import OutputStream
 from sgl_jax.grammar import GrammarCompiler
 from sgl_jax.layers.attention import resolve_attention_backend
-from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_pool_pages
+from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_cache_dtype, kv_pool_pages
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.mem_cache.radix_cache import RadixCache
 from sgl_jax.mem_cache.state_pool import state_bytes_per_slot
@@ -104,7 +104,8 @@ class Engine:
         self.server_args = args = dataclasses.replace(
             args, attention_backend=resolve_attention_backend(args.attention_backend))
         self.model = load_model(model_path, dtype=args.dtype, revision=args.revision,
-                                tp=TensorParallel.of_size(args.tp_size))
+                                tp=TensorParallel.of_size(args.tp_size),
+                                quantization=args.quantization)
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model.model_dir,
                                         trust_remote_code=args.trust_remote_code)
         self.context_length = args.context_length or self.model.config.max_position_embeddings
@@ -138,6 +139,7 @@ class Engine:
         buckets = self._buckets()
         draft = load_draft(args, self.model) if args.speculative else None
         tp, dtype = self.model.tp, self.model.dtype
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)  # the pages' (target and draft)
         params = {id(x): x for x in jax.tree.leaves((self.model.params, draft and draft.params))}
         # Hybrid models: one recurrent-state slot per running request plus the null slot, its
         # bytes taken from the memory budget before any KV page is counted.
@@ -146,7 +148,7 @@ class Engine:
                                             for c in (config, draft and draft.cache_config) if c)
         num_pages = kv_pool_pages(
             page_size=args.page_size,
-            bytes_per_token=sum(kv_bytes_per_token(c, dtype, tp)
+            bytes_per_token=sum(kv_bytes_per_token(c, kv_dtype, tp)
                                 for c in (config, draft and draft.cache_config) if c),
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static or _default_mem_fraction(),
@@ -156,8 +158,9 @@ class Engine:
         )
         self._allocator = PageAllocator(num_pages)
         self._state_slots = StateSlotAllocator(num_state_slots) if num_state_slots else None
-        logger.info("KV pool: %d pages of %d tokens; buckets: tokens %s, batch sizes %s",
-                    num_pages - 1, args.page_size, buckets.token_paddings, buckets.bs_paddings)
+        logger.info("KV pool: %d pages of %d tokens in %s; buckets: tokens %s, batch sizes %s",
+                    num_pages - 1, args.page_size, kv_dtype.name, buckets.token_paddings,
+                    buckets.bs_paddings)
         if num_state_slots:
             logger.info("Recurrent-state pool: %d slots of %.2f MiB per device (%.2f GiB)",
                         num_state_slots - 1, state_bytes / num_state_slots / 2**20,
@@ -165,7 +168,7 @@ class Engine:
         self._runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=args.page_size, buckets=buckets,
             attention_backend=args.attention_backend, num_request_slots=buckets.max_seqs,
-            num_state_slots=num_state_slots,
+            num_state_slots=num_state_slots, kv_dtype=kv_dtype,
         )
         self._spec = make_spec_runner(args, self._runner, draft) if args.speculative else None
         # Kept apart from the runners, which shutdown() lets go of.
@@ -334,6 +337,7 @@ class Engine:
                 "kv_pages_in_use": cache.used_pages,
                 "kv_pages_cached": cache.radix.evictable_pages if cache.radix else 0,
                 "kv_pages_total": cache.allocator.capacity,
+                "kv_pages_dtype": scheduler.runner.kv_dtype.name,  # what kv_cache_dtype means
                 **_state_slot_info(cache.states),
                 "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                 "num_retractions": scheduler.decode.num_retractions,

@@ -1,6 +1,10 @@
 """The device-side paged KV cache: one (K, V) pair of page arrays per attention layer, split
 across the tensor-parallel mesh by KV head (a hybrid model's linear-attention layers hold a
-recurrent-state pool instead, see `state_pool`)."""
+recurrent-state pool instead, see `state_pool`).
+
+The pages' dtype is `--kv-cache-dtype` (`kv_cache_dtype`): the model dtype, bfloat16 or an
+fp8 format. Values are cast when written (no scales: SGLang's and vLLM's default scale 1.0)
+and every attention backend casts what it reads to the query's dtype before computing."""
 
 import os
 
@@ -13,24 +17,44 @@ from sgl_jax.mem_cache.state_pool import allocate_state_pool
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.parallel import TensorParallel
 
+# --kv-cache-dtype -> what the pages store ("auto": the model dtype).
+_KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "fp8_e5m2": jnp.float8_e5m2,
+                    "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, model_dtype: jax.typing.DTypeLike) -> jnp.dtype:
+    """The dtype of the KV pages for a `--kv-cache-dtype` value."""
+    if name == "auto":
+        return jnp.dtype(model_dtype)
+    if name not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of auto, "
+                         f"{', '.join(_KV_CACHE_DTYPES)}")
+    return jnp.dtype(_KV_CACHE_DTYPES[name])
+
 
 def allocate_kv_cache(
     config: ModelConfig, *, num_pages: int, page_size: int, dtype: jax.typing.DTypeLike,
     tp: TensorParallel | None = None, num_state_slots: int = 0,
+    kv_dtype: jax.typing.DTypeLike | None = None,
 ) -> list[LayerKV | GdnState]:
-    """Per attention layer: (k_pages, v_pages), each [num_pages, kv_heads, page_size,
+    """Per attention layer: (k_pages, v_pages), each kv_dtype[num_pages, kv_heads, page_size,
     head_dim] with kv_heads = tp.kv_heads(config) (the model's, or one per device when it has
-    fewer). Per linear-attention layer of a hybrid model: its pool of `num_state_slots`
-    recurrent states."""
+    fewer) and kv_dtype the model's `dtype` unless given. Per linear-attention layer of a
+    hybrid model: its pool of `num_state_slots` recurrent states, in the dtypes `state_pool`
+    gives them from the model's `dtype`, never kv_dtype (a recurrent state is rewritten every
+    step: rounding it to 8 bits each time would compound)."""
     tp = tp or TensorParallel.of_size(1)
     shape = (num_pages, tp.kv_heads(config), page_size, config.head_dim)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     return [allocate_state_pool(config, num_slots=num_state_slots, dtype=dtype, tp=tp)
-            if config.is_linear_layer(i) else (tp.kv_pages(shape, dtype), tp.kv_pages(shape, dtype))
+            if config.is_linear_layer(i)
+            else (tp.kv_pages(shape, kv_dtype), tp.kv_pages(shape, kv_dtype))
             for i in range(config.num_layers)]
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype, tp: TensorParallel) -> int:
-    """What one token's K and V cost on each device (attention layers only)."""
+    """What one token's K and V cost on each device (attention layers only), `dtype` being
+    the pages' (`kv_cache_dtype`): fp8 pages cost half of bfloat16's."""
     heads_per_device = tp.kv_heads(config) // tp.size
     return (2 * config.num_attention_layers * heads_per_device * config.head_dim
             * jnp.dtype(dtype).itemsize)

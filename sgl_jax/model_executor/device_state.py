@@ -21,13 +21,14 @@ from sgl_jax.layers.sampler import PenaltyState
 
 @dataclass
 class DeviceState:
-    # Per target layer: (K, V) pages, or a linear layer's GdnState pool (hybrid models).
+    # Per target layer: (K, V) pages in the KV dtype (--kv-cache-dtype), or a linear layer's
+    # GdnState pool (hybrid models) in the model's.
     kv_cache: list[LayerKV | gated_delta_net.GdnState]
     penalties: PenaltyState  # per request slot: token counts for the penalties
     # i32[num_request_slots]: each request slot's last sampled token, so a decode step can
     # take its input from the step before without the host reading it first.
     last_tokens: jax.Array
-    # A speculative drafter's own paged KV cache (page ids shared with the target's); empty
+    # A speculative drafter's own paged KV cache (page ids and KV dtype the target's); empty
     # for plain decoding and for drafters that keep none.
     draft_kv: list = field(default_factory=list)
     # speculative.round.SlotState: per request slot, what the round in flight left for the

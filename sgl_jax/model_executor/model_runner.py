@@ -106,6 +106,7 @@ class ModelRunner:
         capture_layers: tuple[int, ...] = (),
         num_request_slots: int = 1,  # rows of the per-request device state (penalties, tokens)
         num_state_slots: int = 0,  # hybrid models: recurrent-state slots, the null slot included
+        kv_dtype: jax.typing.DTypeLike | None = None,  # the KV pages'; None: the model dtype
     ):
         if model.config.is_hybrid and num_state_slots < 2:
             raise ValueError(f"{model.config.architecture} keeps a recurrent state per request: "
@@ -119,10 +120,12 @@ class ModelRunner:
         )
         self.num_compilations = 0  # traces of the jitted functions; steady serving adds none
         self.tp = model.tp
+        # What the KV pages store (--kv-cache-dtype); a drafter's own cache stores the same.
+        self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
         self.state = DeviceState(
             kv_cache=allocate_kv_cache(
                 model.config, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
-                tp=self.tp, num_state_slots=num_state_slots),
+                tp=self.tp, num_state_slots=num_state_slots, kv_dtype=self.kv_dtype),
             penalties=self.tp.put_replicated(
                 init_penalty_state(num_request_slots, self.config.vocab_size)),
             last_tokens=self.tp.put_replicated(jnp.zeros(num_request_slots, jnp.int32)))

@@ -201,12 +201,13 @@ class StandaloneDraft:
 
 
 def allocate_draft_cache(draft: DraftModel, *, num_pages: int, page_size: int, dtype,
-                         tp: TensorParallel, num_state_slots: int = 0) -> list[LayerKV]:
+                         tp: TensorParallel, num_state_slots: int = 0,
+                         kv_dtype=None) -> list[LayerKV]:
     """The draft's cache uses the same page ids as the target's, so one allocator serves both
     (and a hybrid draft the target's state slot ids); it is split over the target's mesh by
-    the same rules."""
+    the same rules, and its pages store the target's KV dtype (`kv_dtype`, None: `dtype`)."""
     return allocate_kv_cache(draft.cache_config, num_pages=num_pages, page_size=page_size,
-                             dtype=dtype, tp=tp,
+                             dtype=dtype, tp=tp, kv_dtype=kv_dtype,
                              num_state_slots=num_state_slots if draft.recurrent else 0)
 
 

@@ -35,11 +35,14 @@ class AttentionProblem:
     q: np.ndarray  # [T, n_heads, hd]
     new_k: np.ndarray  # [T, n_kv, hd]: this step's keys, zero on padding tokens
     new_v: np.ndarray  # [T, n_kv, hd]
-    k_pages: np.ndarray  # [num_pages, n_kv, page_size, hd]: prefixes written, the rest NaN
+    # [num_pages, n_kv, page_size, hd], in the problem's kv_dtype: prefixes written, the rest NaN
+    k_pages: np.ndarray
     v_pages: np.ndarray
     metadata: AttentionMetadata
     chunks: list[SeqChunk]
-    full_k: list[np.ndarray]  # per sequence [prefix + q_len, n_kv, hd]: all its keys
+    # per sequence f32[prefix + q_len, n_kv, hd]: all its keys, as the cache holds them (rounded
+    # to kv_dtype when the pages store one)
+    full_k: list[np.ndarray]
     full_v: list[np.ndarray]
     rows: list[np.ndarray]  # per sequence: where its new tokens sit among the T tokens
 
@@ -65,18 +68,25 @@ def random_problem(
     dtype=np.float32,
     tree: str | None = None,  # None (causal), "chain" or "branching"
     windows: bool = False,  # metadata as a verify round builds it on the device
+    kv_dtype=None,  # what the pages store (e.g. an fp8 dtype); None: `dtype`
 ) -> AttentionProblem:
+    """With a `kv_dtype`, this step's new_k / new_v stay in `dtype` (the backend casts them as
+    it writes), while full_k / full_v hold every key and value rounded to kv_dtype and back,
+    which is what a backend reading those pages must attend over."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     num_pages = 1 + sum(-(-(p + q) // page_size) for p, q in zip(prefix_lens, q_lens, strict=True))
     k_pages = np.full((num_pages + 3, n_kv, page_size, head_dim), np.nan, np.float32)
     v_pages = np.full_like(k_pages, np.nan)
     page_ids = rng.permutation(np.arange(1, num_pages + 3))  # scattered, some never used
-    chunks, full_k, full_v, next_page = [], [], [], 0
+    chunks, full_k, full_v, new_kv, next_page = [], [], [], [], 0
     for prefix, q_len in zip(prefix_lens, q_lens, strict=True):
         n_pages = -(-(prefix + q_len) // page_size)
         pages = page_ids[next_page : next_page + n_pages].tolist()
         next_page += n_pages
         k = rng.normal(size=(prefix + q_len, n_kv, head_dim)).astype(dtype).astype(np.float32)
         v = rng.normal(size=(prefix + q_len, n_kv, head_dim)).astype(dtype).astype(np.float32)
+        new_kv.append((k[prefix:], v[prefix:]))  # as the model computes them, in `dtype`
+        k, v = (x.astype(kv_dtype).astype(np.float32) for x in (k, v))  # as the cache holds
         for i in range(prefix):  # the prefix was written by earlier steps
             k_pages[pages[i // page_size], :, i % page_size] = k[i]
             v_pages[pages[i // page_size], :, i % page_size] = v[i]
@@ -98,10 +108,11 @@ def random_problem(
     q = rng.normal(size=(num_tokens, n_heads, head_dim)).astype(dtype)
     new_k = np.zeros((num_tokens, n_kv, head_dim), np.float32)
     new_v = np.zeros((num_tokens, n_kv, head_dim), np.float32)
-    for chunk, k, v, where in zip(chunks, full_k, full_v, rows, strict=True):
-        new_k[where], new_v[where] = k[chunk.prefix_len :], v[chunk.prefix_len :]
-    return AttentionProblem(q, new_k.astype(dtype), new_v.astype(dtype), k_pages.astype(dtype),
-                            v_pages.astype(dtype), metadata, chunks, full_k, full_v, rows)
+    for (k, v), where in zip(new_kv, rows, strict=True):
+        new_k[where], new_v[where] = k, v
+    return AttentionProblem(q, new_k.astype(dtype), new_v.astype(dtype),
+                            k_pages.astype(kv_dtype), v_pages.astype(kv_dtype), metadata, chunks,
+                            full_k, full_v, rows)
 
 
 def _window_batch(chunks: list[SeqChunk], page_size: int, num_pages: int):
@@ -166,6 +177,10 @@ KERNEL_MODES = {
                        windows=True),
 }
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+# --kv-cache-dtype's 8-bit page formats (pages cast on write, read back as q's dtype).
+FP8_KV_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+# (mode, kv_dtype) of the kernels' fp8-page tests: a mixed batch and a branching tree window.
+KERNEL_FP8_CASES = list(itertools.product(["mixed", "tree_topk4"], FP8_KV_DTYPES))
 KERNEL_GQAS = [1, 4, 8]
 KERNEL_PAGE_SIZES = [1, 16, 64]
 # (mode, gqa, page_size, dtype): the product every kernel is tested over (head_dim 64).
@@ -195,10 +210,12 @@ KERNEL_SLIDING_WINDOWS = [("mixed", 20), ("tree_topk1", 9)]
 
 
 def kernel_problem(mode: str, *, page_size: int, gqa: int, dtype: str, head_dim: int = 64,
-                   n_kv: int = 2, seed: int = 0) -> AttentionProblem:
+                   n_kv: int = 2, seed: int = 0, kv_dtype: str | None = None) -> AttentionProblem:
+    """kv_dtype: a key of FP8_KV_DTYPES for pages stored in 8 bits; None: `dtype`'s pages."""
     return random_problem(np.random.default_rng(seed), **KERNEL_MODES[mode],
                           page_size=page_size, n_heads=n_kv * gqa, n_kv=n_kv,
-                          head_dim=head_dim, dtype=DTYPES[dtype])
+                          head_dim=head_dim, dtype=DTYPES[dtype],
+                          kv_dtype=kv_dtype and FP8_KV_DTYPES[kv_dtype])
 
 
 def check_wide_heads(kernel, mode: str, heads: tuple[int, int, int]) -> None:
@@ -232,6 +249,29 @@ def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype:
     rows = np.concatenate(problem.rows)
     tolerance = 1e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(out[rows], expected[rows], rtol=tolerance, atol=tolerance)
+
+
+def assert_reads_kv_pages(kernel, problem: AttentionProblem, *,
+                          sliding_window: int | None = None) -> None:
+    """kernel(q, k_pages, v_pages, metadata, scale) over pages stored in another dtype than q
+    (fp8): this step's K/V are written (cast) by `write_kv`, then the output must equal the
+    float64 per-token oracle over the keys and values as the pages hold them, within float32
+    tolerance, and be q's dtype. With a `sliding_window` the kernel must carry it itself."""
+    from sgl_jax.layers.attention.native import write_kv
+
+    head_dim = problem.q.shape[2]
+    pages = (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages))
+    layer_kv = write_kv(pages, jnp.asarray(problem.new_k), jnp.asarray(problem.new_v),
+                        problem.metadata.slot_mapping)
+    assert layer_kv[0].dtype == problem.k_pages.dtype != problem.q.dtype
+    q, scale = jnp.asarray(problem.q), head_dim**-0.5
+    out = kernel(q, *layer_kv, problem.metadata, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "a NaN from an unused cache slot reached the output"
+    for expected, rows in zip(expected_outputs(problem, scale, sliding_window), problem.rows,
+                              strict=True):
+        np.testing.assert_allclose(out[rows], expected, rtol=1e-5, atol=1e-5)
 
 
 def lowered_text(kernel, problem: AttentionProblem, platform: str) -> str:

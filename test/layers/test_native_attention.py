@@ -16,8 +16,11 @@ from sgl_jax.layers.attention.native import (
 from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
 from sgl_jax.testing.attention import (
     BATCH_MODES,
+    FP8_KV_DTYPES,
     TREE_PREFIX_LENS,
+    assert_reads_kv_pages,
     expected_outputs,
+    kernel_problem,
     random_problem,
 )
 
@@ -96,6 +99,26 @@ def test_sliding_window_must_be_a_positive_int(window):
         native_attention(problem.q, problem.new_k, problem.new_v,
                          (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
                          problem.metadata, scale=1.0, sliding_window=window)
+
+
+@pytest.mark.parametrize("mode,window,kv_dtype", [
+    ("mixed", None, "fp8_e4m3"), ("tree_topk4", None, "fp8_e5m2"),
+    ("tree_topk1", 9, "fp8_e4m3"), ("mixed", 20, "fp8_e5m2")])
+def test_reads_fp8_pages(mode, window, kv_dtype):
+    """--kv-cache-dtype fp8: native_attention casts this step's K/V to the pages' dtype as it
+    writes them and every page it reads to q's float32: the output is the per-token loop's
+    over K/V rounded to fp8 (causal, a tree window, sliding windows)."""
+    problem = kernel_problem(mode, page_size=4, gqa=2, dtype="float32", kv_dtype=kv_dtype)
+
+    def backend(q, k_pages, v_pages, metadata, scale):
+        return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, scale=scale,
+                                                block_tokens=16, sliding_window=window)
+    assert_reads_kv_pages(backend, problem, sliding_window=window)
+    written = native_attention(jnp.asarray(problem.q), jnp.asarray(problem.new_k),
+                               jnp.asarray(problem.new_v),
+                               (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
+                               problem.metadata, scale=0.125)[1]
+    assert written[0].dtype == written[1].dtype == FP8_KV_DTYPES[kv_dtype]
 
 
 def test_mask_bits_round_trip_past_one_word():

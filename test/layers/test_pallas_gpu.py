@@ -12,11 +12,13 @@ import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.testing.attention import (
+    KERNEL_FP8_CASES,
     KERNEL_HEAD_DIM_CASES,
     KERNEL_PRODUCT,
     KERNEL_SLIDING_WINDOWS,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
+    assert_reads_kv_pages,
     check_wide_heads,
     kernel_problem,
     lowered_text,
@@ -68,6 +70,20 @@ def test_sliding_window_matches_reference(mode, window):
     assert_kernel_matches_reference(kernel, problem, dtype="float32", sliding_window=window)
 
 
+@pytest.mark.parametrize("mode,kv_dtype", KERNEL_FP8_CASES)
+def test_reads_fp8_pages(mode, kv_dtype):
+    """--kv-cache-dtype fp8: pages loaded as stored, cast to q's float32 in registers."""
+    problem = kernel_problem(mode, page_size=16, gqa=4, dtype="float32", kv_dtype=kv_dtype)
+    assert_reads_kv_pages(interpreted(), problem)
+
+
+def test_sliding_window_reads_fp8_pages():
+    problem = kernel_problem("tree_topk1", page_size=4, gqa=2, dtype="float32",
+                             kv_dtype="fp8_e5m2")
+    kernel = interpreted(kv_block_tokens=16, sliding_window=9)
+    assert_reads_kv_pages(kernel, problem, sliding_window=9)
+
+
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
                             reason="compiles the Triton kernel: needs a GPU")
 
@@ -92,6 +108,13 @@ def test_compiled_head_dims_match_reference(mode, gqa, page_size, dtype, head_di
     assert_kernel_matches_reference(compiled(), problem, dtype=dtype)
 
 
+@on_gpu
+@pytest.mark.parametrize("mode,kv_dtype", KERNEL_FP8_CASES)
+def test_compiled_reads_fp8_pages(mode, kv_dtype):
+    problem = kernel_problem(mode, page_size=16, gqa=4, dtype="float32", kv_dtype=kv_dtype)
+    assert_reads_kv_pages(compiled(), problem)
+
+
 def lower_for_cuda(problem, **tunables) -> str:
     kernel = functools.partial(ragged_paged_attention_gpu, scale=0.125, **tunables)
     return lowered_text(kernel, problem, "cuda")
@@ -110,6 +133,14 @@ def lower_for_cuda(problem, **tunables) -> str:
 ])
 def test_lowers_to_triton(mode, head_dim, dtype, page_size, gqa):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype, head_dim=head_dim)
+    assert TRITON_CALL in lower_for_cuda(problem)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_lowers_to_triton_with_fp8_pages(kv_dtype):
+    """Masked fp8 loads (their `other` a float: Triton casts no integer to fp8) and the casts."""
+    problem = kernel_problem("tree_topk4", page_size=16, gqa=4, dtype="bfloat16",
+                             kv_dtype=kv_dtype)
     assert TRITON_CALL in lower_for_cuda(problem)
 
 

@@ -13,11 +13,13 @@ from jax.experimental.pallas import tpu as pltpu
 from sgl_jax.layers.attention.checks import check_dynamic_inputs
 from sgl_jax.layers.attention.pallas_tpu import ragged_paged_attention_tpu
 from sgl_jax.testing.attention import (
+    KERNEL_FP8_CASES,
     KERNEL_HEAD_DIM_CASES,
     KERNEL_PRODUCT,
     KERNEL_SLIDING_WINDOWS,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
+    assert_reads_kv_pages,
     check_wide_heads,
     kernel_problem,
     lowered_text,
@@ -85,6 +87,27 @@ def test_lowers_to_mosaic_with_a_sliding_window():
     assert "tpu_custom_call" in lowered_text(kernel, problem, "tpu")
 
 
+@pytest.mark.parametrize("mode,kv_dtype", KERNEL_FP8_CASES)
+def test_reads_fp8_pages(mode, kv_dtype):
+    """--kv-cache-dtype fp8: pages DMA'd as stored, cast to q's float32 when read."""
+    problem = kernel_problem(mode, page_size=16, gqa=4, dtype="float32", kv_dtype=kv_dtype)
+    assert_reads_kv_pages(interpreted(), problem)
+
+
+def test_sliding_window_reads_fp8_pages():
+    problem = kernel_problem("mixed", page_size=4, gqa=2, dtype="float32", kv_dtype="fp8_e4m3")
+    kernel = functools.partial(ragged_paged_attention_tpu, kv_block_tokens=16, sliding_window=20)
+    assert_reads_kv_pages(interpreted(kernel), problem, sliding_window=20)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_lowers_to_mosaic_with_fp8_pages(kv_dtype):
+    problem = kernel_problem("tree_topk4", page_size=32, gqa=4, dtype="bfloat16",
+                             kv_dtype=kv_dtype)
+    kernel = functools.partial(ragged_paged_attention_tpu, scale=0.1)
+    assert "tpu_custom_call" in lowered_text(kernel, problem, "tpu")
+
+
 def test_dynamic_check_names_the_problem():
     problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32")
     too_long = problem.metadata.kv_lens.copy()
@@ -100,6 +123,14 @@ def test_rejects_head_dim_not_a_multiple_of_8():
                                          "multiple of 8"):
         ragged_paged_attention_tpu(jnp.asarray(problem.q), jnp.asarray(problem.k_pages),
                                    jnp.asarray(problem.v_pages), problem.metadata, scale=0.1)
+
+
+def test_refuses_pages_that_do_not_hold_floats():
+    problem = kernel_problem("decode", page_size=16, gqa=1, dtype="float32")
+    pages = jnp.asarray(problem.k_pages).astype(jnp.int8)
+    with pytest.raises(ValueError, match="the KV pages must hold floats, got int8"):
+        ragged_paged_attention_tpu(jnp.asarray(problem.q), pages, pages, problem.metadata,
+                                   scale=0.1)
 
 
 def test_static_check_names_the_problem():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers.attention.metadata import MASK_WORD_BITS, AttentionMetadata
@@ -32,6 +33,9 @@ def check_static_inputs(
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} "
                          f"{v_pages.dtype} differ")
+    # The pages' dtype may differ from q's (--kv-cache-dtype fp8): kernels cast what they read.
+    if not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ValueError(f"the KV pages must hold floats, got {k_pages.dtype}")
     num_tokens, n_heads, head_dim = q.shape
     n_kv = k_pages.shape[1]
     if k_pages.shape[3] != head_dim:

@@ -7,6 +7,10 @@ and a loop over as many blocks as the longest sequence needs keeps sequence leng
 compiled shapes. Masked keys and
 values are zeroed so that garbage (even NaN) in unused pages can never leak into an output.
 A sliding window (a static int) only narrows the mask; every KV block is still walked.
+
+The pages may be stored in another dtype than the queries (`--kv-cache-dtype`, e.g. fp8):
+`write_kv` casts this step's K/V to the pages' dtype, and each gathered block is cast to the
+query's dtype before any arithmetic.
 """
 
 import jax
@@ -25,15 +29,16 @@ _MASKED = -1e30  # finite, so fully masked padding rows give zeros instead of Na
 
 
 def write_kv(layer_kv: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
-    """Scatter this step's k, v ([T, n_kv, hd]) into the paged cache at slot_mapping (i32[T])."""
+    """Scatter this step's k, v ([T, n_kv, hd]) into the paged cache at slot_mapping (i32[T]),
+    cast to the pages' dtype."""
     k_pages, v_pages = layer_kv
     return write_slots(k_pages, slot_mapping, k), write_slots(v_pages, slot_mapping, v)
 
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, n_heads, hd]
-    k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
-    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
+    k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written;
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]; any float dtype (read as q's)
     metadata: AttentionMetadata,
     *,
     scale: float,
@@ -64,8 +69,10 @@ def ragged_paged_attention_reference(
         kv_valid = kv_index[None, :] < metadata.kv_lens[:, None]  # bool[NB, B]
         # Scores of invisible keys are overwritten, so garbage keys need no masking; values
         # must be zeroed, since 0 * NaN would still poison the weighted sum.
-        keys = _gather_pages(k_pages, pages)  # [NB, n_kv, B, hd]
-        values = jnp.where(kv_valid[:, None, :, None], _gather_pages(v_pages, pages), 0)
+        # Read in the pages' dtype, computed in the query's.
+        keys = _gather_pages(k_pages, pages).astype(q.dtype)  # [NB, n_kv, B, hd]
+        values = jnp.where(kv_valid[:, None, :, None],
+                           _gather_pages(v_pages, pages).astype(q.dtype), 0)
         visible = _visibility(kv_index, metadata.window_starts, q_offsets, mask_words, kv_valid,
                               sliding_window)
         return _online_softmax_step(carry, queries, keys, values, visible, scale)

@@ -15,6 +15,10 @@ columns are dropped, but the cache is never copied: keys and values are loaded s
 pages with a column mask, so the padding columns are zeros in registers and never read from
 memory. Zero columns add nothing to q.k, and `scale` stays the caller's (of the real head dim).
 
+KV dtype. The pages may be stored in another dtype than q (`--kv-cache-dtype`, e.g. fp8): they
+are loaded as stored, so the memory traffic is the pages' own, and cast to q's dtype in
+registers before the dots.
+
 Sliding window. With `sliding_window` W, keys W or more behind a row's query are masked, and
 the loop starts at the KV block holding the first key the block's earliest query sees, so
 blocks wholly behind the window are never loaded.
@@ -68,7 +72,7 @@ def _head_dim_ok(head_dim: int) -> bool:
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, n_heads, hd]
     k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
-    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]; K/V in any float dtype (fp8 too)
     metadata: AttentionMetadata,
     *,
     scale: float,
@@ -215,7 +219,7 @@ def _attention_kernel(
     def body(i, carry):
         kv_index = i * kv_block_tokens + jnp.arange(kv_block_tokens, dtype=jnp.int32)  # i32[Bk]
         keys, values = _load_kv_block(k_ref, v_ref, page_table_ref, kv_index, kv_len, page_size,
-                                      width)
+                                      width, q.dtype)
         offset = (kv_index - window_start)[None, :]  # i32[1, Bk]: negative for prefix keys
         visible = ((offset < 0) | in_window(offset)) & (kv_index < kv_len)[None, :]
         if sliding_window is not None:  # offsets from one window start compare as KV indices
@@ -239,7 +243,8 @@ def _load_kv_block(
     kv_len: jax.Array,  # i32[]
     page_size: int,
     width: int,  # D = padded_head_dim(hd)
-) -> tuple[jax.Array, jax.Array]:  # keys, values: [Bk, D], zero past kv_len and past hd
+    dtype,  # the queries': what the keys and values are computed in
+) -> tuple[jax.Array, jax.Array]:  # keys, values: dtype[Bk, D], zero past kv_len and past hd
     valid = kv_index < kv_len  # bool[Bk]
     # Clamped so positions past the table read a real entry; they are masked below anyway.
     page_col = jnp.minimum(kv_index // page_size, page_table_ref.shape[0] - 1)
@@ -252,9 +257,12 @@ def _load_kv_block(
     # Columns past hd (the next slot's memory) are not read either: they load as zeros.
     mask = valid[:, None] if width == hd else valid[:, None] & (column < hd)[None, :]
     mask = jnp.broadcast_to(mask, (kv_index.shape[0], width))  # bool[Bk, D]
-    keys = plgpu.load(k_ref.at[index], mask=mask, other=0)
-    values = plgpu.load(v_ref.at[index], mask=mask, other=0)
-    return keys, values
+    # `other` a float: Triton casts no integer to fp8.
+    keys = plgpu.load(k_ref.at[index], mask=mask, other=0.0)
+    values = plgpu.load(v_ref.at[index], mask=mask, other=0.0)
+    # Pages stored in another dtype (--kv-cache-dtype fp8: Triton's fp8e4nv / fp8e5, whose
+    # casts need sm_89+) are cast in registers right after the load.
+    return keys.astype(dtype), values.astype(dtype)
 
 
 def _online_softmax_step(

@@ -12,6 +12,12 @@ using page ids from the scalar-prefetched page table. KV blocks past the sequenc
 skipped, and the online-softmax state lives in VMEM scratch across the KV axis of the grid.
 With a `sliding_window` W, keys W or more behind a row's query are masked, and KV blocks
 wholly behind the window of the block's earliest query are skipped too (no DMA, no matmul).
+
+KV dtype. The pages may be stored in another dtype than q (`--kv-cache-dtype`, e.g. fp8): the
+DMAs copy them as stored into VMEM buffers of the pages' dtype (half a bfloat16 cache's bytes
+with fp8), and each KV head's block is cast to q's dtype when read from VMEM. Checked here:
+interpret mode and the Pallas -> Mosaic lowering; whether Mosaic compiles 8-bit pages of a
+given page size (its native 8-bit tiling is 32 rows) is only known on a TPU.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ _MASKED = -1e30  # finite, as in the reference: fully masked rows give 0, not Na
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, n_heads, hd]
     k_pages: jax.Array,  # [num_pages, n_kv, page_size, hd], this step's K already written
-    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]
+    v_pages: jax.Array,  # [num_pages, n_kv, page_size, hd]; K/V in any float dtype (fp8 too)
     metadata: AttentionMetadata,
     *,
     scale: float,
@@ -165,10 +171,12 @@ def _attention_kernel(
                 jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)  # i32[rows, 1]
             visible &= within_sliding_window(kv_index, query, sliding_window)
         for head in range(n_kv):
-            keys = k_buf[head].reshape(block_len, hd)
+            # Pages in another dtype (fp8) are cast to q's as they leave VMEM, before the
+            # reshape, which then moves q-dtype tiles as it does without a KV dtype.
+            keys = k_buf[head].astype(q_ref.dtype).reshape(block_len, hd)
             # Zero, not scale, invalid values: 0 * NaN would poison the weighted sum.
             values = jnp.where(kv_valid.reshape(block_len, 1),
-                               v_buf[head].reshape(block_len, hd), 0)
+                               v_buf[head].astype(q_ref.dtype).reshape(block_len, hd), 0)
             _online_softmax_step(q_ref[head], keys, values, visible, scale,
                                  max_ref.at[head], sum_ref.at[head], acc_ref.at[head])
 

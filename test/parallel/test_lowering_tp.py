@@ -1,0 +1,63 @@
+"""TPU and GPU readiness at --tp-size 4: every program a TP-4 Engine compiles at its
+accelerator warm-up lowers for TPU and for CUDA (bfloat16, the `fa` backend's Pallas kernel of
+each platform run per device on its own heads under shard_map) as one SPMD module over 4
+devices, with a dense target, an EAGLE3 draft, and the hybrid Qwen3-Next with its own MTP
+layer (NEXTN: Gated DeltaNet state split by key head).
+
+The mesh is the engine's own, of 4 CPU devices (a subprocess started with
+--xla_force_host_platform_device_count=4): JAX lowers a program whose arguments are sharded
+over CPU devices for another platform (`Traced.lower(lowering_platforms=("tpu",))`), the
+devices appearing only as the module's partition count and sharding annotations, so no
+AbstractMesh is needed. What is checked is the lowering (Pallas -> Mosaic / Triton, the SPMD
+annotations); compiling for the chip (XLA's partitioner, Mosaic's and Triton's backends)
+needs the chip."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.mtp import write_mtp_tensors
+from sgl_jax.testing.parallel import cpu_devices_env, write_tp_checkpoints
+
+TP = 4
+SETTINGS = dict(tp_size=TP, precompile_token_paddings=[16], precompile_bs_paddings=[2],
+                max_prefill_tokens=16, chunked_prefill_size=16, max_total_tokens=256)
+TREE = dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+
+
+def cases(root: Path) -> dict:
+    """name: the target and the Engine's arguments. Another case (a drafter, quantization=
+    "int8" or "fp8", kv_cache_dtype="fp8_e4m3") is one more entry."""
+    llama, eagle3 = write_tp_checkpoints(root, "llama")  # 8 heads, 2 KV heads (copied to 4)
+    qwen3_next = write_tiny_checkpoint(root / "qwen3_next", "qwen3_next")
+    write_mtp_tensors(qwen3_next)
+    return {
+        "plain": (llama, {}),
+        "EAGLE3": (llama, dict(speculative_algorithm="EAGLE3",
+                               speculative_draft_model_path=str(eagle3), **TREE)),
+        "NEXTN": (qwen3_next, dict(speculative_algorithm="NEXTN", **TREE)),
+    }
+
+
+def test_every_tp4_program_lowers_for_tpu_and_cuda(tmp_path):
+    arg = {name: {"model_path": str(target), "engine": {**SETTINGS, **engine}}
+           for name, (target, engine) in cases(tmp_path).items()}
+    out = tmp_path / "lowered.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "sgl_jax.testing.lowering", "--cases", json.dumps(arg),
+         "--out", str(out)], env=cpu_devices_env(TP), capture_output=True, text=True,
+        timeout=900)
+    assert completed.returncode == 0, completed.stderr[-6000:]
+    for name, result in json.loads(out.read_text()).items():
+        outcomes = result["outcomes"]
+        assert outcomes, name
+        failed = [f"{o['program']} for {o['platform']}:\n{o['error']}" for o in outcomes
+                  if o["error"]]
+        assert not failed, f"{name}:\n" + "\n\n".join(failed)
+        assert not result["resharded"], (name, result["resharded"])
+        assert {o["partitions"] for o in outcomes} == {TP}, name
+        forwards = [o for o in outcomes if o["function"] in (
+            "ModelRunner._sampling_step_impl", "SpecRunner._round_impl")]
+        assert forwards and all(o["kernel_calls"] for o in forwards), name
