@@ -45,7 +45,8 @@ LONG_MODULES = (
     "parallel/test_router.py", "entrypoints/test_client_libraries.py",
     "benchmark/test_bench_round_parts.py", "test_examples.py", "models/test_qwen3_next.py",
     "training/test_train_demo.py", "training/test_trainer.py",
-    "speculative/test_dflash_engine.py",
+    "speculative/test_dflash_engine.py", "test_lowering.py", "models/test_quantization.py",
+    "parallel/test_lowering_tp.py",
 )
 
 

@@ -209,15 +209,17 @@ class Engine:
                               overlap=not args.disable_overlap_schedule)
         self._loop: EngineLoop | None = EngineLoop(scheduler, self._on_crash)
 
-    def _warmup(self) -> None:
+    def _warmup(self, platform: str | None = None) -> None:
         """Compile the step programs before serving. XLA:CPU maps every compiled kernel into
         the process apart, a few hundred mappings a program, and a process may have 65530:
         there a speculative server warms only its smallest batch bucket and leaves the
         programs few batches need to their first use (each larger bucket is compiled and
-        timed when a batch first needs it). Elsewhere every program is compiled now."""
+        timed when a batch first needs it). Elsewhere every program is compiled now.
+        `platform`: whose warm-up to run (default: JAX's backend; the lowering checks ask
+        for an accelerator's on this host)."""
         if self._spec is None:
             self._runner.warmup()
-        elif jax.default_backend() == "cpu":
+        elif (platform or jax.default_backend()) == "cpu":
             self._spec.warmup(self._runner.buckets.bs_paddings[:1], rare_programs=False)
         else:
             self._spec.warmup()

@@ -1,20 +1,20 @@
 """Every program an Engine compiles, lowered for TPU and for CUDA on any host.
 
 `record_engine_programs` starts an Engine (tiny checkpoints, a bucket or two) with `jax.jit`
-replaced by a recorder, and runs the warm-up an accelerator runs (`accelerator_warmup`:
-every batch bucket, every round shape, the grammar-masked programs, the catch-up). While it
-runs, each call of a jitted function records the function, its `jax.jit` options and its
-arguments as `jax.ShapeDtypeStruct`s (shardings included), and returns zeros of the
-program's output shapes instead of running it: nothing is compiled for the CPU, and the
-warm-up goes on with results of the right shapes. A donated state array (the KV cache, the
-slots' state) comes back with the sharding it went in with, as the engine's steady state
-has it; any other output is whole on every device of the mesh (the runners constrain them
-so). `lower_program` then traces each recorded program afresh for `platform` ("tpu" or
-"cuda") with the `fa` backend's kernel of that platform (Mosaic for TPU, Triton for CUDA,
-never interpret mode: `flash.platform_kernel` follows the lowering platform) and lowers it.
-Jitted functions made before the Engine starts (module-level ones: the kernels' wrappers)
-are traced inside the programs that call them; one called on its own at start-up (the
-zeroed KV pages' allocation) is not recorded.
+replaced by a recorder, and runs the warm-up an accelerator runs (`Engine._warmup` for a
+platform other than the CPU: every batch bucket, every round shape, the grammar-masked
+programs, the catch-up). While it runs, each call of a jitted function records the function,
+its `jax.jit` options and its arguments as `jax.ShapeDtypeStruct`s (shardings included), and
+returns zeros of the program's output shapes instead of running it: nothing is compiled for
+the CPU, and the warm-up goes on with results of the right shapes. A donated state array
+(the KV cache, the slots' state) comes back with the sharding it went in with, as the
+engine's steady state has it; any other output is whole on every device of the mesh (the
+runners constrain them so). `lower_program` then traces each recorded program afresh for
+`platform` ("tpu" or "cuda") with the `fa` backend's kernel of that platform (Mosaic for
+TPU, Triton for CUDA, never interpret mode: `flash.platform_kernel` follows the lowering
+platform) and lowers it. Jitted functions made before the Engine starts (module-level ones:
+the kernels' wrappers) are traced inside the programs that call them; one called on its own
+at start-up (the zeroed KV pages' allocation) is not recorded.
 
 With N CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, set before JAX
 starts) the same runs at --tp-size N: JAX lowers a program whose arguments are sharded over
@@ -209,26 +209,17 @@ def _zeros_like_outputs(outputs, args: tuple, donated: list):
     return jax.tree.map(zeros, outputs)
 
 
-def accelerator_warmup(engine) -> None:
-    """What Engine._warmup compiles on a TPU or GPU: with speculation every batch bucket's
-    round programs (every shape the policy may take), the masked ones and the catch-up, and
-    the prefill buckets; without, every step bucket."""
-    if engine._spec is None:
-        engine._runner.warmup()
-    else:
-        engine._spec.warmup()
-
-
 def record_engine_programs(model_path: str, **engine_kwargs: Any) -> list[Program]:
     """The programs an Engine of these settings (over ACCELERATOR_SETTINGS) compiles at its
     warm-up on an accelerator, recorded on this host without compiling any."""
     from sgl_jax.entrypoints.engine import Engine
 
     recorder = _Recorder()
+    engine_warmup = Engine._warmup
 
     def warmup(engine) -> None:
         with recorder.recording():
-            accelerator_warmup(engine)
+            engine_warmup(engine, platform="accelerator")
 
     settings = {**ACCELERATOR_SETTINGS, **engine_kwargs}
     with mock.patch.object(jax, "jit", recorder.jit), \
