@@ -102,13 +102,13 @@ def weight_format(hf_config: dict[str, Any], quantization: str | None, what: str
     block = stored.get("weight_block_size")
     if method != "fp8" or not block or stored.get("activation_scheme", "dynamic") != "dynamic":
         raise CheckpointError(
-            f"cannot start: {what} is quantized with quantization_config {stored}; this "
+            f"{what} is quantized with quantization_config {stored}; this "
             "version loads float checkpoints (--quantization int8 or fp8 stores them in 8 "
             "bits) and block-wise FP8 ones (quant_method fp8, weight_block_size, dynamic "
             "activations)")
     if quantization not in (None, "fp8"):
         raise CheckpointError(
-            f"cannot start: {what} is an FP8 checkpoint (blocks {block}); --quantization "
+            f"{what} is an FP8 checkpoint (blocks {block}); --quantization "
             f"{quantization} does not apply to it: leave --quantization out or pass fp8")
     return WeightFormat(fp8_block=(int(block[0]), int(block[1])))
 
@@ -388,10 +388,11 @@ def fp8_scale_specs(specs: dict[str, WeightSpec], names: list[str],
         rows, features = spec.shape
         scales[scale_name] = WeightSpec(spec.path, (-(-rows // block[0]),
                                                     -(-features // block[1])))
+        _check_one_format(name, spec, specs, present)
         if split_in_features(spec.path[-1]) and features % (block[1] * tp_size):
             usable = [t for t in range(1, len(jax.devices()) + 1) if features % (block[1] * t) == 0]
             raise CheckpointError(
-                f"cannot start: --tp-size {tp_size} splits the {features} input features of "
+                f"--tp-size {tp_size} splits the {features} input features of "
                 f"{name} into {features // tp_size}-wide shards, which cut its FP8 scale blocks "
                 f"of {block[1]}; --tp-size values that work with this checkpoint and the "
                 f"{len(jax.devices())} device(s) here: {', '.join(map(str, usable))}")
@@ -482,6 +483,17 @@ def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -
                     f"tensor {name!r} in {path.name} has dtype {dtype}; only floating-point "
                     f"checkpoints ({', '.join(sorted(_CHECKPOINT_DTYPES))}) are supported"
                 )
+
+
+def _check_one_format(name: str, spec: WeightSpec, specs: dict[str, WeightSpec],
+                      present: set[str]) -> None:
+    """The parts of one fused parameter (q|k|v, gate|up, ...) all FP8 or all float."""
+    float_parts = [n for n, s in specs.items() if s.path == spec.path
+                   and n + _FP8_SCALE_SUFFIX not in present]
+    if float_parts:
+        raise CheckpointError(
+            f"{name} is FP8 but {', '.join(float_parts)}, which this version fuses with it "
+            f"into one parameter, is not; a checkpoint quantizes both or neither")
 
 
 def _place_fp8(host: dict[tuple, Any], block_scales: dict[tuple, np.ndarray],

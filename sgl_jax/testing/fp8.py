@@ -1,5 +1,5 @@
 """Block-quantized FP8 copies of tiny checkpoints, written the way Qwen's `*-FP8` checkpoints
-are: every projection matrix (`*_proj.weight` of the decoder layers and of an MTP module)
+are: every projection matrix (`*proj*.weight` of the decoder layers and of an MTP module)
 stored as F8_E4M3 with `weight_scale_inv` [ceil(out / b0), ceil(in / b1)] beside it (the
 scale that multiplies each block back), everything else as it was, and config.json's
 `quantization_config` {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
@@ -20,7 +20,10 @@ FP8_MAX = 448.0  # e4m3's largest finite magnitude
 
 
 def is_projection(name: str, tensor: np.ndarray) -> bool:
-    return name.endswith("_proj.weight") and tensor.ndim == 2
+    """A layer's linear map (q_proj, down_proj, in_proj_qkvz, out_proj, ...): FP8 in Qwen's
+    checkpoints, where token tables, norms, routers and gates stay in bfloat16."""
+    parts = name.split(".")
+    return tensor.ndim == 2 and parts[-1] == "weight" and "proj" in parts[-2]
 
 
 def quantize_blocks(weight: np.ndarray, block: tuple[int, int]
@@ -56,12 +59,14 @@ def write_fp8_checkpoint(source: str | Path, fp8_dir: str | Path, dequantized_di
     for target in (fp8_dir, dequantized_dir):
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors",
                                                                      "*.index.json"))
+    scale_names = set()
     for shard in sorted(source.glob("*.safetensors")):
         stored, plain = {}, {}
         for name, tensor in load_file(shard).items():
             if is_projection(name, tensor):
                 values, scales = quantize_blocks(tensor, block)
                 stored[name], stored[name + "_scale_inv"] = values, scales
+                scale_names.add(name + "_scale_inv")
                 plain[name] = dequantize_blocks(values, scales, block)
             else:
                 stored[name] = plain[name] = tensor
@@ -73,7 +78,7 @@ def write_fp8_checkpoint(source: str | Path, fp8_dir: str | Path, dequantized_di
         shutil.copy(index, dequantized_dir / index.name)
         weight_map = listing["weight_map"]
         weight_map.update({f"{name}_scale_inv": file for name, file in list(weight_map.items())
-                           if name.endswith("_proj.weight")})
+                           if f"{name}_scale_inv" in scale_names})
         (fp8_dir / index.name).write_text(json.dumps(listing, indent=2))
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",

@@ -3,6 +3,8 @@
 float (or dequantized) checkpoint; speculative decoding over quantized targets and drafts;
 the start-up refusals."""
 
+import logging
+import re
 import tracemalloc
 
 import jax
@@ -13,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sgl_jax import Engine
+from sgl_jax import Engine, launch_server
 from sgl_jax.layers.linear import matmul_rows
 from sgl_jax.layers.moe import grouped_matmul
 from sgl_jax.layers.quantization import QUANTIZED_PARAMS, QuantizedWeight, quantize
@@ -23,6 +25,7 @@ from sgl_jax.models.loader import (
     CheckpointError,
     fp8_scale_specs,
     load_model,
+    load_nextn_draft,
     open_checkpoint,
     read_hf_config,
 )
@@ -32,6 +35,7 @@ from sgl_jax.speculative.setup import draft_quantization
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.fp8 import dequantize_blocks, quantize_blocks, write_fp8_checkpoint
+from sgl_jax.testing.mtp import write_mtp_tensors
 
 ENGINE = dict(dtype="float32", skip_server_warmup=True, precompile_token_paddings=[64],
               precompile_bs_paddings=[4], max_prefill_tokens=64, chunked_prefill_size=48)
@@ -59,11 +63,15 @@ def mean_kl(reference: np.ndarray, other: np.ndarray) -> float:
 
 
 def our_logits(model, seqs: list[list[int]]) -> np.ndarray:
-    runner = ModelRunner(model, num_pages=64, page_size=16)
+    """Every position's logits of one prefill of `seqs` (hybrid models: a state slot each)."""
+    hybrid = model.config.is_hybrid
+    runner = ModelRunner(model, num_pages=64, page_size=16,
+                         num_state_slots=len(seqs) + 1 if hybrid else 0)
     chunks, next_page = [], 1
-    for ids in seqs:
+    for slot, ids in enumerate(seqs, start=1):
         count = -(-len(ids) // 16)
-        chunks.append(SeqChunk(ids, 0, list(range(next_page, next_page + count))))
+        chunks.append(SeqChunk(ids, 0, list(range(next_page, next_page + count)),
+                               **({"state_slot": slot} if hybrid else {})))
         next_page += count
     return np.asarray(runner.forward(chunks, all_logits=True)[0])
 
@@ -171,6 +179,24 @@ def test_fp8_checkpoint_loads_as_stored_and_gives_its_dequantized_logits(fp8_moe
     np.testing.assert_allclose(our_logits(model, prompts()), reference, atol=1e-4, rtol=1e-4)
 
 
+def test_a_hybrid_fp8_checkpoint_with_its_mtp_module(tmp_path):
+    """Qwen3-Next's FP8 layout: the Gated DeltaNet projections (fused q|k|v|z and b|a rows
+    per key head) and the MTP module's are block-scaled too; the logits are transformers' on
+    the dequantized copy, and NEXTN's module loads in FP8."""
+    source = write_tiny_checkpoint(tmp_path / "float", "qwen3_next")
+    write_mtp_tensors(source)
+    fp8_dir, dequantized = write_fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "dq",
+                                                block=(32, 32))
+    model = load_model(str(fp8_dir), dtype="float32", progress=False)
+    linear = model.params["layers"][0]["linear_attn"]
+    assert isinstance(linear["w_in"], QuantizedWeight) and linear["w_in"].num_blocks == 2
+    reference = transformers_logits(dequantized, prompts())
+    # test_qwen3_next's float32 tolerance (transformers' chunked delta rule sums differently)
+    np.testing.assert_allclose(our_logits(model, prompts()), reference, atol=3e-3, rtol=1e-3)
+    mtp = load_nextn_draft(str(fp8_dir), model.config, dtype=jnp.float32, progress=False)
+    assert mtp.params["fc"].values.dtype == FP8_TYPE
+
+
 def test_block_helpers_round_trip_the_scales():
     w = rng_weight(70, 96, seed=3)  # 70 rows: the last block of rows is partial
     values, scales = quantize_blocks(w, (32, 32))
@@ -223,9 +249,14 @@ def test_a_draft_format_without_a_draft_model_is_refused():
 # ---------------------------------------------------------------- refusals
 
 
-def test_an_fp8_checkpoint_refuses_int8(fp8_moe):
-    with pytest.raises(CheckpointError, match="cannot start: .* FP8 checkpoint"):
-        load_model(str(fp8_moe[0]), dtype="float32", progress=False, quantization="int8")
+def test_an_fp8_checkpoint_refuses_int8_in_one_cannot_start_line(fp8_moe, caplog):
+    caplog.set_level(logging.ERROR)
+    argv = ["--model-path", str(fp8_moe[0]), "--quantization", "int8", "--dtype", "float32"]
+    assert launch_server.main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert re.match(r"cannot start: the model in .* is an FP8 checkpoint .*--quantization int8 "
+                    r"does not apply to it: leave --quantization out or pass fp8$", errors[0])
 
 
 def test_a_tp_split_that_cuts_fp8_blocks_names_the_sizes_that_work(fp8_moe):
@@ -239,6 +270,6 @@ def test_a_tp_split_that_cuts_fp8_blocks_names_the_sizes_that_work(fp8_moe):
     specs = impl.hf_weight_specs(config, names)
     assert len(fp8_scale_specs(specs, names, BLOCK, 2, "it")) == sum(
         n.endswith("_scale_inv") for n in names)
-    with pytest.raises(CheckpointError, match=r"cannot start: --tp-size 4 splits the 128 input "
+    with pytest.raises(CheckpointError, match=r"--tp-size 4 splits the 128 input "
                        r"features of .*o_proj.weight into 32-wide shards, .* here: 1"):
         fp8_scale_specs(specs, names, BLOCK, 4, "it")
