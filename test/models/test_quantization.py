@@ -194,7 +194,7 @@ def test_a_hybrid_fp8_checkpoint_with_its_mtp_module(tmp_path):
     # test_qwen3_next's float32 tolerance (transformers' chunked delta rule sums differently)
     np.testing.assert_allclose(our_logits(model, prompts()), reference, atol=3e-3, rtol=1e-3)
     mtp = load_nextn_draft(str(fp8_dir), model.config, dtype=jnp.float32, progress=False)
-    assert mtp.params["fc"].values.dtype == FP8_TYPE
+    assert mtp.params["layers"][0]["w_qkv"].values.dtype == FP8_TYPE
 
 
 def test_block_helpers_round_trip_the_scales():
