@@ -331,6 +331,8 @@ class Engine:
             return {
                 **self.server_args.to_dict(),
                 "dtype": np.dtype(self.model.dtype).name,  # what `auto` resolved to
+                # int8 / fp8 (quantized here, or an FP8 checkpoint's), else the dtype's name
+                "weights_format": self.model.weights.name or np.dtype(self.model.dtype).name,
                 "context_length": self.context_length,
                 "max_total_num_tokens": cache.allocator.capacity * self.server_args.page_size,
                 "num_running_reqs": len(scheduler.running),

@@ -121,6 +121,7 @@ class LoadedModel:
     model_dir: Path
     dtype: Any
     tp: TensorParallel  # the mesh the parameters are split over
+    weights: WeightFormat = WeightFormat()  # how the projections are stored
 
 
 def load_model(
@@ -137,11 +138,12 @@ def load_model(
     tp = tp or TensorParallel.of_size(1)
     specs = impl.hf_weight_specs(config, checkpoint.tensors.names())
     what = f"the model in {model_path!r}"
+    weights = weight_format(hf_config, quantization, what)
     params = load_params(checkpoint.tensors, specs, jax_dtype,
                          progress=progress, tp=tp, config=config,
                          ignored_prefixes=impl.ignored_tensor_prefixes, what=what,
-                         weights=weight_format(hf_config, quantization, what))
-    return LoadedModel(impl, config, params, checkpoint.model_dir, jax_dtype, tp)
+                         weights=weights)
+    return LoadedModel(impl, config, params, checkpoint.model_dir, jax_dtype, tp, weights)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 float (or dequantized) checkpoint; speculative decoding over quantized targets and drafts;
 the start-up refusals."""
 
+import json
 import logging
 import re
 import tracemalloc
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,8 @@ from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.fp8 import dequantize_blocks, quantize_blocks, write_fp8_checkpoint
 from sgl_jax.testing.mtp import write_mtp_tensors
+from sgl_jax.testing.server import launch_server as start_server
+from sgl_jax.testing.server import openai_client
 
 ENGINE = dict(dtype="float32", skip_server_warmup=True, precompile_token_paddings=[64],
               precompile_bs_paddings=[4], max_prefill_tokens=64, chunked_prefill_size=48)
@@ -210,8 +214,6 @@ def test_block_helpers_round_trip_the_scales():
 
 @pytest.fixture(scope="module")
 def draft(moe, tmp_path_factory):
-    import json
-
     config = json.loads((moe / "config.json").read_text())
     return write_tiny_eagle3_draft(tmp_path_factory.mktemp("eagle3"), config)
 
@@ -273,3 +275,26 @@ def test_a_tp_split_that_cuts_fp8_blocks_names_the_sizes_that_work(fp8_moe):
     with pytest.raises(CheckpointError, match=r"--tp-size 4 splits the 128 input "
                        r"features of .*o_proj.weight into 32-wide shards, .* here: 1"):
         fp8_scale_specs(specs, names, BLOCK, 4, "it")
+
+
+def test_the_flags_through_launch_server_and_the_openai_client(fp8_moe):
+    """The FP8 checkpoint with FP8 KV pages served by launch_server: the official openai
+    client's greedy completion is the offline Engine's with the same settings, and server
+    info reports what the weights and pages are."""
+    flags = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", skip_server_warmup=True,
+                 precompile_token_paddings=[64], precompile_bs_paddings=[1])
+    prompt = "The weights are stored in eight bits"
+    with Engine(model_path=str(fp8_moe[0]), **flags) as engine:
+        offline = engine.generate(prompt=prompt, sampling_params={"temperature": 0,
+                                                                  "max_new_tokens": 12})
+    argv = ["--model-path", str(fp8_moe[0]), "--served-model-name", "fp8"]
+    for name, value in flags.items():
+        value = " ".join(map(str, value)) if isinstance(value, list) else value
+        argv += [f"--{name.replace('_', '-')}", *([] if value is True else str(value).split())]
+    with start_server(argv) as server:
+        completion = openai_client(server).completions.create(
+            model="fp8", prompt=prompt, max_tokens=12, temperature=0)
+        with urllib.request.urlopen(f"{server.base_url}/get_server_info") as response:
+            info = json.loads(response.read())
+    assert completion.choices[0].text == offline["text"]
+    assert info["kv_pages_dtype"] == "float8_e4m3fn" and info["weights_format"] == "fp8"
