@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.layers.attention.native import write_kv
+from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
 from sgl_jax.models import llama
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
@@ -176,7 +177,7 @@ def block_forward(
     """The blocks' final-normed hidden states f[T, H] (the target's lm_head of each one past
     the first is a draft) and the cache, the blocks' own keys written past the context."""
     layer_config = config.layer
-    x = embed[input_ids]
+    x = embedding_rows(embed, input_ids)
     written = []
     for p, layer_kv, attend in zip(params["layers"], kv_cache, _layer_mixers(
             positions, metadata, config, attention), strict=True):

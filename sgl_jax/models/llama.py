@@ -32,6 +32,7 @@ from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerK
 from sgl_jax.layers.linear import matmul_rows
 from sgl_jax.layers.moe import has_experts, moe_mlp
 from sgl_jax.layers.norm import rms_norm
+from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
 from sgl_jax.models.weights import FusedPart, WeightSpec
@@ -178,7 +179,7 @@ def decoder(
 ) -> tuple[jax.Array, list[Any], tuple[jax.Array, ...]]:
     """The pre-norm decoder stack (see `forward` for what it returns): each layer is
     x + mixer(norm(x)), then x + mlp(norm(x))."""
-    hidden = params["embed"][input_ids]
+    hidden = embedding_rows(params["embed"], input_ids)
     captured: dict[int, jax.Array] = {}
     new_cache = []
     for i, (layer, mix) in enumerate(zip(params["layers"], mixers, strict=True)):

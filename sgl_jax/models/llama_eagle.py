@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.layers.norm import rms_norm
+from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
 from sgl_jax.models import llama
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
@@ -64,7 +65,8 @@ def forward(
     embed: jax.Array,  # [V, H]
 ) -> tuple[jax.Array, list[LayerKV]]:
     """Returns the draft's output f[T, H] (logits = target lm_head of it) and its cache."""
-    x = llama.matmul_rows(jnp.concatenate([embed[input_ids], features], axis=-1), params["fc"])
+    tokens = embedding_rows(embed, input_ids)
+    x = llama.matmul_rows(jnp.concatenate([tokens, features], axis=-1), params["fc"])
     if "fc_bias" in params:
         x = x + params["fc_bias"]
     cos, sin = rope_cos_sin(positions, inverse_frequencies(config.rope, config.head_dim))

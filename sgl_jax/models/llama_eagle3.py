@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.layers.norm import rms_norm
+from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
 from sgl_jax.models.llama import decoder_layer_specs, matmul_rows, mlp, self_attention
@@ -156,7 +157,8 @@ def forward(
     the next step's features) and the updated cache."""
     c = config.layer
     g = matmul_rows(features, params["fc"]) if from_target else features  # [T, H]
-    x = jnp.concatenate([rms_norm(embed[input_ids], params["input_norm"], c.rms_norm_eps),
+    tokens = embedding_rows(embed, input_ids)
+    x = jnp.concatenate([rms_norm(tokens, params["input_norm"], c.rms_norm_eps),
                          rms_norm(g, params["hidden_norm"], c.rms_norm_eps)], axis=-1)
     cos, sin = rope_cos_sin(positions, inverse_frequencies(c.rope, c.head_dim))
     attn_out, layer_kv = self_attention(params, x, cos, sin, kv_cache[0], metadata, c,

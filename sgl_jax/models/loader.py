@@ -358,7 +358,7 @@ def load_params(
                 _place_fp8(host, block_scales, array, scale, specs[name], weights.fp8_block)
             bar.update()
     for path, scale in block_scales.items():
-        host[path] = QuantizedWeight(host[path], scale)
+        host[path] = QuantizedWeight(host[path], scale, np.dtype(dtype))
     if weights.quantize:
         host = {path: quantize(a, weights.quantize) if _quantizable(path, a) else a
                 for path, a in host.items()}

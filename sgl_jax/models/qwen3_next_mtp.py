@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.models import llama, qwen3_moe
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.weights import WeightSpec
@@ -84,7 +85,7 @@ def forward(
 ) -> tuple[jax.Array, list[LayerKV]]:
     """Returns the MTP's normed output f[T, H] (logits: the target's lm_head of it, and the
     next step's features) and its cache."""
-    token = llama.norm(embed[input_ids], params["pre_fc_norm_embedding"], config)
+    token = llama.norm(embedding_rows(embed, input_ids), params["pre_fc_norm_embedding"], config)
     hidden = llama.norm(features, params["pre_fc_norm_hidden"], config)
     x = llama.matmul_rows(jnp.concatenate([token, hidden], axis=-1), params["fc"])
     attend = llama.attention_mixer(positions, metadata, config, attention)

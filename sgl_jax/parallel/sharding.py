@@ -173,7 +173,7 @@ def param_spec(name: str, param: jax.Array | np.ndarray | QuantizedWeight
     if not isinstance(param, QuantizedWeight):
         return spec
     per_row = param.num_blocks == 1
-    return QuantizedWeight(spec, P(*spec[:-1], None if per_row else spec[-1]))
+    return QuantizedWeight(spec, P(*spec[:-1], None if per_row else spec[-1]), param.dtype)
 
 
 def split_in_features(name: str) -> bool:

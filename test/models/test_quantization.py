@@ -128,7 +128,7 @@ def test_products_equal_the_dequantized_matrix_product(blocks):
         q = quantize(w, "fp8")
     else:
         values, scales = quantize_blocks(w.reshape(6, 64), (1, 64 // blocks))
-        q = QuantizedWeight(values.reshape(3, 2, 64), scales.reshape(3, 2, blocks))
+        q = QuantizedWeight(values.reshape(3, 2, 64), scales.reshape(3, 2, blocks), np.float32)
     dense = (q.values.astype(np.float32).reshape(3, 2, blocks, -1)
              * q.scales[..., None]).reshape(w.shape)
     np.testing.assert_allclose(np.asarray(matmul_rows(jnp.asarray(x), jax.tree.map(
@@ -145,9 +145,9 @@ def test_products_equal_the_dequantized_matrix_product(blocks):
 
 @pytest.mark.parametrize("fmt,most_kl", [("int8", 0.02), ("fp8", 0.06)])
 def test_quantized_moe_keeps_projections_in_8_bits_and_the_logits_close(moe, fmt, most_kl):
-    """Every projection (attention, experts, shared expert) is 8-bit with one scale per
-    output row; token tables, norms and the router stay float32; next-token distributions
-    stay close to transformers' on the float checkpoint."""
+    """Every projection (attention, experts, shared expert) and the token tables are 8-bit
+    with one scale per output row; norms and the router stay float32; next-token
+    distributions stay close to transformers' on the float checkpoint."""
     model = load_model(str(moe), dtype="float32", progress=False, quantization=fmt)
     layer = model.params["layers"][0]
     quantized = {name for name, p in layer.items() if isinstance(p, QuantizedWeight)}
@@ -156,6 +156,7 @@ def test_quantized_moe_keeps_projections_in_8_bits_and_the_logits_close(moe, fmt
     stored = layer["w_expert_down"]
     assert stored.values.dtype == (np.int8 if fmt == "int8" else FP8_TYPE)
     assert stored.scales.shape == (*stored.shape[:-1], 1)
+    assert isinstance(model.params["embed"], QuantizedWeight)
     assert model.params["embed"].dtype == jnp.float32 == layer["w_router"].dtype
     ours = our_logits(model, prompts())
     reference = transformers_logits(moe, prompts())
