@@ -390,7 +390,6 @@ def fp8_scale_specs(specs: dict[str, WeightSpec], names: list[str],
         rows, features = spec.shape
         scales[scale_name] = WeightSpec(spec.path, (-(-rows // block[0]),
                                                     -(-features // block[1])))
-        _check_one_format(name, spec, specs, present)
         if split_in_features(spec.path[-1]) and features % (block[1] * tp_size):
             usable = [t for t in range(1, len(jax.devices()) + 1) if features % (block[1] * t) == 0]
             raise CheckpointError(
@@ -398,6 +397,7 @@ def fp8_scale_specs(specs: dict[str, WeightSpec], names: list[str],
                 f"{name} into {features // tp_size}-wide shards, which cut its FP8 scale blocks "
                 f"of {block[1]}; --tp-size values that work with this checkpoint and the "
                 f"{len(jax.devices())} device(s) here: {', '.join(map(str, usable))}")
+    _check_one_format(scales, specs)
     return scales
 
 
@@ -487,15 +487,16 @@ def _check_headers(path: Path, names: list[str], specs: dict[str, WeightSpec]) -
                 )
 
 
-def _check_one_format(name: str, spec: WeightSpec, specs: dict[str, WeightSpec],
-                      present: set[str]) -> None:
-    """The parts of one fused parameter (q|k|v, gate|up, ...) all FP8 or all float."""
-    float_parts = [n for n, s in specs.items() if s.path == spec.path
-                   and n + _FP8_SCALE_SUFFIX not in present]
+def _check_one_format(scales: dict[str, WeightSpec], specs: dict[str, WeightSpec]) -> None:
+    """The parts of each fused parameter (q|k|v, gate|up, ...) all FP8 or all float."""
+    fp8_paths = {spec.path for spec in scales.values()}
+    fp8 = {name.removesuffix(_FP8_SCALE_SUFFIX) for name in scales}
+    float_parts = [n for n, spec in specs.items() if spec.path in fp8_paths and n not in fp8]
     if float_parts:
         raise CheckpointError(
-            f"{name} is FP8 but {', '.join(float_parts)}, which this version fuses with it "
-            f"into one parameter, is not; a checkpoint quantizes both or neither")
+            f"{', '.join(float_parts[:4])} {'is' if len(float_parts) == 1 else 'are'} not FP8, "
+            "but this version fuses them into one parameter with FP8 parts; a checkpoint "
+            "quantizes all the parts of q|k|v, gate|up and in_proj or none")
 
 
 def _place_fp8(host: dict[tuple, Any], block_scales: dict[tuple, np.ndarray],

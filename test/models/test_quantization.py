@@ -276,6 +276,11 @@ def test_a_tp_split_that_cuts_fp8_blocks_names_the_sizes_that_work(fp8_moe):
     with pytest.raises(CheckpointError, match=r"--tp-size 4 splits the 128 input "
                        r"features of .*o_proj.weight into 32-wide shards, .* here: 1"):
         fp8_scale_specs(specs, names, BLOCK, 4, "it")
+    # k_proj left in float beside an FP8 q_proj and v_proj: one fused parameter, refused.
+    k_scale = "model.layers.1.self_attn.k_proj.weight_scale_inv"
+    with pytest.raises(CheckpointError, match=r"^model.layers.1.self_attn.k_proj.weight is "
+                       "not FP8, but this version fuses"):
+        fp8_scale_specs(specs, [n for n in names if n != k_scale], BLOCK, 1, "it")
 
 
 def test_the_flags_through_launch_server_and_the_openai_client(fp8_moe):
