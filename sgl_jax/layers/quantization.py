@@ -26,14 +26,23 @@ import numpy as np
 # --quantization -> the stored values' dtype and its largest magnitude.
 FORMATS = {"int8": (np.dtype(np.int8), 127.0),
            "fp8": (np.dtype(jnp.float8_e4m3fn), 448.0)}
-# Parameters stored in 8 bits: every projection of the decoder layers and of draft heads, and
-# the token tables (embed, lm_head; one scale per token's row), which are a third to a half
-# of a small model's bytes and 13% of Llama-3.1-8B's. Norms, biases, routers, convolutions
-# and the shared expert's gate ([1, H]) keep the model dtype: they are small.
-QUANTIZED_PARAMS = frozenset({
+# Parameters stored in 8 bits: every projection of the decoder layers and of draft heads.
+# Norms, biases, routers, convolutions and the shared expert's gate ([1, H]) keep the model
+# dtype: they are small.
+PROJECTIONS = frozenset({
     "w_qkv", "w_o", "w_gate_up", "w_down", "w_expert_gate_up", "w_expert_down",
-    "w_shared_gate_up", "w_shared_down", "w_in", "w_out", "fc", "embed", "lm_head",
+    "w_shared_gate_up", "w_shared_down", "w_in", "w_out", "fc",
 })
+# The token tables (one scale per token's row) are int8 too: they are a third to a half of a
+# small model's bytes and 13% of Llama-3.1-8B's. fp8 keeps them in the model dtype, as FP8
+# checkpoints do: e4m3's 3 mantissa bits there doubled the demo model's KL from its float
+# self (docs/models.md).
+TABLES = frozenset({"embed", "lm_head"})
+
+
+def quantized_params(fmt: str) -> frozenset[str]:
+    """The parameters --quantization `fmt` stores in 8 bits."""
+    return PROJECTIONS | TABLES if fmt == "int8" else PROJECTIONS
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],

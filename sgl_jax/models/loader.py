@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from sgl_jax.layers.quantization import QUANTIZED_PARAMS, QuantizedWeight, quantize
+from sgl_jax.layers.quantization import QuantizedWeight, quantize, quantized_params
 from sgl_jax.models import dflash, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.dflash import DFlashConfig
@@ -79,7 +79,7 @@ def open_checkpoint(model_path: str, revision: str | None = None) -> Checkpoint:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a checkpoint's projections (`quantization.QUANTIZED_PARAMS`) are kept once
+    """How a checkpoint's projections (`quantization.quantized_params`) are kept once
     loaded: float, quantized here per output channel (`quantize`: int8 or fp8), or as an
     FP8 checkpoint stores them (`fp8_block`: its [out, in] scale block)."""
 
@@ -360,13 +360,11 @@ def load_params(
     for path, scale in block_scales.items():
         host[path] = QuantizedWeight(host[path], scale, np.dtype(dtype))
     if weights.quantize:
-        host = {path: quantize(a, weights.quantize) if _quantizable(path, a) else a
+        chosen = quantized_params(weights.quantize)
+        host = {path: quantize(a, weights.quantize)
+                if path[-1] in chosen and isinstance(a, np.ndarray) else a
                 for path, a in host.items()}
     return _unflatten(tp.shard_params(host, config))
-
-
-def _quantizable(path: tuple, array: Any) -> bool:
-    return path[-1] in QUANTIZED_PARAMS and isinstance(array, np.ndarray)
 
 
 def fp8_scale_specs(specs: dict[str, WeightSpec], names: list[str],
