@@ -345,6 +345,20 @@ def load_params(
     _check_tensor_names([n for n in names if n not in scales], specs)
     names = [n for n in names if n in specs or n in scales]
     source.check(names, {**specs, **scales})
+    host = _read_params(source, names, specs, scales, dtype, weights.fp8_block, progress)
+    if weights.quantize:
+        chosen = quantized_params(weights.quantize)
+        host = {path: quantize(a, weights.quantize)
+                if path[-1] in chosen and isinstance(a, np.ndarray) else a
+                for path, a in host.items()}
+    return _unflatten(tp.shard_params(host, config))
+
+
+def _read_params(source: TensorSource, names: list[str], specs: dict[str, WeightSpec],
+                 scales: dict[str, WeightSpec], dtype: Any, block: tuple[int, int] | None,
+                 progress: bool) -> dict[tuple, Any]:
+    """The checkpoint's tensors placed into host parameters by pytree path: float ones in
+    `dtype`, FP8 ones (those with `scales`) as `QuantizedWeight`s of their stored bytes."""
     host: dict[tuple, Any] = {}
     block_scales: dict[tuple, np.ndarray] = {}
     with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -355,16 +369,11 @@ def load_params(
             if scale is None:
                 _place(host, array, specs[name], dtype)
             else:
-                _place_fp8(host, block_scales, array, scale, specs[name], weights.fp8_block)
+                _place_fp8(host, block_scales, array, scale, specs[name], block)
             bar.update()
     for path, scale in block_scales.items():
         host[path] = QuantizedWeight(host[path], scale, np.dtype(dtype))
-    if weights.quantize:
-        chosen = quantized_params(weights.quantize)
-        host = {path: quantize(a, weights.quantize)
-                if path[-1] in chosen and isinstance(a, np.ndarray) else a
-                for path, a in host.items()}
-    return _unflatten(tp.shard_params(host, config))
+    return host
 
 
 def fp8_scale_specs(specs: dict[str, WeightSpec], names: list[str],
