@@ -193,6 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="code-edits and quote-turns: leave out longer prompts (the demo "
                         "model's context is 2048 tokens)")
     p.add_argument("--shapes", default="chain,tree")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="every shape's draft depth (a chain verifies N + 1 tokens), e.g. 3 "
+                        "for a DFlash head with a block of 4; default: each shape's own")
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
@@ -269,6 +272,21 @@ def shapes_for(algorithm: str) -> dict[str, dict[str, Any]]:
     """The engine settings of each named draft shape for the drafter."""
     return {"NGRAM": NGRAM_SHAPES, "NEXTN": NEXTN_SHAPES, "DFLASH": DFLASH_SHAPES}.get(
         algorithm, SHAPES)
+
+
+def with_depth(shapes: dict[str, dict[str, Any]], num_steps: int | None
+               ) -> dict[str, dict[str, Any]]:
+    """The shapes with `num_steps` draft steps each (None: as they are); a chain's draft
+    tokens follow its depth, a tree keeps its node budget."""
+    if num_steps is None:
+        return shapes
+    deeper = {}
+    for name, shape in shapes.items():
+        shape = {**shape, "speculative_num_steps": num_steps}
+        if shape["speculative_eagle_topk"] == 1:
+            shape["speculative_num_draft_tokens"] = num_steps + 1
+        deeper[name] = shape
+    return deeper
 
 
 def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
@@ -602,7 +620,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     real = args.dataset != "random"
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, algorithm = build_models(args, Path(tmp))
-        settings = shapes_for(algorithm)
+        settings = with_depth(shapes_for(algorithm), args.num_steps)
         if unknown := [s for s in shapes if s not in settings]:
             raise SystemExit(f"unknown --shapes {unknown}: choose from {list(settings)}")
         # NGRAM needs no draft weights: no draft path goes to its engine.

@@ -227,3 +227,14 @@ def test_speculated_share_counts_every_round_but_plain():
     share = load_bench().speculated_share
     assert share({"plain": 1, "3/1/4": 1, "3/4/8": 2}) == 0.75
     assert share({"5/1/6": 4}) == 1.0 and share({"plain": 0, "5/1/6": 0}) is None
+
+
+def test_num_steps_sets_every_shapes_depth_and_a_chains_tokens():
+    """--num-steps 3 (a DFlash head with a block of 4): the chain verifies 4 tokens, the
+    tree keeps its 16 nodes; without the flag the shapes are the drafter's own."""
+    bench = load_bench()
+    shapes = bench.with_depth(bench.shapes_for("DFLASH"), 3)
+    assert [(s["speculative_num_steps"], s["speculative_eagle_topk"],
+             s["speculative_num_draft_tokens"]) for s in shapes.values()] == [
+        (3, 1, 4), (3, 3, 16), (3, 3, 16)]
+    assert bench.with_depth(bench.DFLASH_SHAPES, None) is bench.DFLASH_SHAPES
