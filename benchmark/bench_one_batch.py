@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from transformers_peer import describe_peer, run_peer  # this folder, on sys.path[0]
 
 from sgl_jax.demo import DEMO_MODEL_NAME, demo_model_path
-from sgl_jax.mem_cache.kv_cache import kv_cache_dtype
+from sgl_jax.mem_cache.kv_cache import kv_bytes_per_token, kv_cache_dtype
 from sgl_jax.mem_cache.page_allocator import PageAllocator
 from sgl_jax.model_executor.forward_batch import (
     Buckets,
@@ -181,12 +181,6 @@ def parameter_bytes(model: LoadedModel) -> dict[str, int]:
     streamed = total if model.config.tie_word_embeddings else total - embed
     return {"all": int(total), "streamed": int(streamed), "embedding": int(embed),
             "num_params": int(sum(x.size for x in jax.tree.leaves(model.params)))}
-
-
-def kv_bytes_per_token(model: LoadedModel, kv_cache: str) -> int:
-    c = model.config
-    return (2 * c.num_layers * c.num_kv_heads * c.head_dim
-            * kv_cache_dtype(kv_cache, model.dtype).itemsize)
 
 
 # --------------------------------------------------------------------------- bandwidth
@@ -587,6 +581,8 @@ def run(args: argparse.Namespace, path: str) -> dict:
     probes = [probe.measure()]
     _print_bandwidth(probes[-1])
     runner, page_ids = make_runner(model, args, max(args.batch_sizes), args.num_pages)
+    kv_bytes = kv_bytes_per_token(model.config, kv_cache_dtype(args.kv_cache_dtype, model.dtype),
+                                  model.tp)
     results = []
     for batch in args.batch_sizes:
         r = bench_batch(runner, page_ids, batch, args, model.config.vocab_size)
@@ -595,7 +591,7 @@ def run(args: argparse.Namespace, path: str) -> dict:
                             else float("nan"))
         probes.append(probe.measure())
         # A busy neighbour can only slow a probe down, so the best adjacent one counts.
-        add_roofline(r, weights, kv_bytes_per_token(model, args.kv_cache_dtype),
+        add_roofline(r, weights, kv_bytes,
                      max(probes[-2]["best_GBps"], probes[-1]["best_GBps"]), args)
         results.append(r)
         print(f"  batch {batch:>3}: prefill {r['prefill_ms']:.1f} ms "
