@@ -56,6 +56,7 @@ from sgl_jax.model_executor.forward_batch import (
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models.llama import matmul_rows
 from sgl_jax.models.loader import LoadedModel, load_model
+from sgl_jax.server_args import QUANTIZATION_CHOICES
 
 GB = 1e9
 TARGET_ROOFLINE_RATIO = 1.4  # batch-1 decode step <= 1.4x the time to stream the weights
@@ -88,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "batch, plus the null page)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--attention-backend", default="native")
-    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                         help="8-bit weights (the server's --quantization)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the KV pages' dtype (the server's --kv-cache-dtype)")

@@ -21,9 +21,10 @@
 #   dflashdemo a DFlash head for the demo model trained on regenerated ShareGPT (kept in
 #              $DFLASH_DIR, default $ckpt/dflash_demo; a cut run resumes), then DFLASH
 #              against plain on MT-Bench, HumanEval and ShareGPT
-#   quant      the Llama-3.1-8B shape end to end with int8 and fp8 weights and with an fp8
-#              KV cache, batch 1 and 32 (the llama8b stage is the bf16 baseline), then the
-#              quality of each on the demo model (KL over held-out ShareGPT)
+#   quant      the Llama-3.1-8B shape end to end with int8, w8a8_int8 and fp8 weights and
+#              with an fp8 KV cache, batch 1 and 32 (the llama8b stage is the bf16
+#              baseline), then the quality of each on the demo model (KL over held-out
+#              ShareGPT)
 # Random checkpoints are written once under $CKPT_DIR (default /tmp/sgl_jax_ckpt).
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
@@ -146,7 +147,8 @@ if not (path.parent / "llama8b_eagle3").is_dir():
       done ;;
     quant)
       one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null  # the checkpoint
-      for variant in "--quantization int8" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
+      for variant in "--quantization int8" "--quantization w8a8_int8" "--quantization fp8" \
+                     "--kv-cache-dtype fp8_e4m3"; do
         # shellcheck disable=SC2086  # the variant is two words
         python3 "$here/bench_one_batch.py" --model-path "$ckpt/llama8b" $variant \
           --batch-sizes 1,32 --input-len 1024 --output-len 64 --dtype bfloat16 \

@@ -29,9 +29,10 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "hermes", "llama3_json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# Weight formats (SGLang's names): int8 / fp8 quantize a float checkpoint at load; an FP8
-# checkpoint (quantization_config.quant_method "fp8") loads as fp8 without the flag.
-QUANTIZATION_CHOICES = ("int8", "fp8")
+# Weight formats (SGLang's names): int8 / w8a8_int8 / fp8 quantize a float checkpoint at
+# load; an FP8 checkpoint (quantization_config.quant_method "fp8") loads as fp8 without the
+# flag.
+QUANTIZATION_CHOICES = ("int8", "w8a8_int8", "fp8")
 # A draft head's format: the target's by default; "unquant" keeps it in the model dtype.
 DRAFT_QUANTIZATION_CHOICES = ("unquant", *QUANTIZATION_CHOICES)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2", "fp8_e4m3")
@@ -400,8 +401,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
                        help="weights and activations; auto = float32 on CPU, bfloat16 elsewhere")
     group.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                        help="store the weights in 8 bits with per-output-channel scales (int8, "
-                            "or fp8 e4m3); default: the checkpoint's own format (an FP8 "
-                            "checkpoint loads as fp8, its block scales kept)")
+                            "or fp8 e4m3); w8a8_int8: int8 weights whose products also take "
+                            "int8 inputs, quantized per token; default: the checkpoint's own "
+                            "format (an FP8 checkpoint loads as fp8, its block scales kept)")
     group.add_argument("--context-length", type=int, default=None,
                        help="longest prompt + completion; default: max_position_embeddings")
     group.add_argument("--device", default=None, choices=DEVICE_CHOICES,

@@ -48,6 +48,7 @@ DRAFTERS = {
 VARIANTS = {
     "bf16": {},
     "int8": dict(quantization="int8"),
+    "w8a8": dict(quantization="w8a8_int8"),
     "fp8": dict(quantization="fp8"),
     "fp8-kv": dict(kv_cache_dtype="fp8_e4m3"),
 }

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from sgl_jax.layers.quantization import QuantizedWeight, dequantize, per_channel_operand
+from sgl_jax.layers.quantization import QuantizedWeight, dequantize, per_channel_product
 
 
 def matmul_rows(x: jax.Array, weight: jax.Array | QuantizedWeight, **kwargs) -> jax.Array:
@@ -29,7 +28,6 @@ def _quantized_product(x: jax.Array, rows: QuantizedWeight, preferred_element_ty
     if rows.num_blocks > 1:
         return jax.lax.dot_general(x, dequantize(rows, x.dtype), (((1,), (1,)), ((), ())),
                                    preferred_element_type=dtype)
-    values, scales = per_channel_operand(rows, x.dtype)
-    y = jax.lax.dot_general(x, values, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return (y * scales).astype(dtype)
+    y = per_channel_product(x, rows, lambda a, b, acc: jax.lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc))  # f32[T, R]
+    return (y * rows.scales[:, 0]).astype(dtype)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.linear import matmul_rows
-from sgl_jax.layers.quantization import QuantizedWeight, dequantize, per_channel_operand
+from sgl_jax.layers.quantization import QuantizedWeight, dequantize, per_channel_product
 
 Params = dict[str, Any]
 
@@ -126,12 +126,11 @@ def grouped_matmul(
     if weight.num_blocks > 1:
         return jax.lax.ragged_dot_general(rows, dequantize(weight, rows.dtype), group_sizes,
                                           _GROUPED_ROWS)
-    values, scales = per_channel_operand(weight, rows.dtype)  # scales f32[E, out]
-    y = jax.lax.ragged_dot_general(rows, values, group_sizes, _GROUPED_ROWS,
-                                   preferred_element_type=jnp.float32)
+    y = per_channel_product(rows, weight, lambda a, b, acc: jax.lax.ragged_dot_general(
+        a, b, group_sizes, _GROUPED_ROWS, preferred_element_type=acc))  # f32[M, out]
     expert_of_row = jnp.repeat(jnp.arange(weight.shape[0]), group_sizes,
                                total_repeat_length=rows.shape[0])  # i32[M]
-    return (y * scales[expert_of_row]).astype(rows.dtype)
+    return (y * weight.scales[expert_of_row, :, 0]).astype(rows.dtype)
 
 
 def shared_expert(

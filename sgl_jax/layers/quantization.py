@@ -12,12 +12,22 @@ Per-channel weights enter the product as values cast to the activations' dtype (
 int8 and e4m3 in bfloat16), with the scale applied to the product's output: the cast fuses
 into the dot, so memory traffic is the 8-bit matrix. Block-scaled weights are dequantized
 inside the jitted step right before their product (one layer's matrix at a time).
+
+`w8a8_int8` stores the same int8 weights and also quantizes each projection's input, per
+token and at run time (symmetric, one f32 scale per row), so the product itself is int8 x
+int8 accumulated in int32: the integer units of TPU v5e / v6e and of GPU tensor cores run it
+at twice their bfloat16 rate, which helps where products are compute bound (prefill, large
+batches). Decode at small batches is bound by reading the weights, which is the same for
+both formats. The token tables stay weight-only int8: the logits are the product most
+sensitive to rounding its input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +35,10 @@ import numpy as np
 
 # --quantization -> the stored values' dtype and its largest magnitude.
 FORMATS = {"int8": (np.dtype(np.int8), 127.0),
-           "fp8": (np.dtype(jnp.float8_e4m3fn), 448.0)}
+           "fp8": (np.dtype(jnp.float8_e4m3fn), 448.0),
+           "w8a8_int8": (np.dtype(np.int8), 127.0)}
+W8A8 = "w8a8_int8"  # int8 weights whose products also take int8 inputs
+INT8_LARGEST = 127.0
 # Parameters stored in 8 bits: every projection of the decoder layers and of draft heads.
 # Norms, biases, routers, convolutions and the shared expert's gate ([1, H]) keep the model
 # dtype: they are small.
@@ -42,16 +55,17 @@ TABLES = frozenset({"embed", "lm_head"})
 
 def quantized_params(fmt: str) -> frozenset[str]:
     """The parameters --quantization `fmt` stores in 8 bits."""
-    return PROJECTIONS | TABLES if fmt == "int8" else PROJECTIONS
+    return PROJECTIONS if fmt == "fp8" else PROJECTIONS | TABLES
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],
-         meta_fields=["dtype"])
+         meta_fields=["dtype", "int8_inputs"])
 @dataclass(frozen=True)
 class QuantizedWeight:
     values: jax.Array | np.ndarray  # int8 or float8_e4m3fn [*out, in]
     scales: jax.Array | np.ndarray  # f32[*out, in // block]
     dtype: np.dtype  # the model dtype it computes in (what an embedding row comes out as)
+    int8_inputs: bool = False  # w8a8_int8: its products quantize their input rows to int8
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -69,11 +83,18 @@ class QuantizedWeight:
     def reshape(self, *shape: int) -> QuantizedWeight:
         """The out axes regrouped (`shape` ends with the input features, or -1 for them)."""
         out = shape[:-1]
-        return QuantizedWeight(self.values.reshape(*out, self.shape[-1]),
-                               self.scales.reshape(*out, self.num_blocks), self.dtype)
+        return replace(self, values=self.values.reshape(*out, self.shape[-1]),
+                       scales=self.scales.reshape(*out, self.num_blocks))
 
 
-def quantize(weight: np.ndarray, fmt: str) -> QuantizedWeight:
+def quantize_param(name: str, weight: np.ndarray, fmt: str) -> np.ndarray | QuantizedWeight:
+    """Parameter `name` as --quantization `fmt` keeps it (unchanged where it stays float)."""
+    if name not in quantized_params(fmt):
+        return weight
+    return quantize(weight, fmt, int8_inputs=fmt == W8A8 and name in PROJECTIONS)
+
+
+def quantize(weight: np.ndarray, fmt: str, *, int8_inputs: bool = False) -> QuantizedWeight:
     """A float weight [*out, in] -> symmetric per-output-channel 8-bit values and scales
     f32[*out, 1] (host arrays)."""
     dtype, largest = FORMATS[fmt]
@@ -83,7 +104,7 @@ def quantize(weight: np.ndarray, fmt: str) -> QuantizedWeight:
     scaled = w / scales
     if dtype.kind == "i":
         scaled = np.clip(np.rint(scaled), -largest, largest)
-    return QuantizedWeight(scaled.astype(dtype), scales, np.dtype(weight.dtype))
+    return QuantizedWeight(scaled.astype(dtype), scales, np.dtype(weight.dtype), int8_inputs)
 
 
 def dequantize(weight: QuantizedWeight, dtype: jax.typing.DTypeLike) -> jax.Array:
@@ -98,11 +119,28 @@ def is_quantized(weight) -> bool:
     return isinstance(weight, QuantizedWeight)
 
 
-def per_channel_operand(weight: QuantizedWeight, dtype: jax.typing.DTypeLike
-                        ) -> tuple[jax.Array, jax.Array]:
-    """A per-output-channel weight as the product's operand (its values in `dtype`) and the
-    scales [*out] that multiply the product's output."""
-    return weight.values.astype(dtype), weight.scales[..., 0]
+def int8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] -> int8 values [T, in] and f32 scales [T, 1]: symmetric, one scale per row
+    (a token's input to a w8a8_int8 product; rows of zeros get scale 1)."""
+    x32 = x.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / INT8_LARGEST
+    scales = jnp.where(scales > 0, scales, 1.0)
+    values = jnp.clip(jnp.round(x32 / scales), -INT8_LARGEST, INT8_LARGEST)
+    return values.astype(jnp.int8), scales
+
+
+Product = Callable[[jax.Array, jax.Array, Any], jax.Array]
+
+
+def per_channel_product(x: jax.Array, weight: QuantizedWeight, product: Product) -> jax.Array:
+    """`product(lhs [T, in], rhs, accumulator dtype) -> [T, ...]` of x and a per-output-channel
+    weight's values, in float32 and before the weight's scales (which the caller applies to
+    each output channel): int8 x int8 in int32 for w8a8_int8, else the values cast to x's
+    dtype (the cast fuses into the dot)."""
+    if weight.int8_inputs:
+        values, scales = int8_rows(x)
+        return product(values, weight.values, jnp.int32).astype(jnp.float32) * scales
+    return product(x, weight.values.astype(x.dtype), jnp.float32)
 
 
 def embedding_rows(table: jax.Array | QuantizedWeight, ids: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from sgl_jax.layers.quantization import QuantizedWeight, quantize, quantized_params
+from sgl_jax.layers.quantization import QuantizedWeight, quantize_param
 from sgl_jax.models import dflash, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.dflash import DFlashConfig
@@ -80,8 +80,8 @@ def open_checkpoint(model_path: str, revision: str | None = None) -> Checkpoint:
 @dataclass(frozen=True)
 class WeightFormat:
     """How a checkpoint's projections (`quantization.quantized_params`) are kept once
-    loaded: float, quantized here per output channel (`quantize`: int8 or fp8), or as an
-    FP8 checkpoint stores them (`fp8_block`: its [out, in] scale block)."""
+    loaded: float, quantized here per output channel (`quantize`: int8, w8a8_int8 or fp8),
+    or as an FP8 checkpoint stores them (`fp8_block`: its [out, in] scale block)."""
 
     quantize: str | None = None
     fp8_block: tuple[int, int] | None = None
@@ -347,10 +347,8 @@ def load_params(
     source.check(names, {**specs, **scales})
     host = _read_params(source, names, specs, scales, dtype, weights.fp8_block, progress)
     if weights.quantize:
-        chosen = quantized_params(weights.quantize)
-        host = {path: quantize(a, weights.quantize)
-                if path[-1] in chosen and isinstance(a, np.ndarray) else a
-                for path, a in host.items()}
+        host = {path: quantize_param(path[-1], a, weights.quantize)
+                if isinstance(a, np.ndarray) else a for path, a in host.items()}
     return _unflatten(tp.shard_params(host, config))
 
 

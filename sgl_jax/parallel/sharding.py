@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -173,7 +173,7 @@ def param_spec(name: str, param: jax.Array | np.ndarray | QuantizedWeight
     if not isinstance(param, QuantizedWeight):
         return spec
     per_row = param.num_blocks == 1
-    return QuantizedWeight(spec, P(*spec[:-1], None if per_row else spec[-1]), param.dtype)
+    return replace(param, values=spec, scales=P(*spec[:-1], None if per_row else spec[-1]))
 
 
 def split_in_features(name: str) -> bool:

@@ -20,7 +20,12 @@ from transformers import AutoModelForCausalLM
 from sgl_jax import Engine, launch_server
 from sgl_jax.layers.linear import matmul_rows
 from sgl_jax.layers.moe import grouped_matmul
-from sgl_jax.layers.quantization import QuantizedWeight, quantize, quantized_params
+from sgl_jax.layers.quantization import (
+    QuantizedWeight,
+    quantize,
+    quantize_param,
+    quantized_params,
+)
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models.loader import (
@@ -140,10 +145,34 @@ def test_products_equal_the_dequantized_matrix_product(blocks):
         jnp.asarray, experts), jnp.asarray(sizes))), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_w8a8_products_round_each_input_row_to_int8():
+    """w8a8_int8: each token's input row is rounded to int8 on its own symmetric scale and
+    the integer product is exact; against numpy on the rounded integers (the reference
+    rounding written here), for matmul_rows and per expert for grouped_matmul."""
+    x = rng_weight(5, 64, seed=1) * np.array([0.01, 1, 30, 0, 2])[:, None]  # a row of zeros
+    w = rng_weight(6, 64, seed=2)
+    q = quantize_param("w_o", w, "w8a8_int8")
+    assert q.int8_inputs and q.values.dtype == np.int8
+    x_scales = np.abs(x).max(axis=1, keepdims=True) / 127
+    x_scales[x_scales == 0] = 1
+    x_int = np.clip(np.rint(x / x_scales), -127, 127)
+    w_float = q.values.astype(np.float64) * q.scales
+    expected = (x_int @ q.values.astype(np.float64).T) * x_scales * q.scales[:, 0]
+    assert np.abs(expected - x @ w_float.T).max() > 1e-3  # the inputs' rounding shows
+    device_q = jax.tree.map(jnp.asarray, q)
+    np.testing.assert_allclose(np.asarray(matmul_rows(jnp.asarray(x), device_q)), expected,
+                               rtol=1e-5, atol=1e-5)
+    experts = device_q.reshape(3, 2, 64)
+    sizes = jnp.asarray([2, 0, 3], jnp.int32)
+    np.testing.assert_allclose(np.asarray(grouped_matmul(jnp.asarray(x), experts, sizes)),
+                               np.concatenate([expected[:2, 0:2], expected[2:, 4:6]]),
+                               rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- models
 
 
-@pytest.mark.parametrize("fmt,most_kl", [("int8", 0.02), ("fp8", 0.06)])
+@pytest.mark.parametrize("fmt,most_kl", [("int8", 0.02), ("w8a8_int8", 0.03), ("fp8", 0.06)])
 def test_quantized_moe_keeps_projections_in_8_bits_and_the_logits_close(moe, fmt, most_kl):
     """Every projection (attention, experts, shared expert) is 8-bit with one scale per
     output row, the token tables too with int8; norms and the router stay float32;
@@ -154,15 +183,17 @@ def test_quantized_moe_keeps_projections_in_8_bits_and_the_logits_close(moe, fmt
     assert quantized == set(layer) & quantized_params(fmt)
     assert {"w_qkv", "w_o", "w_expert_gate_up", "w_expert_down"} <= quantized
     stored = layer["w_expert_down"]
-    assert stored.values.dtype == (np.int8 if fmt == "int8" else FP8_TYPE)
+    assert stored.values.dtype == (FP8_TYPE if fmt == "fp8" else np.int8)
     assert stored.scales.shape == (*stored.shape[:-1], 1)
-    assert isinstance(model.params["embed"], QuantizedWeight) == (fmt == "int8")
+    assert stored.int8_inputs == (fmt == "w8a8_int8")
+    assert isinstance(model.params["embed"], QuantizedWeight) == (fmt != "fp8")
+    assert not (fmt != "fp8" and model.params["lm_head"].int8_inputs)
     assert model.params["embed"].dtype == jnp.float32 == layer["w_router"].dtype
     ours = our_logits(model, prompts())
     reference = transformers_logits(moe, prompts())
     # Gaussian random weights have no outliers, where e4m3's 3 mantissa bits lose more than
-    # int8's 127 steps per row (measured: int8 0.004, fp8 0.032); a misapplied scale gives
-    # KL above 1.
+    # int8's 127 steps per row (measured: int8 0.003, w8a8_int8 0.005, fp8 0.026); a
+    # misapplied scale gives KL above 1.
     assert mean_kl(reference, ours) < most_kl
 
 

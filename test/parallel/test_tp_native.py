@@ -116,7 +116,8 @@ def test_a_fitted_dflash_head_drafts_whole_blocks_over_a_sharded_target(tmp_path
 
 def test_8_bit_weights_split_as_float_ones_do(tmp_path):
     """The tiny Qwen3-MoE as a block-wise FP8 checkpoint (scales split with their blocks)
-    and quantized to int8 at load (one scale per row, whole on every device): greedy output
+    and quantized to int8 at load (one scale per row, whole on every device; w8a8_int8 also
+    rounds each device's part of a row-parallel product's input on its own): greedy output
     at TP 2 equals TP 1's, the FP8 one is transformers' greedy output on the dequantized
     copy, and each device holds about half the parameters."""
     float_dir = write_tiny_checkpoint(tmp_path / "float", "qwen3_moe")
@@ -124,9 +125,9 @@ def test_8_bit_weights_split_as_float_ones_do(tmp_path):
                                             block=(16, 16))
     fp8_runs = run_subprocess(["--model-path", str(fp8), "--tp-sizes", "1,2"], devices=2)["plain"]
     assert fp8_runs[1]["output_ids"] == transformers_greedy(dequantized)
-    int8_runs = run_subprocess(["--model-path", str(float_dir), "--tp-sizes", "1,2",
-                                "--engine-settings", '{"quantization": "int8"}'],
-                               devices=2)["plain"]
-    for runs in (fp8_runs, int8_runs):
+    int8_runs = [run_subprocess(["--model-path", str(float_dir), "--tp-sizes", "1,2",
+                                 "--engine-settings", json.dumps({"quantization": fmt})],
+                                devices=2)["plain"] for fmt in ("int8", "w8a8_int8")]
+    for runs in (fp8_runs, *int8_runs):
         assert runs[2]["output_ids"] == runs[1]["output_ids"]
         assert runs[2]["param_bytes_per_device"] < 0.6 * runs[1]["param_bytes_per_device"]
