@@ -103,9 +103,9 @@ def weight_format(hf_config: dict[str, Any], quantization: str | None, what: str
     if method != "fp8" or not block or stored.get("activation_scheme", "dynamic") != "dynamic":
         raise CheckpointError(
             f"{what} is quantized with quantization_config {stored}; this "
-            "version loads float checkpoints (--quantization int8 or fp8 stores them in 8 "
-            "bits) and block-wise FP8 ones (quant_method fp8, weight_block_size, dynamic "
-            "activations)")
+            "version loads float checkpoints (--quantization int8, w8a8_int8 or fp8 stores "
+            "them in 8 bits) and block-wise FP8 ones (quant_method fp8, weight_block_size, "
+            "dynamic activations)")
     if quantization not in (None, "fp8"):
         raise CheckpointError(
             f"{what} is an FP8 checkpoint (blocks {block}); --quantization "
