@@ -10,7 +10,8 @@ variants matter here because every layer's attention reads its keys and values b
 the pages it just wrote.
 
     python benchmark/bench_quant_quality.py                      # the demo model
-    python benchmark/bench_quant_quality.py --model tiny-qwen3-moe --answers 0
+    python benchmark/bench_quant_quality.py --model trained-tiny-qwen3-moe --answers 0
+    python benchmark/bench_quant_quality.py --model tiny-qwen3-moe --answers 0   # random
     python benchmark/bench_quant_quality.py --num-tokens 2000 --answers 2   # quick look
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 VARIANTS = {
     "float32": (None, "auto"),
     "int8": ("int8", "auto"),
+    "w8a8_int8": ("w8a8_int8", "auto"),
     "fp8": ("fp8", "auto"),
     "kv fp8_e4m3": (None, "fp8_e4m3"),
     "kv fp8_e5m2": (None, "fp8_e5m2"),
@@ -43,8 +45,10 @@ class Variant:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo",
-                        help="demo, tiny-qwen3-moe (random, written to a temporary folder) or "
-                             "a model path")
+                        help="demo, trained-tiny-qwen3-moe (trained on ShareGPT's first 12000 "
+                             "conversations; cached, the first run trains it for 12 minutes), "
+                             "tiny-qwen3-moe (random, written to a temporary folder) or a model "
+                             "path")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma list from {', '.join(VARIANTS)}; float32 always runs")
     parser.add_argument("--num-tokens", type=int, default=20_000)
@@ -78,6 +82,10 @@ def model_path(model: str, scratch: Path) -> str:
         from sgl_jax.demo import demo_model_path
 
         return str(demo_model_path())
+    if model == "trained-tiny-qwen3-moe":
+        from sgl_jax.testing.trained_moe import trained_tiny_qwen3_moe
+
+        return str(trained_tiny_qwen3_moe())
     if model == "tiny-qwen3-moe":
         from sgl_jax.testing import write_tiny_checkpoint
 
