@@ -305,8 +305,15 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = {
             "outcomes": [dataclasses.asdict(o) for o in
                          lower_all(programs, tuple(args.platforms.split(",")))],
-            "resharded": resharded(programs)}
+            "resharded": resharded(programs),
+            "argument_dtypes": argument_dtypes(programs)}
     Path(args.out).write_text(json.dumps(results))
+
+
+def argument_dtypes(programs: list[Program]) -> list[str]:
+    """Every dtype among the programs' array arguments (parameters and pages included)."""
+    return sorted({str(leaf.dtype) for p in programs for leaf in jax.tree.leaves(p.args)
+                   if hasattr(leaf, "dtype")})
 
 
 if __name__ == "__main__":
