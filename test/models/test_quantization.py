@@ -250,13 +250,15 @@ def draft(moe, tmp_path_factory):
     return write_tiny_eagle3_draft(tmp_path_factory.mktemp("eagle3"), config)
 
 
-def test_speculation_over_quantized_weights_equals_plain_decoding(moe, draft):
-    """An EAGLE3 tree over an int8 target, its draft quantized as the target is (the
-    default): the greedy output equals plain decoding's with the same target weights."""
+@pytest.mark.parametrize("fmt", ["int8", "w8a8_int8"])
+def test_speculation_over_quantized_weights_equals_plain_decoding(moe, draft, fmt):
+    """An EAGLE3 tree over an 8-bit target, its draft quantized as the target is (the
+    default): the greedy output equals plain decoding's with the same target weights (with
+    w8a8_int8, each token's inputs are rounded on its own scale, whatever the batch)."""
     greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    with Engine(model_path=str(moe), quantization="int8", **ENGINE) as engine:
+    with Engine(model_path=str(moe), quantization=fmt, **ENGINE) as engine:
         plain = engine.generate(input_ids=prompts(), sampling_params=[greedy] * 3)
-    with Engine(model_path=str(moe), quantization="int8", speculative_algorithm="EAGLE3",
+    with Engine(model_path=str(moe), quantization=fmt, speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(draft), speculative_num_steps=2,
                 speculative_eagle_topk=2, speculative_num_draft_tokens=4, **ENGINE) as engine:
         assert isinstance(engine._spec.drafter.draft.params["layer"]["fc"], QuantizedWeight)
@@ -266,7 +268,7 @@ def test_speculation_over_quantized_weights_equals_plain_decoding(moe, draft):
 
 @pytest.mark.parametrize("target,flag,expected", [
     (None, None, None), ("int8", None, "int8"), ("fp8", "unquant", None),
-    (None, "int8", "int8"), ("int8", "fp8", "fp8")])
+    (None, "int8", "int8"), ("int8", "fp8", "fp8"), ("w8a8_int8", None, "w8a8_int8")])
 def test_the_draft_format_follows_the_target_unless_the_flag_says(target, flag, expected):
     args = ServerArgs(model_path="m", quantization=target, speculative_algorithm="EAGLE3",
                       speculative_draft_model_path="d",
