@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# --quantization -> the stored values' dtype and its largest magnitude.
-FORMATS = {"int8": (np.dtype(np.int8), 127.0),
-           "fp8": (np.dtype(jnp.float8_e4m3fn), 448.0),
-           "w8a8_int8": (np.dtype(np.int8), 127.0)}
 W8A8 = "w8a8_int8"  # int8 weights whose products also take int8 inputs
 INT8_LARGEST = 127.0
+# --quantization -> the stored values' dtype and its largest magnitude.
+FORMATS = {"int8": (np.dtype(np.int8), INT8_LARGEST),
+           "fp8": (np.dtype(jnp.float8_e4m3fn), 448.0),
+           W8A8: (np.dtype(np.int8), INT8_LARGEST)}
 # Parameters stored in 8 bits: every projection of the decoder layers and of draft heads.
 # Norms, biases, routers, convolutions and the shared expert's gate ([1, H]) keep the model
 # dtype: they are small.

@@ -285,13 +285,13 @@ def _mean_loss(model: Qwen3MoeForCausalLM, sequences: torch.Tensor) -> float:
     """Mean next-token cross-entropy (nats/token) of the model over the sequences."""
     import torch
 
+    batches = sequences.split(BATCH_SIZE)
     model.eval()
     with torch.no_grad():
         losses = [_cross_entropy(model(input_ids=batch).logits, batch).item()
-                  for batch in sequences.split(BATCH_SIZE)]
+                  for batch in batches]
     model.train()
-    sizes = [len(batch) for batch in sequences.split(BATCH_SIZE)]
-    return float(np.average(losses, weights=sizes))
+    return float(np.average(losses, weights=[len(batch) for batch in batches]))
 
 
 def main() -> None:
