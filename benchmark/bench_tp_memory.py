@@ -100,7 +100,7 @@ def measure(path: str, tp_size: int, prompt_len: int, dtype: str) -> dict:
         "device": str(jax.devices()[0].device_kind),
         "param_bytes_per_device": bytes_per_device(leaves),
         "kv_bytes_per_token_per_device": kv_bytes_per_token(model.config, model.dtype, tp),
-        "kv_heads_per_device": tp.kv_heads(model.config) // tp_size,
+        "kv_heads_per_device": tp.kv_heads(model.config.num_kv_heads) // tp_size,
         "logits": logits[0].tolist(),
     }
 

@@ -3,11 +3,11 @@
 from typing import Any
 
 from sgl_jax.import_noise import silence_import_noise
+from sgl_jax.version import __version__
 
 # Here, not in the launcher: the launcher and the Engine both import transformers early.
 silence_import_noise()
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "Engine", "__version__"]
 
 

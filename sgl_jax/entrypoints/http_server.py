@@ -230,5 +230,5 @@ def _install_api_key_check(app: FastAPI, api_key: str) -> None:
 
 
 def _version() -> str:
-    from sgl_jax import __version__
+    from sgl_jax.version import __version__
     return __version__

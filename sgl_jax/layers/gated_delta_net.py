@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers.linear import matmul_rows
-from sgl_jax.models.weights import FusedPart, WeightSpec
+from sgl_jax.layers.weights import FusedPart, WeightSpec
 
 Params = dict[str, Any]
 CHUNK_SIZE = 64

@@ -19,7 +19,7 @@ Parameters of one MoE layer (a flat dict, beside the attention's in a decoder la
     and for a shared expert, all three or none:
     "w_shared_gate_up": [Is, 2, H], "w_shared_down": [H, Is], "w_shared_gate": [1, H]
 Matrices keep the checkpoint's [out, in] layout; tensor parallelism splits the feature axes
-I and Is (see `sgl_jax.models.weights.LOGICAL_AXES`).
+I and Is (see `sgl_jax.layers.weights.LOGICAL_AXES`).
 """
 
 from __future__ import annotations

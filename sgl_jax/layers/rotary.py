@@ -1,12 +1,45 @@
 """Rotary position embeddings (the rotate-half convention of Hugging Face checkpoints)."""
 
+from __future__ import annotations
+
+import dataclasses
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.models.config import RopeConfig
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only: frequencies between these wavelengths are smoothly interpolated.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+        """From a `config.json` in either spelling: the hub's `rope_theta` + `rope_scaling`
+        or the `rope_parameters` block that transformers >= 5 writes."""
+        params = dict(hf.get("rope_parameters") or {})
+        params.update(hf.get("rope_scaling") or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        theta = hf.get("rope_theta", params.get("rope_theta", default_theta))
+        known = {f.name for f in dataclasses.fields(cls)} - {"theta", "rope_type"}
+        extra = {k: v for k, v in params.items() if k in known}
+        return cls(theta=float(theta), rope_type=rope_type, **extra)
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> np.ndarray:

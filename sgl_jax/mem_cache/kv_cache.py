@@ -38,13 +38,13 @@ def allocate_kv_cache(
     kv_dtype: jax.typing.DTypeLike | None = None,
 ) -> list[LayerKV | GdnState]:
     """Per attention layer: (k_pages, v_pages), each kv_dtype[num_pages, kv_heads, page_size,
-    head_dim] with kv_heads = tp.kv_heads(config) (the model's, or one per device when it has
-    fewer) and kv_dtype the model's `dtype` unless given. Per linear-attention layer of a
-    hybrid model: its pool of `num_state_slots` recurrent states, in the dtypes `state_pool`
-    gives them from the model's `dtype`, never kv_dtype (a recurrent state is rewritten every
-    step: rounding it to 8 bits each time would compound)."""
+    head_dim] with kv_heads = tp.kv_heads(config.num_kv_heads) (the model's, or one per device
+    when it has fewer) and kv_dtype the model's `dtype` unless given. Per linear-attention
+    layer of a hybrid model: its pool of `num_state_slots` recurrent states, in the dtypes
+    `state_pool` gives them from the model's `dtype`, never kv_dtype (a recurrent state is
+    rewritten every step: rounding it to 8 bits each time would compound)."""
     tp = tp or TensorParallel.of_size(1)
-    shape = (num_pages, tp.kv_heads(config), page_size, config.head_dim)
+    shape = (num_pages, tp.kv_heads(config.num_kv_heads), page_size, config.head_dim)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     return [allocate_state_pool(config, num_slots=num_state_slots, dtype=dtype, tp=tp)
             if config.is_linear_layer(i)
@@ -55,7 +55,7 @@ def allocate_kv_cache(
 def kv_bytes_per_token(config: ModelConfig, dtype, tp: TensorParallel) -> int:
     """What one token's K and V cost on each device (attention layers only), `dtype` being
     the pages' (`kv_cache_dtype`): fp8 pages cost half of bfloat16's."""
-    heads_per_device = tp.kv_heads(config) // tp.size
+    heads_per_device = tp.kv_heads(config.num_kv_heads) // tp.size
     return (2 * config.num_attention_layers * heads_per_device * config.head_dim
             * jnp.dtype(dtype).itemsize)
 

@@ -1,44 +1,16 @@
-"""Model configuration parsed once from a Hugging Face `config.json`.
-
-Both spellings of the rotary settings are accepted: the hub's `rope_theta` + `rope_scaling`
-and the `rope_parameters` block that transformers >= 5 writes.
-"""
+"""Model configuration parsed once from a Hugging Face `config.json` (the rotary settings by
+`RopeConfig.from_hf`, which accepts both of their spellings), and what it allows tensor
+parallelism."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from sgl_jax.layers.gated_delta_net import GdnConfig
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    # llama3 only: frequencies between these wavelengths are smoothly interpolated.
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
-        params = dict(hf.get("rope_parameters") or {})
-        params.update(hf.get("rope_scaling") or {})
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope scaling type {rope_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        theta = hf.get("rope_theta", params.get("rope_theta", default_theta))
-        known = {f.name for f in dataclasses.fields(cls)} - {"theta", "rope_type"}
-        extra = {k: v for k, v in params.items() if k in known}
-        return cls(theta=float(theta), rope_type=rope_type, **extra)
+from sgl_jax.layers.rotary import RopeConfig
 
 
 @dataclass(frozen=True)
@@ -140,6 +112,41 @@ class ModelConfig:
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                 f"num_experts ({self.num_experts})"
             )
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int, what: str = "the model") -> None:
+    """A clear error when `config` cannot be split `tp_size` ways."""
+    problems = tensor_parallel_problems(config, tp_size)
+    if problems:
+        usable = [t for t in range(1, len(jax.devices()) + 1)
+                  if not tensor_parallel_problems(config, t)]
+        raise ValueError(
+            f"--tp-size {tp_size} cannot split {what}: {'; '.join(problems)}. Sizes "
+            f"that work with the {len(jax.devices())} device(s) here: "
+            f"{', '.join(map(str, usable))}")
+
+
+def tensor_parallel_problems(config: ModelConfig, tp: int) -> list[str]:
+    """What keeps `config` from being split `tp` ways (empty when nothing does)."""
+    problems = []
+    if config.num_heads % tp:
+        problems.append(f"{config.num_heads} attention heads do not divide by {tp}")
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(f"{kv} KV heads neither divide by {tp} nor divide {tp}")
+    if config.has_dense_mlp and config.intermediate_size % tp:
+        problems.append(f"intermediate size {config.intermediate_size} does not divide by {tp}")
+    if config.num_experts and config.moe_intermediate_size % tp:
+        problems.append(f"expert intermediate size {config.moe_intermediate_size} does not "
+                        f"divide by {tp}")
+    if config.shared_expert_intermediate_size % tp:
+        problems.append(f"shared expert intermediate size "
+                        f"{config.shared_expert_intermediate_size} does not divide by {tp}")
+    linear = config.linear_attention
+    if config.is_hybrid and linear.num_key_heads % tp:
+        problems.append(f"{linear.num_key_heads} linear-attention key heads do not divide by "
+                        f"{tp}")
+    return problems
 
 
 def dense_config_from_hf(hf: dict[str, Any], **arch_flags: Any) -> ModelConfig:

@@ -43,9 +43,9 @@ from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerK
 from sgl_jax.layers.attention.native import write_kv
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
+from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import llama
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
-from sgl_jax.models.weights import WeightSpec
 
 ARCHITECTURE = "DFlashDraftModel"
 Params = dict[str, Any]

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from sgl_jax import __version__
 from sgl_jax.cache import user_cache_dir
-from sgl_jax.models.weights import WeightSpec
+from sgl_jax.layers.weights import WeightSpec
+from sgl_jax.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from sgl_jax.layers.moe import has_experts, moe_mlp
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
+from sgl_jax.layers.weights import FusedPart, WeightSpec
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
-from sgl_jax.models.weights import FusedPart, WeightSpec
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 Params = dict[str, Any]

@@ -26,9 +26,9 @@ from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerK
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
+from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf
 from sgl_jax.models.llama import decoder_layer_specs, matmul_rows, mlp, self_attention
-from sgl_jax.models.weights import WeightSpec
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 NUM_CAPTURED = 3  # target states fused by fc

@@ -23,13 +23,13 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from sgl_jax.layers.quantization import QuantizedWeight, quantize_param
+from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import dflash, llama_eagle, llama_eagle3, qwen3_next_mtp
-from sgl_jax.models.config import ModelConfig
+from sgl_jax.models.config import ModelConfig, check_tensor_parallel
 from sgl_jax.models.dflash import DFlashConfig
 from sgl_jax.models.gguf import GGUFCheckpoint, find_gguf_file
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.registry import ModelImpl, get_model_impl
-from sgl_jax.models.weights import WeightSpec
 from sgl_jax.parallel.sharding import TensorParallel, split_in_features
 
 logger = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ def load_params(
     `ignored` / `ignored_prefixes`: tensors a checkpoint may hold that inference does not
     use (by name / by the start of their name); `weights`: how projections are kept."""
     tp = tp or TensorParallel.of_size(1)
-    tp.check(config, what=what)
+    check_tensor_parallel(config, tp.size, what)
     all_names = source.names()
     scales = fp8_scale_specs(specs, all_names, weights.fp8_block, tp.size, what)
     names = [n for n in all_names
@@ -349,7 +349,7 @@ def load_params(
     if weights.quantize:
         host = {path: quantize_param(path[-1], a, weights.quantize)
                 if isinstance(a, np.ndarray) else a for path, a in host.items()}
-    return _unflatten(tp.shard_params(host, config))
+    return _unflatten(tp.shard_params(host, head_dim=config.head_dim))
 
 
 def _read_params(source: TensorSource, names: list[str], specs: dict[str, WeightSpec],

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from sgl_jax.layers.weights import FusedPart, WeightSpec
 from sgl_jax.models import llama
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf, moe_fields_from_hf
-from sgl_jax.models.weights import FusedPart, WeightSpec
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 _ALL = slice(None)

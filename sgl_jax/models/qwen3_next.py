@@ -28,9 +28,9 @@ import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net as gdn
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata
+from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import llama, qwen3_moe
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf, moe_fields_from_hf
-from sgl_jax.models.weights import WeightSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
 # The hub checkpoints carry a multi-token-prediction head, which plain decoding never runs.

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
 from sgl_jax.layers.quantization import embedding_rows
+from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import llama, qwen3_moe
 from sgl_jax.models.config import ModelConfig
-from sgl_jax.models.weights import WeightSpec
 
 PREFIX = "mtp."
 _LAYER = PREFIX + "layers.0."

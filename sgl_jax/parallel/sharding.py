@@ -1,5 +1,6 @@
-"""Tensor parallelism: the logical axes models name (`models.weights.LOGICAL_AXES`) mapped onto
-the mesh, and the few places where the model's arrays meet it.
+"""Tensor parallelism: the logical axes the layers name (`layers.weights.LOGICAL_AXES`) mapped
+onto the mesh, and the few places where the model's arrays meet it. Which sizes a model can
+be split by is the model's to say (`models.config.check_tensor_parallel`).
 
 Megatron-style: q/k/v and gate/up are split by output (column-parallel), o and down by input
 (row-parallel, so XLA adds one all-reduce after each), embedding and lm_head by vocabulary
@@ -27,8 +28,7 @@ from jax.sharding import PartitionSpec as P
 from sgl_jax.layers.attention import AttentionBackend
 from sgl_jax.layers.gated_delta_net import GdnState
 from sgl_jax.layers.quantization import QuantizedWeight
-from sgl_jax.models.config import ModelConfig
-from sgl_jax.models.weights import LOGICAL_AXES
+from sgl_jax.layers.weights import LOGICAL_AXES
 from sgl_jax.parallel.mesh import DP_AXIS, TP_AXIS, make_mesh
 
 # Logical axis -> mesh axis; axes not named here are replicated. Mixture-of-experts layers
@@ -69,42 +69,30 @@ class TensorParallel:
         """Arrays [B, ...] whose rows split over the data-parallel axis."""
         return NamedSharding(self.mesh, P(DP_AXIS if self.dp_size > 1 else None))
 
-    # ------------------------------------------------------------------ what a model allows
-
-    def check(self, config: ModelConfig, what: str = "the model") -> None:
-        """A clear error when `config` cannot be split `size` ways."""
-        problems = _split_problems(config, self.size)
-        if problems:
-            usable = [t for t in range(1, len(jax.devices()) + 1)
-                      if not _split_problems(config, t)]
-            raise ValueError(
-                f"--tp-size {self.size} cannot split {what}: {'; '.join(problems)}. Sizes "
-                f"that work with the {len(jax.devices())} device(s) here: "
-                f"{', '.join(map(str, usable))}")
-
-    def kv_heads(self, config: ModelConfig) -> int:
+    def kv_heads(self, num_kv_heads: int) -> int:
         """KV heads in the cache: the model's, or one copy per device when it has fewer."""
-        return max(config.num_kv_heads, self.size)
+        return max(num_kv_heads, self.size)
 
     # ------------------------------------------------------------------ parameters
 
-    def shard_params(self, host: dict[tuple, np.ndarray], config: ModelConfig
+    def shard_params(self, host: dict[tuple, np.ndarray], *, head_dim: int
                      ) -> dict[tuple, jax.Array]:
         """Host arrays (by pytree path) -> arrays on the mesh; each device receives only its
-        own shard."""
+        own shard. `head_dim` locates k and v in a fused q|k|v copied once per device (a
+        model with fewer KV heads than devices)."""
         out = {}
         for path, array in host.items():
             name = path[-1]
-            array = jax.tree.map(lambda a, name=name: self._adapt(name, a, config), array)
+            array = jax.tree.map(lambda a, name=name: self._adapt(name, a, head_dim), array)
             specs = param_spec(name, array)
             out[path] = jax.device_put(
                 array, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
                                     is_leaf=lambda x: isinstance(x, P)))
         return out
 
-    def _adapt(self, name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    def _adapt(self, name: str, array: np.ndarray, head_dim: int) -> np.ndarray:
         if name in _QKV and array.shape[0] < self.size:
-            return _copy_kv_heads(array, self.size // array.shape[0], config.head_dim)
+            return _copy_kv_heads(array, self.size // array.shape[0], head_dim)
         if name in _VOCAB_TABLES and array.shape[0] % self.size:
             rows = -array.shape[0] % self.size  # never looked up, cut from the logits
             return np.concatenate([array, np.zeros((rows, *array.shape[1:]), array.dtype)])
@@ -185,28 +173,6 @@ def split_in_features(name: str) -> bool:
 def bytes_per_device(arrays: Iterable[jax.Array]) -> int:
     """What the arrays occupy on one device (the first of their mesh)."""
     return sum(x.addressable_shards[0].data.nbytes for x in arrays)
-
-
-def _split_problems(config: ModelConfig, tp: int) -> list[str]:
-    problems = []
-    if config.num_heads % tp:
-        problems.append(f"{config.num_heads} attention heads do not divide by {tp}")
-    kv = config.num_kv_heads
-    if kv % tp and tp % kv:
-        problems.append(f"{kv} KV heads neither divide by {tp} nor divide {tp}")
-    if config.has_dense_mlp and config.intermediate_size % tp:
-        problems.append(f"intermediate size {config.intermediate_size} does not divide by {tp}")
-    if config.num_experts and config.moe_intermediate_size % tp:
-        problems.append(f"expert intermediate size {config.moe_intermediate_size} does not "
-                        f"divide by {tp}")
-    if config.shared_expert_intermediate_size % tp:
-        problems.append(f"shared expert intermediate size "
-                        f"{config.shared_expert_intermediate_size} does not divide by {tp}")
-    linear = config.linear_attention
-    if config.is_hybrid and linear.num_key_heads % tp:
-        problems.append(f"{linear.num_key_heads} linear-attention key heads do not divide by "
-                        f"{tp}")
-    return problems
 
 
 def _copy_kv_heads(array: np.ndarray, copies: int, head_dim: int) -> np.ndarray:

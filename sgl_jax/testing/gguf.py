@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
-from sgl_jax.models.config import RopeConfig
+from sgl_jax.layers.rotary import RopeConfig
 from sgl_jax.models.gguf import llama3_rope_divisors, permute_rows
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",

@@ -115,7 +115,7 @@ def run_tp_sizes(model_path: str, tp_sizes: list[int], *, draft_model_path: str 
                 "accept_length": info.get("avg_spec_accept_length"),
                 "param_bytes_per_device": bytes_per_device(jax.tree.leaves(engine.model.params)),
                 "param_bytes": sum(x.nbytes for x in jax.tree.leaves(engine.model.params)),
-                "kv_heads": engine.model.tp.kv_heads(engine.model.config),
+                "kv_heads": engine.model.tp.kv_heads(engine.model.config.num_kv_heads),
                 "devices": len(engine.model.tp.mesh.devices.flat),
             }
     return results

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgl_jax.layers.weights import checkpoint_tensors
 from sgl_jax.models import dflash, llama
 from sgl_jax.models.dflash import DFlashConfig
 from sgl_jax.models.loader import LoadedModel, load_params
-from sgl_jax.models.weights import checkpoint_tensors
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.training.draft import INIT_STD, ArraySource, save_head
 from sgl_jax.training.objective import Batch

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from sgl_jax.layers.weights import WeightSpec, checkpoint_tensors
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.llama_eagle3 import Eagle3Config
 from sgl_jax.models.loader import LoadedModel, load_params
-from sgl_jax.models.weights import WeightSpec, checkpoint_tensors
 from sgl_jax.parallel import TensorParallel
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama

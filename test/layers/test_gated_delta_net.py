@@ -17,7 +17,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from sgl_jax.layers import gated_delta_net as gdn
 from sgl_jax.layers.gated_delta_net import GdnConfig, GdnState
-from sgl_jax.models.weights import checkpoint_tensors
+from sgl_jax.layers.weights import checkpoint_tensors
 
 NK, NV, DK, DV, K, H = 4, 8, 16, 16, 4, 64
 CONFIG = GdnConfig(H, NK, NV, DK, DV, K)

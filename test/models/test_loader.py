@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from sgl_jax.models.config import RopeConfig
+from sgl_jax.layers.rotary import RopeConfig
 from sgl_jax.models.loader import CheckpointError, LoadedModel, load_model
 from sgl_jax.testing import write_tiny_checkpoint
 

@@ -11,13 +11,13 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
 from sgl_jax import Engine
+from sgl_jax.layers.weights import checkpoint_tensors
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models import qwen3_moe
+from sgl_jax.models.config import tensor_parallel_problems
 from sgl_jax.models.loader import load_model
 from sgl_jax.models.registry import supported_architectures
-from sgl_jax.models.weights import checkpoint_tensors
-from sgl_jax.parallel.sharding import _split_problems
 from sgl_jax.testing import tiny_config, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.parallel import run_subprocess, transformers_greedy
@@ -89,12 +89,13 @@ def test_config_reads_both_spellings_of_the_expert_count():
 
 def test_tp_names_an_expert_width_that_does_not_divide():
     config = qwen3_moe.config_from_hf(tiny_config("qwen3_moe", moe_intermediate_size=30).to_dict())
-    assert _split_problems(config, 4) == ["expert intermediate size 30 does not divide by 4"]
-    assert _split_problems(config, 2) == []
+    assert tensor_parallel_problems(config, 4) == [
+        "expert intermediate size 30 does not divide by 4"]
+    assert tensor_parallel_problems(config, 2) == []
     # no layer is dense: the unused intermediate_size need not divide
     config = qwen3_moe.config_from_hf(
         tiny_config("qwen3_moe", mlp_only_layers=[], intermediate_size=30).to_dict())
-    assert _split_problems(config, 4) == []
+    assert tensor_parallel_problems(config, 4) == []
 
 
 # --------------------------------------------------------------------------- weights

@@ -23,12 +23,12 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from sgl_jax import Engine
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
+from sgl_jax.layers.weights import checkpoint_tensors
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models import qwen3_next
 from sgl_jax.models.loader import load_model
 from sgl_jax.models.registry import supported_architectures
-from sgl_jax.models.weights import checkpoint_tensors
 from sgl_jax.testing import tiny_config, write_tiny_checkpoint
 from sgl_jax.testing.mtp import write_mtp_tensors
 from sgl_jax.testing.parallel import prompts as tp_prompts

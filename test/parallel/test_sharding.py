@@ -8,10 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from sgl_jax.models.config import ModelConfig, RopeConfig
+from sgl_jax.layers.rotary import RopeConfig
+from sgl_jax.models.config import ModelConfig, tensor_parallel_problems
 from sgl_jax.parallel import make_mesh
 from sgl_jax.parallel.multihost import Mirrored, StepReceiver, StepSender, follow
-from sgl_jax.parallel.sharding import _copy_kv_heads, _split_problems
+from sgl_jax.parallel.sharding import _copy_kv_heads
 from sgl_jax.testing.parallel import cpu_devices_env
 from sgl_jax.testing.server import free_port
 
@@ -49,8 +50,8 @@ def test_copied_kv_heads_serve_the_q_heads_that_read_them(heads, kv_heads, tp):
     (config(heads=12, kv_heads=3), 4, ["3 KV heads neither divide by 4 nor divide 4"]),
     (config(intermediate=100), 8, ["intermediate size 100 does not divide by 8"]),
 ])
-def test_split_problems_name_what_does_not_divide(model, tp, problems):
-    assert _split_problems(model, tp) == problems
+def test_tensor_parallel_problems_name_what_does_not_divide(model, tp, problems):
+    assert tensor_parallel_problems(model, tp) == problems
 
 
 def test_a_mesh_larger_than_the_devices_is_refused():

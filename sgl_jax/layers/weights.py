@@ -1,5 +1,7 @@
-"""How a checkpoint tensor maps into a model's parameter pytree, and the logical axes of every
-parameter (which `sgl_jax.parallel` maps onto a device mesh)."""
+"""The parameters the layers define: how a checkpoint tensor maps into a model's parameter
+pytree, and the logical axes of every parameter (which `sgl_jax.parallel` maps onto a device
+mesh). Here, below the models and the mesh, so that a layer can name its own tensors and
+`parallel` can split them without importing a model."""
 
 from __future__ import annotations
 
