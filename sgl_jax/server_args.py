@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
-from sgl_jax.speculative.suffix_index import SuffixConfig
+from sgl_jax.speculative.suffix_config import SuffixConfig
 
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.

@@ -25,7 +25,8 @@ import numpy as np
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.drafts import TreeShape
 from sgl_jax.speculative.proposal import align_proposals
-from sgl_jax.speculative.suffix_index import SuffixConfig, SuffixIndex
+from sgl_jax.speculative.suffix_config import SuffixConfig
+from sgl_jax.speculative.suffix_index import SuffixIndex
 from sgl_jax.speculative.tree import DraftTree
 
 IN_STEP, IN_ROUND = 1, 2  # NgramHints.behind: what is in flight for the row

@@ -13,8 +13,9 @@ import random
 import numpy as np
 import pytest
 
-from sgl_jax.speculative import suffix_index
-from sgl_jax.speculative.suffix_index import Proposal, SuffixConfig, SuffixIndex
+from sgl_jax.speculative import suffix_trie
+from sgl_jax.speculative.suffix_config import SuffixConfig
+from sgl_jax.speculative.suffix_index import Proposal, SuffixIndex
 
 # ---------------------------------------------------------------- the brute-force reference
 
@@ -169,7 +170,7 @@ def test_matches_reference(seed, monkeypatch):
     rng = random.Random(seed)
     cfg = random_config(rng)
     # Nodes with more children than _WIDE keep a record of their frequent children.
-    monkeypatch.setattr(suffix_index, "_WIDE", rng.choice([0, 1, 3, 16]))
+    monkeypatch.setattr(suffix_trie, "_WIDE", rng.choice([0, 1, 3, 16]))
     vocab = rng.choice([2, 3, 4, 6])
     index, ref = SuffixIndex(cfg), RefIndex(cfg)
     pool: list[list[int]] = []
