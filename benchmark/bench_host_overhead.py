@@ -91,7 +91,7 @@ def engine_run_seconds(engine, prompts: list[list[int]], new_tokens: int) -> flo
 
 def scheduler_counters(engine) -> tuple[int]:
     """(decode steps or speculative rounds of the whole batch) the engine has run so far."""
-    return engine._require_loop().call(lambda scheduler: (scheduler.stats.num_decode_steps,))
+    return engine.runtime.call(lambda scheduler: (scheduler.stats.num_decode_steps,))
 
 
 def engine_and_replay_ms(engine, owner, dispatches: tuple[str, ...], prompts: list[list[int]],
@@ -167,7 +167,7 @@ def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
                          disable_overlap_schedule=args.disable_overlap_schedule)
     try:
         prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
-        timings = engine_and_replay_ms(engine, engine._runner, ("launch",), prompts,
+        timings = engine_and_replay_ms(engine, engine.runtime.runner, ("launch",), prompts,
                                        args.short, args.steps)
     finally:
         engine.shutdown()
@@ -188,8 +188,8 @@ def bench_speculative(batch: int, args, algorithm: str = "EAGLE3") -> dict:
         prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
         if algorithm == "NGRAM":
             prompts = [prompt * 4 for prompt in prompts]
-        timings = engine_and_replay_ms(engine, engine._spec, ("prefill", "round"), prompts,
-                                       args.short, args.steps)
+        timings = engine_and_replay_ms(engine, engine.runtime.spec_runner, ("prefill", "round"),
+                                       prompts, args.short, args.steps)
     finally:
         engine.shutdown()
     label = "demo" if algorithm == "EAGLE3" else f"demo {algorithm}"

@@ -402,7 +402,7 @@ def profile_decode_step(model: LoadedModel, runner: ModelRunner, page_ids: list,
 
     def jitted_step(batch):
         state = runner.state
-        state.kv_cache, logits, _ = runner._logits_step(model.params, state.kv_cache, batch)
+        state.kv_cache, logits, _ = runner.logits_step(model.params, state.kv_cache, batch)
         ready["logits"] = logits
         return logits.block_until_ready()
 

@@ -123,8 +123,10 @@ class Setup:
         from sgl_jax.model_executor.model_runner import ModelRunner
         from sgl_jax.models.loader import load_model, read_hf_config
         from sgl_jax.server_args import ServerArgs
-        from sgl_jax.speculative.drafts import TreeShape
-        from sgl_jax.speculative.setup import load_draft, make_spec_runner
+        from sgl_jax.speculative.config import TreeShape
+        from sgl_jax.speculative.factories import make_drafter, round_shapes
+        from sgl_jax.speculative.spec_runner import SpecRunner
+        from sgl_jax.speculative.verify import AcceptThresholds
 
         self.shape = TreeShape(*shape)
         plain = shape[0] == 0  # compiled beside a one-step chain, as the adaptive policy does
@@ -152,8 +154,12 @@ class Setup:
                                   attention_backend=server_args.attention_backend,
                                   num_state_slots=max_batch + 1 if hybrid else 0,
                                   num_request_slots=buckets.max_seqs)  # request i: slot i
-        self.spec = make_spec_runner(server_args, self.runner,
-                                     load_draft(server_args, self.model))
+        spec = server_args.speculative
+        shapes = round_shapes(spec, adaptive=plain)
+        drafter = make_drafter(spec, self.model, attention_backend=server_args.attention_backend,
+                               page_size=args.page_size, shapes=shapes).drafter
+        self.spec = SpecRunner(self.runner, drafter, spec.shape, shapes=shapes,
+                               thresholds=AcceptThresholds(1.0, 1.0))
         self.num_tokens = self.shape.num_draft_tokens
         self.tree_parents = _tree_parents(*shape)
 
@@ -216,11 +222,12 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     # A round reads each request's draft root from its slot (SlotState.draft): the same
     # random root hidden states go there. Later rounds overwrite them with the draft's
     # output, which costs the same (every shape is fixed).
-    slot_roots = np.array(spec.state.slot_state.draft)
+    draft_state = spec.draft_state
+    slot_roots = np.array(draft_state.slots.draft)
     slot_roots[:batch] = root_hidden[:batch]
     state = runner.state  # the spec runner's too
-    state.slot_state = dataclasses.replace(state.slot_state,
-                                           draft=spec.tp.put_replicated(slot_roots))
+    draft_state.slots = dataclasses.replace(draft_state.slots,
+                                            draft=spec.tp.put_replicated(slot_roots))
     tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
                      np.tile(setup.tree_parents, (padded, 1)))
     want_top = np.bool_(False)
@@ -232,8 +239,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     def draft_part(params, kv, rows, root_hidden, sampling, suppress, verified):
         """The round's draft work: grow the tree, then extend over the accepted path."""
         inputs = inputs_of(rows, root_hidden, sampling, suppress)
-        tree, kv = spec.drafter.propose(params, kv, inputs, rows.page_table, rows.state_slots,
-                                        None, shape=shape)
+        tree, kv = spec.propose(params, kv, inputs, rows, shape)
         root, kv = spec.drafter.advance(params, kv, tree, verified, inputs, rows.page_table,
                                         rows.state_slots)
         return kv, (tree, root)
@@ -248,7 +254,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     _, verified = jax.jit(verify_part)(
         runner.model.params, state.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
-    whole = spec._rounds[shape]  # the program SpecRunner.round runs
+    whole = spec.round_programs[shape]  # the program SpecRunner.round runs
     device_arrays = jax.device_put((rows, request_sampling, want_top))
 
     def run_verify():
@@ -256,14 +262,14 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return out
 
     def run_draft():
-        state.draft_kv, out = draft(spec.drafter.params, state.draft_kv, rows, root_hidden,
+        draft_state.kv, out = draft(spec.drafter.params, draft_state.kv, rows, root_hidden,
                                     request_sampling, suppress, verified)
         return out
 
     def run_round_device():
-        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens, out) = whole(
-            runner.model.params, spec.drafter.params, state.kv_cache, state.draft_kv,
-            state.slot_state, state.last_tokens, *device_arrays)
+        (state.kv_cache, draft_state.kv, draft_state.slots, state.last_tokens, out) = whole(
+            runner.model.params, spec.drafter.params, state.kv_cache, draft_state.kv,
+            draft_state.slots, state.last_tokens, *device_arrays)
         return out
 
     catch_up_rows = [CatchUpRow(
@@ -274,7 +280,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     def run_catch_up():
         spec.catch_up(catch_up_rows)
-        return state.slot_state  # what it writes: blocking on it waits for the catch-up
+        return draft_state.slots  # what it writes: blocking on it waits for the catch-up
 
     deferred = shape.num_draft_tokens == 1 and spec.defers_draft
     ms = median_ms({"decode": decode,

@@ -30,11 +30,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     # process can read an entry another one (a replica, a test worker) is still writing,
     # and a torn executable aborts the reader.
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
-    _date_undated_entries(directory)
+    date_undated_entries(directory)
     return directory
 
 
-def _date_undated_entries(directory: Path) -> None:
+def date_undated_entries(directory: Path) -> None:
     """Give an access time to every entry written without one (by a process without the size
     limit, such as an older sgl-jax). JAX's eviction reads every entry's access time before
     it writes a new one, so one undated entry made every later write fail. Undated entries

@@ -108,13 +108,13 @@ def iter_sharegpt(path: str | os.PathLike | None = None) -> Iterator[dict]:
     file cut short (as a size-capped copy is) yields the records before the cut.
     """
     with open(_resolve(path, SHAREGPT), encoding="utf-8") as f:
-        yield from _iter_json_array(f)
+        yield from iter_json_array(f)
 
 
 _SEPARATOR = re.compile(r"[\s,]*")
 
 
-def _iter_json_array(f: IO[str], chunk_chars: int = 1 << 22) -> Iterator[object]:
+def iter_json_array(f: IO[str], chunk_chars: int = 1 << 22) -> Iterator[object]:
     """The elements of the JSON array in `f`, decoded one at a time."""
     decoder = json.JSONDecoder()
     buf, eof = f.read(chunk_chars).lstrip(), False

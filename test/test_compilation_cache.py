@@ -4,7 +4,7 @@ reads every entry's access time before each write."""
 
 import pytest
 
-from sgl_jax.cache import COMPILATION_CACHE_BYTES, _date_undated_entries
+from sgl_jax.cache import COMPILATION_CACHE_BYTES, date_undated_entries
 
 lru_cache = pytest.importorskip("jax._src.lru_cache")  # the cache JAX writes through
 
@@ -14,7 +14,7 @@ def test_an_undated_entry_no_longer_blocks_writes(tmp_path):
     cache = lru_cache.LRUCache(str(tmp_path), max_size=COMPILATION_CACHE_BYTES)
     with pytest.raises(FileNotFoundError):  # what every write met before
         cache.put("new-program", b"just compiled")
-    _date_undated_entries(tmp_path)
+    date_undated_entries(tmp_path)
     cache.put("new-program", b"just compiled")
     assert cache.get("new-program") == b"just compiled"
     assert cache.get("old-program") == b"compiled long ago"
@@ -22,7 +22,7 @@ def test_an_undated_entry_no_longer_blocks_writes(tmp_path):
 
 def test_undated_entries_are_evicted_first(tmp_path):
     (tmp_path / "old-program-cache").write_bytes(b"x" * 40)
-    _date_undated_entries(tmp_path)
+    date_undated_entries(tmp_path)
     cache = lru_cache.LRUCache(str(tmp_path), max_size=100)
     cache.put("recent", b"y" * 40)
     cache.put("newest", b"z" * 40)  # over the limit: the oldest entry goes
@@ -31,5 +31,5 @@ def test_undated_entries_are_evicted_first(tmp_path):
 
 
 def test_a_missing_directory_is_left_to_jax(tmp_path):
-    _date_undated_entries(tmp_path / "absent")
+    date_undated_entries(tmp_path / "absent")
     assert not (tmp_path / "absent").exists()

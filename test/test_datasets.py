@@ -63,8 +63,8 @@ def test_missing_package_names_the_pip_command():
 def test_json_array_streams_every_element(chunk_chars):
     items = [{"id": i, "text": "x" * (i * 13), "nested": [1, {"a": "]"}]} for i in range(20)]
     stream = io.StringIO("\n  " + json.dumps(items, indent=1) + "\n")
-    assert list(datasets._iter_json_array(stream, chunk_chars)) == items
-    assert list(datasets._iter_json_array(io.StringIO("[]"), chunk_chars)) == []
+    assert list(datasets.iter_json_array(stream, chunk_chars)) == items
+    assert list(datasets.iter_json_array(io.StringIO("[]"), chunk_chars)) == []
 
 
 def test_truncated_sharegpt_yields_the_complete_records(tmp_path, caplog):

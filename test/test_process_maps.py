@@ -88,13 +88,13 @@ def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
     with Engine(model_path=str(target), speculative_algorithm="STANDALONE",
                 speculative_draft_model_path=str(target), speculative_num_steps=3,
                 speculative_eagle_topk=1, **buckets) as engine:
-        timed = engine._spec.round_seconds
+        timed = engine.runtime.spec_runner.round_seconds
         assert {bucket for _, bucket in timed} == {1}
         # Every request drafts and every round takes the chain, whatever timings a busy
         # machine measured (the bucket is still timed first: the decoder asks before).
-        policy = engine._loop.scheduler.decoding.policy
+        policy = engine.runtime.scheduler.decoding.policy
         policy.admits_draft = lambda *_, **__: True
-        policy.choose = lambda *_, **__: engine._spec.shape
+        policy.choose = lambda *_, **__: engine.runtime.spec_runner.shape
         outputs = [o["output_ids"] for o in engine.generate(input_ids=prompts,
                                                             sampling_params=GREEDY)]
         assert {bucket for _, bucket in timed} == {1, 8}

@@ -24,7 +24,7 @@ class ServerMetrics:
         self._label = {"model_name": model_name}
         self._last_output_at: dict[str, float] = {}  # rid -> time of its latest token
         self._define()
-        engine.output_observer = self.on_output
+        engine.outputs.observer = self.on_output
 
     def _define(self) -> None:
         names = ["model_name"]
@@ -135,7 +135,7 @@ class ServerMetrics:
         totals += [(self.vllm_accepted_per_pos, {**label, "position": str(position)}, count)
                    for position, count in enumerate(info["spec_accepted_per_position"])]
         for counter, labels, total in totals:  # counters only go up: raise by what is new
-            key = (counter._name, *labels.values())
+            key = (id(counter), *labels.values())
             counter.labels(**labels).inc(total - self._vllm_seen.get(key, 0))
             self._vllm_seen[key] = total
 

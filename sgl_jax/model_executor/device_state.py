@@ -2,15 +2,16 @@
 
 The plain decode step and every speculative program read and write the same KV cache, the
 same per-slot last tokens and (hybrid models) the same recurrent-state pool, so they live in
-one object that the engine's runners share. Programs take these arrays donated and return
-their successors, which the runner that dispatched the program stores back here: a donated
-buffer is gone after the call, so nothing else may keep a reference to one.
+one object that the engine's runners share; what only speculation keeps (a drafter's cache,
+the slots' round state) is the speculative runner's own (speculative/round.py). Programs take
+these arrays donated and return their successors, which the runner that dispatched the
+program stores back here: a donated buffer is gone after the call, so nothing else may keep a
+reference to one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import jax
 
@@ -28,9 +29,3 @@ class DeviceState:
     # i32[num_request_slots]: each request slot's last sampled token, so a decode step can
     # take its input from the step before without the host reading it first.
     last_tokens: jax.Array
-    # A speculative drafter's own paged KV cache (page ids and KV dtype the target's); empty
-    # for plain decoding and for drafters that keep none.
-    draft_kv: list = field(default_factory=list)
-    # speculative.round.SlotState: per request slot, what the round in flight left for the
-    # next (lengths, samples drawn, the drafter's row); None for plain decoding.
-    slot_state: Any = None

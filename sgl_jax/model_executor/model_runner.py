@@ -43,6 +43,7 @@ from sgl_jax.model_executor.forward_batch import (
 from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
 from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.models.loader import LoadedModel
+from sgl_jax.parallel.multihost import device_call
 from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.sampling_params import MAX_LOGIT_BIAS
 
@@ -135,7 +136,7 @@ class ModelRunner:
         self.target_forward = TargetForward(
             model, self.tp.attention(get_attention_backend(attention_backend)))
         forward = functools.partial(self._forward, capture=capture_layers)
-        self._logits_step = jax.jit(
+        self.logits_step = jax.jit(
             functools.partial(self._logits_step_impl, forward=forward), donate_argnums=(1,)
         )
         self._sampling_step = jax.jit(
@@ -163,12 +164,13 @@ class ModelRunner:
             shape = shape.with_logits_for_every_token()
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         state = self.state
-        state.kv_cache, logits, captured = self._logits_step(self.model.params, state.kv_cache,
+        state.kv_cache, logits, captured = self.logits_step(self.model.params, state.kv_cache,
                                                              batch)
         tokens = np.concatenate(token_positions(chunks, shape))  # real tokens in the padded batch
         logits = np.asarray(logits)[tokens if all_logits else slice(len(chunks))]
         return logits, tuple(np.asarray(h)[tokens] for h in captured)
 
+    @device_call
     def step(
         self,
         chunks: Sequence[SeqChunk],  # a decode chunk's token -1: its slot's last sampled token
@@ -194,6 +196,7 @@ class ModelRunner:
                            pad_rows(emits, rows, False), n, want_top_logprobs=want_top_logprobs,
                            want_logprobs=want_logprobs)
 
+    @device_call
     def launch(
         self,
         batch: ForwardBatch,  # a bucket's shape (build_forward_batch, build_decode_batch)
@@ -218,6 +221,7 @@ class ModelRunner:
         return PendingStep(num_rows, out.tokens, out.logprob if want_logprobs else None,
                            top if want_top_logprobs else None)
 
+    @device_call
     def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
         """Start a request with penalties in `slot`: clear its counts, mark its prompt as seen."""
         width = self.buckets.prompt_width(len(prompt_ids))
@@ -296,6 +300,14 @@ class ModelRunner:
         return self.tp.constrain_replicated(reset_slots(penalties, slots, prompt_ids))
 
     # ------------------------------------------------------------------ helpers
+
+    def scratch_state_slots(self, count: int) -> list[int]:
+        """State slots for `count` warm-up rows: a hybrid model's need distinct real slots
+        (their states are scratch: no request holds a slot during warm-up), others the null
+        slot."""
+        if not self.num_state_slots:
+            return [0] * count
+        return [1 + i % (self.num_state_slots - 1) for i in range(count)]
 
     def _check_state_slots(self, chunks: Sequence[SeqChunk]) -> None:
         """A hybrid model's chunks must each name a distinct real state slot."""

@@ -57,11 +57,11 @@ def hf_weight_specs(config: ModelConfig, names: Collection[str] | None = None
     if not config.tie_word_embeddings:
         specs["lm_head.weight"] = WeightSpec(("lm_head",), (v, h))
     for i in range(config.num_layers):
-        specs.update(_layer_weight_specs(config, i))
+        specs.update(layer_weight_specs(config, i))
     return specs
 
 
-def _layer_weight_specs(config: ModelConfig, i: int) -> dict[str, WeightSpec]:
+def layer_weight_specs(config: ModelConfig, i: int) -> dict[str, WeightSpec]:
     return decoder_layer_specs(config, f"model.layers.{i}.", ("layers", i))
 
 

@@ -45,7 +45,7 @@ def hf_weight_specs(config: ModelConfig, names: Collection[str]
     if prefix + "embed_tokens.weight" in names:
         specs[prefix + "embed_tokens.weight"] = WeightSpec(("embed",), (config.vocab_size, h))
     for i in range(config.num_layers):
-        for name, spec in llama._layer_weight_specs(config, i).items():
+        for name, spec in llama.layer_weight_specs(config, i).items():
             specs[prefix + name.removeprefix("model.")] = spec
     unused_norm = prefix + "layers.0.input_layernorm.weight"
     del specs[unused_norm]

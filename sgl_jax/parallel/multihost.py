@@ -1,10 +1,10 @@
 """Multi-host serving: rank 0 schedules, every rank runs the same device steps.
 
 JAX's multi-controller runtime needs every process to launch the same jitted computations in
-the same order. Rank 0 owns the scheduler; before each device call it sends the call (method
-and host arguments) to the other ranks over a TCP channel at --dist-init-addr's port + 1, and
-they replay it on their own runner. Warm-up runs on every rank from the same settings, so it
-needs no messages.
+the same order. Rank 0 owns the scheduler; before each device call (a runner method marked
+`device_call`) it sends the call (method and host arguments) to the other ranks over a TCP
+channel at --dist-init-addr's port + 1, and they replay it on their own runner. Warm-up runs
+on every rank from the same settings, so it needs no messages.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pickle
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -109,15 +110,27 @@ class StepReceiver:
         self._sock.close()
 
 
-class Mirrored:
-    """Rank 0's view of a runner: the listed methods are sent to the followers, then run."""
+def device_call(method: Callable) -> Callable:
+    """Marks a runner method that launches device work: on rank 0 of several, each call is
+    sent to the other ranks first, which replay it (`Mirrored`, `follow`). Only marked
+    methods are sent or replayed."""
+    method.replayed_by_followers = True
+    return method
 
-    def __init__(self, target: Any, name: str, methods: tuple[str, ...], sender: StepSender):
-        self._target, self._name, self._methods, self._sender = target, name, methods, sender
+
+def is_device_call(method: Any) -> bool:
+    return getattr(method, "replayed_by_followers", False)
+
+
+class Mirrored:
+    """Rank 0's view of a runner: its device calls are sent to the followers, then run."""
+
+    def __init__(self, target: Any, name: str, sender: StepSender):
+        self._target, self._name, self._sender = target, name, sender
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._target, attr)
-        if attr not in self._methods:
+        if not is_device_call(value):
             return value
 
         def mirrored(*args: Any, **kwargs: Any) -> Any:
@@ -135,7 +148,10 @@ def follow(receiver: StepReceiver, targets: dict[str, Any]) -> int:
     while (call := receiver.receive()) is not None:
         name, method, args, kwargs = call
         try:
-            getattr(targets[name], method)(*args, **kwargs)
+            replayed = getattr(targets[name], method)
+            if not is_device_call(replayed):
+                raise TypeError(f"{name}.{method} is not a device call")
+            replayed(*args, **kwargs)
         except Exception:
             logger.exception("replaying rank 0's %s.%s failed", name, method)
         count += 1

@@ -92,7 +92,7 @@ class TensorParallel:
 
     def _adapt(self, name: str, array: np.ndarray, head_dim: int) -> np.ndarray:
         if name in _QKV and array.shape[0] < self.size:
-            return _copy_kv_heads(array, self.size // array.shape[0], head_dim)
+            return copy_kv_heads(array, self.size // array.shape[0], head_dim)
         if name in _VOCAB_TABLES and array.shape[0] % self.size:
             rows = -array.shape[0] % self.size  # never looked up, cut from the logits
             return np.concatenate([array, np.zeros((rows, *array.shape[1:]), array.dtype)])
@@ -175,7 +175,7 @@ def bytes_per_device(arrays: Iterable[jax.Array]) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in arrays)
 
 
-def _copy_kv_heads(array: np.ndarray, copies: int, head_dim: int) -> np.ndarray:
+def copy_kv_heads(array: np.ndarray, copies: int, head_dim: int) -> np.ndarray:
     """w_qkv [G, W, ...] -> [G * copies, W', ...]: each group's q heads split `copies` ways,
     each part with its own copy of the group's k and v."""
     groups, width = array.shape[:2]

@@ -22,6 +22,7 @@ import numpy as np
 from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.forward_batch import SeqChunk, build_decode_batch
 from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput, pad_rows
+from sgl_jax.scheduler.page_reuse import PageReuse, ReuseEveryPage
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
 
@@ -65,6 +66,7 @@ class DecodePlan:
 
 class Decoding(Protocol):
     lookahead: int  # KV slots past kv_len a decode step may write
+    page_reuse: PageReuse  # which pages of a cached prefix a request may read
 
     def add_request(self, req: Req) -> None: ...
 
@@ -84,7 +86,8 @@ class Decoding(Protocol):
     def flush(self) -> None:
         """Forget what finished requests left behind (the engine's flush_cache)."""
 
-    def finish(self, req: Req) -> None: ...
+    def finish(self, req: Req) -> None:
+        """A request ends (finished, aborted); its pages are released already."""
 
     def log_fields(self) -> str:
         """Figures for the scheduler's periodic decode log line ("" for none)."""
@@ -100,6 +103,7 @@ class PlainDecoding:
     def __init__(self, runner: ModelRunner, slot_table: SlotTable):
         self.runner = runner
         self.slot_table = slot_table
+        self.page_reuse = ReuseEveryPage()
 
     def add_request(self, req: Req) -> None:
         pass

@@ -39,36 +39,19 @@ class Req:
     # engine loop runs a step ahead of its results): they count in kv_len and the lengths a
     # step is scheduled by, but not yet in output_ids.
     num_inflight: int = 0
-    # Tokens beyond those that unread speculative rounds may have committed (each counts its
-    # root in num_inflight and kv_len; the round decides how many of num_steps more).
+    # Tokens beyond num_inflight that unread steps may have committed (a speculative round
+    # counts its root in num_inflight and kv_len; the round decides how many of its depth more).
     inflight_extra: int = 0
     state_slot: int = 0  # hybrid models: slot of the recurrent-state pool; 0 = none held
     grammar: Any = None  # constrained requests: their sgl_jax.grammar.Constraint
 
-    # Speculative decoding (the draft's root lives in the request's slot on the device):
-    # acceptance counts for meta_info, and the adaptive policy's acceptance estimates.
-    # A request admitted without a draft (the policy judged at admission that speculation
-    # would not pay at the server's load) never runs the draft's prefill; its rows ride
-    # along in speculative rounds with trees the draft grew from nothing, which verification
-    # keeps lossless, and the policy counts them as committing one token a round.
-    drafting: bool = True
-    # Plain rounds that left the draft behind: the target's features f[F] at each position
-    # the draft's cache lacks (the last len() before kv_len), oldest first.
-    draft_pending: list = field(default_factory=list)
-    spec_stats: Any = None  # AcceptanceStats, set by a speculative scheduler
-    spec_acceptance: Any = None  # policy.Acceptance
+    # What the decoding reports of the request in its meta_info (a speculative one: its
+    # rounds' acceptance), written when the request finishes.
+    decoding_info: dict[str, Any] = field(default_factory=dict)
 
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-
-    @property
-    def draft_len(self) -> int:
-        """Leading tokens whose draft K/V are in the cache (speculative decoding; none
-        known without a draft)."""
-        if not self.drafting:
-            return 0
-        return self.kv_len - len(self.draft_pending)
 
     @property
     def last_token(self) -> int:

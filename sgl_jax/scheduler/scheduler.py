@@ -89,6 +89,7 @@ class Scheduler:
         if req.params.max_new_tokens == 0:  # nothing to generate: done without touching KV
             req.finish_reason = {"type": "length", "length": 0}
             req.finished_at = req.created_at
+            self.decoding.finish(req)
             self.on_output(req, "", [])
             return
         self.prefill.add(req)
@@ -106,6 +107,11 @@ class Scheduler:
                     self.on_output(req, "", [])
                     return True
         return False
+
+    def abort_all(self, message: str) -> None:
+        """Abort every running and waiting request (the engine stops, or a step failed)."""
+        for req in list(self.running) + list(self.prefill.waiting):
+            self.abort(req.rid, message)
 
     @property
     def has_work(self) -> bool:
@@ -232,11 +238,11 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
-        self.decoding.finish(req)
         # Steps it will never read counted in its length: the cache keeps what a loop
         # without overlap would have computed.
         req.kv_len -= req.num_inflight
-        self.cache.release(req)
+        self.cache.release(req)  # before the decoding lets go of it: its page-reuse rule reads it
+        self.decoding.finish(req)
         if req.slot >= 0:
             self._free_slots.append(req.slot)
             req.slot = -1

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
-from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput, bitmask_words
+from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, bitmask_words
 from sgl_jax.scheduler.decoding import (
     DecodePlan,
     Emitted,
@@ -40,11 +40,15 @@ from sgl_jax.scheduler.decoding import (
     dispatch_decode_step,
     emit_tokens,
 )
+from sgl_jax.scheduler.page_reuse import ReuseEveryPage
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
+from sgl_jax.speculative import spec_warmup
+from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.drafter import NoProposer, Proposer
-from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.page_reuse import NextTokenPages
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
+from sgl_jax.speculative.request_state import DraftState, DraftStates
 from sgl_jax.speculative.round import (
     CATCH_UP_WIDTH,
     CatchUpRow,
@@ -52,6 +56,7 @@ from sgl_jax.speculative.round import (
     RoundOutput,
     RoundRows,
 )
+from sgl_jax.speculative.round_results import as_round, emit_run, max_depth, tree_depths
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.stats import AcceptanceStats
 
@@ -92,13 +97,16 @@ class SpecDecoder:
         self.stats = AcceptanceStats(spec.shape.num_steps)
         self.policy = SpeculationPolicy(spec.shapes, spec.shape, spec.round_seconds,
                                         adaptive=adaptive)
+        self.states = DraftStates()  # each request's speculative state
+        self.page_reuse = (NextTokenPages(self.states, runner.page_size)
+                           if spec.drafter.pairs_next_token else ReuseEveryPage())
         self._last_result_at = 0.0
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, req: Req) -> None:
-        req.spec_stats = AcceptanceStats(self.spec.shape.num_steps)
-        req.spec_acceptance = self.policy.new_request()
+        self.states.add(req, DraftState(AcceptanceStats(self.spec.shape.num_steps),
+                                        self.policy.new_request()))
 
     def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
         """At admission: whether the request gets a draft (policy.admits_draft). Only where
@@ -106,21 +114,27 @@ class SpecDecoder:
         late. A host-side drafter starts reading the request here: every admitted request
         ends in finish(), which lets go of it."""
         self.proposer.add_request(req)
+        state = self.states[req]
         if not req.params.speculative:
-            req.drafting = False  # it asked for none
+            state.drafting = False  # it asked for none
         elif self.spec.defers_draft:
-            req.drafting = self.policy.admits_draft(self._timed_bucket(batch_size), req.rid,
-                                                    sum(r.drafting for r in running))
+            state.drafting = self.policy.admits_draft(
+                self._timed_bucket(batch_size), req.rid, sum(self._drafting(running)))
 
     def flush(self) -> None:
         self.proposer.flush()
 
     def retract(self, req: Req) -> None:
-        req.draft_pending.clear()  # the prompt's recomputation extends the draft too
+        self.states[req].pending.clear()  # the prompt's recomputation extends the draft too
 
     def finish(self, req: Req) -> None:
-        self.policy.count_finished(req.drafting)
+        state = self.states.pop(req)
+        req.decoding_info = state.meta_info()
+        self.policy.count_finished(state.drafting)
         self.proposer.finish(req)
+
+    def _drafting(self, reqs: list[Req]) -> list[bool]:
+        return [self.states[req].drafting for req in reqs]
 
     def log_fields(self) -> str:
         rates = ", ".join(f"{r:.2f}" for r in self.stats.acceptance_rates)
@@ -143,7 +157,7 @@ class SpecDecoder:
         first if warm-up left them (XLA:CPU warms only the smallest: see Engine)."""
         bucket = self.buckets.batch_padding(batch_size)
         if self.policy.adaptive and bucket not in self.policy.timed_buckets:
-            self.spec.time_bucket(bucket)
+            spec_warmup.time_bucket(self.spec, bucket)
             self.policy.add_round_seconds(self.spec.round_seconds)
         return bucket
 
@@ -157,7 +171,7 @@ class SpecDecoder:
         return self.spec.prefill(
             batch.chunks, batch.sampling, batch.emits, any(req.top_logprobs_num for req in reqs),
             [ids[0] if ids else 0 for ids in after], batch.slots,
-            run_draft=any(req.drafting for req in reqs),
+            run_draft=any(self._drafting(reqs)),
             want_logprobs=any(req.return_logprob for req in reqs))
 
     # ------------------------------------------------------------------ rounds
@@ -181,8 +195,8 @@ class SpecDecoder:
         if plan.settle_first:  # the host has read more since: propose again
             hints = self.proposer.hints(reqs, self.buckets.batch_padding(len(reqs)))
             records = self._offered_records(reqs, hints)
-        self._catch_up([req for req in reqs if req.draft_pending and (
-            shape != PLAIN or len(req.draft_pending) >= CATCH_UP_WIDTH)])
+        self._catch_up([req for req in reqs if self._pending(req) and (
+            shape != PLAIN or self._pending(req) >= CATCH_UP_WIDTH)])
         compilations = self.spec.target.num_compilations
         start = time.perf_counter()
         undrafted = self._undrafted(reqs, shape)
@@ -198,7 +212,7 @@ class SpecDecoder:
         """Whether a round of `shape` is the target's own decode step: a plain round where no
         request has a draft, or where the drafter has nothing to advance (NGRAM)."""
         return shape == PLAIN and (not self.spec.drafter.advances_on_plain
-                                   or not any(req.drafting for req in reqs))
+                                   or not any(self._drafting(reqs)))
 
     def settle(self, launched: LaunchedStep) -> Emitted:
         """Read a step's results: a prefill's first tokens, or a round's accepted runs."""
@@ -215,7 +229,7 @@ class SpecDecoder:
 
     def _settle_round(self, launched: LaunchedRound) -> Emitted:
         """Append each live request's accepted run (up to where it finishes)."""
-        output = _as_round(launched.output.result())
+        output = as_round(launched.output.result())
         now = time.perf_counter()
         # The device ran this round after the one before: from whichever came later.
         seconds = now - max(launched.launched_at, self._last_result_at)
@@ -232,13 +246,13 @@ class SpecDecoder:
         drafted = self._drafted_depths(launched, output)
         emitted = []
         for row in live:
-            req = launched.reqs[row]
+            req, state = launched.reqs[row], self.states[launched.reqs[row]]
             self.stats.record(accepted[row], drafted[row])
-            req.spec_stats.record(accepted[row], drafted[row])
-            text, tokens = _emit_run(req, output, row, accepted[row] + 1)
+            state.stats.record(accepted[row], drafted[row])
+            text, tokens = emit_run(req, output, row, accepted[row] + 1)
             req.kv_len += len(tokens) - 1  # the root was counted at launch
-            if launched.defers and req.drafting:  # the draft is one more token behind
-                req.draft_pending.append(output.features[row])
+            if launched.defers and state.drafting:  # the draft is one more token behind
+                state.pending.append(output.features[row])
             emitted.append((req, text, tokens))
         return emitted
 
@@ -248,8 +262,8 @@ class SpecDecoder:
         tree it verified (NGRAM: 0 where the text offered nothing)."""
         if self.spec.drafter.full_depth:
             steps = launched.shape.num_steps
-            return [_max_depth(req, steps) for req in launched.reqs]
-        return _tree_depths(output.tree_parents, len(launched.reqs))
+            return [max_depth(req, steps) for req in launched.reqs]
+        return tree_depths(output.tree_parents, len(launched.reqs))
 
     def _dispatch(self, reqs: list[Req], shape: TreeShape, masked: bool, hints: Any
                   ) -> PendingRound:
@@ -293,11 +307,10 @@ class SpecDecoder:
             root_tokens=column(-1 if r.num_inflight else r.last_token for r in reqs),
             min_new_tokens=column(r.params.min_new_tokens for r in reqs),
             state_slots=column(r.state_slot for r in reqs),
-            max_depths=column(_max_depth(r, self.spec.shape.num_steps) for r in reqs),
+            max_depths=column(max_depth(r, self.spec.shape.num_steps) for r in reqs),
             hints=hints)
 
-    @staticmethod
-    def _needs_settled(reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None,
+    def _needs_settled(self, reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None,
                        undrafted: bool) -> bool:
         if unread is None:
             return False
@@ -305,22 +318,28 @@ class SpecDecoder:
             return any(r.inflight_extra for r in reqs)
         if not unread.defers:
             return False
-        behind = {req for req in unread.reqs if req.drafting}
-        return any(req in behind and (shape != PLAIN
-                                      or len(req.draft_pending) + 1 >= CATCH_UP_WIDTH)
+        in_round = set(unread.reqs)  # some may have finished since: only `reqs` are asked
+        return any(req in in_round and self.states[req].drafting
+                   and (shape != PLAIN or self._pending(req) + 1 >= CATCH_UP_WIDTH)
                    for req in reqs)
+
+    def _pending(self, req: Req) -> int:
+        """Tokens the request's draft lacks (plain rounds left it behind)."""
+        return len(self.states[req].pending)
 
     def _catch_up(self, reqs: list[Req]) -> None:
         """Extend the drafts that plain rounds left behind over their pending tokens."""
         if not reqs:
             return
-        self.spec.catch_up([
-            CatchUpRow(req.slot, req.page_ids, req.draft_len,
-                       req.token_slice(req.draft_len + 1, req.kv_len + 1),
-                       np.stack(req.draft_pending))
-            for req in reqs])
+        rows = []
         for req in reqs:
-            req.draft_pending.clear()
+            state = self.states[req]
+            draft_len = state.draft_len(req)
+            rows.append(CatchUpRow(req.slot, req.page_ids, draft_len,
+                                   req.token_slice(draft_len + 1, req.kv_len + 1),
+                                   np.stack(state.pending)))
+            state.pending.clear()
+        self.spec.catch_up(rows)
 
     def _offered_records(self, reqs: list[Req], hints: Any) -> list:
         """_records, None too for a request the host-side drafter has nothing for."""
@@ -331,8 +350,9 @@ class SpecDecoder:
     def _records(self, reqs: list[Req]) -> list:
         """Each request's acceptance record, None where its rounds teach the policy nothing:
         no draft, or a depth the request capped itself."""
-        return [req.spec_acceptance if req.drafting and req.params.max_draft_depth is None
-                else None for req in reqs]
+        states = [self.states[req] for req in reqs]
+        return [state.acceptance if state.drafting and req.params.max_draft_depth is None
+                else None for req, state in zip(reqs, states, strict=True)]
 
     def _constrained_menu(self, reqs: list[Req]) -> tuple[TreeShape, ...] | None:
         """Shapes a batch with grammar-constrained requests may take (None: any). Masked
@@ -356,56 +376,3 @@ class SpecDecoder:
                 fill_tree_bitmasks(req.grammar, tokens[row], parents[row], masks[row])
                 allow_eos_at_dead_ends(masks[row], req.eos_ids)
         return masks
-
-
-def _tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
-    """Per row of a round's trees (parents i32[rows, N]; None: no trees), the deepest draft
-    node it verified: the draft positions the round tried (0 where a row had no draft)."""
-    if parents is None:
-        return [0] * rows
-    depths = np.zeros(parents.shape, np.int32)
-    for node in range(1, parents.shape[1]):
-        parent = parents[:, node]
-        depths[:, node] = np.where(parent >= 0, depths[np.arange(len(parent)),
-                                                        np.maximum(parent, 0)] + 1, 0)
-    return depths.max(axis=1).tolist()
-
-
-def _max_depth(req: Req, num_steps: int) -> int:
-    """The deepest draft node the request's rounds verify: the flags' depth unless it asked
-    for less (or for no speculation: 0)."""
-    cap = req.params.max_draft_depth
-    return num_steps if cap is None else min(cap, num_steps)
-
-
-def _as_round(output: RoundOutput | StepOutput) -> RoundOutput:
-    """A decode step's results (a round where no request has a draft) as a plain round's."""
-    if isinstance(output, RoundOutput):
-        return output
-    n = len(output.tokens)
-
-    def one_token(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array[:, None]
-
-    return RoundOutput(
-        tokens=one_token(output.tokens), num_accepted=np.zeros(n, np.int32),
-        logprobs=one_token(output.logprobs), top_logprob_ids=one_token(output.top_logprob_ids),
-        top_logprobs=one_token(output.top_logprobs), tree_tokens=None, tree_parents=None)
-
-
-def _emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, list[int]]:
-    """Append a round's tokens one by one, stopping where the request finishes (EOS, a stop
-    string, max_new_tokens or the context) so nothing past it is emitted."""
-    text, tokens = "", []
-    for j in range(count):
-        token = int(output.tokens[row, j])
-        top = []
-        if req.top_logprobs_num:
-            ids, values = output.top_logprob_ids[row, j], output.top_logprobs[row, j]
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        logprob = 0.0 if output.logprobs is None else float(output.logprobs[row, j])
-        text += req.append_token(token, logprob, top)
-        tokens.append(token)
-        if req.finished:
-            break
-    return text, tokens

@@ -16,7 +16,9 @@ from sgl_jax.layers.attention import AttentionBackend, LayerKV
 from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
 from sgl_jax.models import dflash
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
-from sgl_jax.speculative.drafts import TreeShape, target_head, target_head_logits
+from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.drafter import DraftCache
+from sgl_jax.speculative.drafts import target_head, target_head_logits
 from sgl_jax.speculative.tree import DraftTree, select_tree
 
 
@@ -27,12 +29,11 @@ class DFlashDrafter:
     full_depth = True
     pairs_next_token = False  # context t comes from the target's features at t alone
     slot_width = 0  # nothing per slot: the root token and the cache are all it reads
-    recurrent = False  # (allocate_draft_cache)
 
     def __init__(self, draft: LoadedDraft, target: LoadedModel, attention: AttentionBackend,
                  *, page_size: int):
         self.config: dflash.DFlashConfig = draft.config
-        self.cache_config = self.config.layer
+        self.cache = DraftCache(self.config.layer)
         self.attention = attention
         self.page_size = page_size
         self.slot_dtype = target.dtype
@@ -67,8 +68,6 @@ class DFlashDrafter:
         the drafts are."""
         roots = inputs.root_tokens
         batch, steps = roots.shape[0], shape.num_steps
-        if shape.num_draft_tokens == 1:
-            return DraftTree(roots[:, None], jnp.full((batch, 1), -1, jnp.int32)), kv
         width = self.config.block_size
         block = jnp.full((batch, width), self.config.mask_token_id, jnp.int32).at[:, 0].set(roots)
         positions = inputs.kv_lens[:, None] + jnp.arange(width)
@@ -89,17 +88,16 @@ class DFlashDrafter:
         """The context of the accepted path (the root and each accepted token)."""
         verdict = verified.verdict
         valid = jnp.where(inputs.active, verdict.num_accepted + 1, 0)
-        return self.extend(params, kv, verdict.tokens, verified.features, page_table,
-                           inputs.kv_lens, valid, state_slots)
+        return self.catch_up(params, kv, verdict.tokens, verified.features, page_table,
+                             inputs.kv_lens, valid)
 
-    def extend(self, params, kv: list[LayerKV],
-               tokens: jax.Array,  # i32[B, W]: only its shape is read
-               features: jax.Array,  # f[B*W, F]: the target's, per position
-               page_table: jax.Array,  # i32[B, P]
-               start: jax.Array,  # i32[B]: positions the cache holds
-               valid: jax.Array,  # i32[B]: real positions per row (0: nothing written)
-               state_slots: jax.Array,
-               ) -> tuple[jax.Array, list[LayerKV]]:
+    def catch_up(self, params, kv: list[LayerKV],
+                 tokens: jax.Array,  # i32[B, W]: only its shape is read
+                 features: jax.Array,  # f[B*W, F]: the target's, per position
+                 page_table: jax.Array,  # i32[B, P]
+                 start: jax.Array,  # i32[B]: positions the cache holds
+                 valid: jax.Array,  # i32[B]: real positions per row (0: nothing written)
+                 ) -> tuple[jax.Array, list[LayerKV]]:
         """Write the context of `valid` positions per row from `start`."""
         batch, width = tokens.shape
         offsets = jnp.arange(width)[None, :]

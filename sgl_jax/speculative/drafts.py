@@ -7,17 +7,12 @@
   state, with fc applied at every step and the target's lm_head for logits.
 - `NextnDraft`: Qwen3-Next's own multi-token-prediction layer, paired as EAGLE's head is,
   fed the target's final-norm hidden state and, at later steps, its own normed output.
-- `StandaloneDraft`: an ordinary small model with the target's vocabulary. Its slot j holds
-  token j, so the root (the last committed token) is run again in every draft window. A
-  hybrid one (Qwen3-Next) keeps, like a hybrid target, a recurrent state per request in the
-  request's slot of its own state pools: windows run from that state without writing it,
-  and the extend over the accepted path commits the state after its last token.
+- `StandaloneDraft` (standalone.py): an ordinary small model with the target's vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 import jax
@@ -25,22 +20,14 @@ import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
-from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax.model_executor.forward_batch import window_metadata
-from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next, qwen3_next_mtp
+from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
-from sgl_jax.parallel import TensorParallel
+from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
 
 Params = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    num_steps: int  # S: draft depth
-    topk: int  # K: branching per step
-    num_draft_tokens: int  # N: nodes sent to verify, the root included
 
 
 class DraftModel(Protocol):
@@ -148,67 +135,6 @@ def target_head_logits(lm_head: jax.Array, hidden: jax.Array, vocab_size: int) -
     padded for sharding: those rows are dropped)."""
     logits = llama.matmul_rows(hidden, lm_head, preferred_element_type=jnp.float32)
     return logits[:, :vocab_size]
-
-
-class StandaloneDraft:
-    uses_target_features = False
-    feature_source = ""
-    root_in_window = True
-
-    def __init__(self, draft: LoadedModel, attention: AttentionBackend):
-        self.model = draft
-        self.cache_config = draft.config
-        self.attention = attention
-        self.params = draft.params
-        self.recurrent = draft.config.is_hybrid
-
-    def forward(self, params, kv, tokens, positions, inputs, metadata, *, from_target,
-                state_slots=None, tree=None, commit=None):
-        """A hybrid draft: with `state_slots` (i32[NB], one per query block) a ragged extend
-        that updates each request's state; with `tree` (gated_delta_net.TreeLayout) rows of
-        nodes run from the committed states, then the state after node `commit` (i32[B]) is
-        written to each active row's slot, or nothing when commit is None."""
-        config = self.model.config
-        if not self.recurrent:
-            hidden, kv, _ = self.model.impl.forward(params, kv, tokens, positions, metadata,
-                                                    config=config, attention=self.attention)
-            return hidden, kv
-        linear = config.linear_attention
-        if tree is None:
-            layer = partial(gated_delta_net.forward_slots, config=linear)
-            hidden, kv, _ = qwen3_next.forward(
-                params, kv, tokens, positions, metadata, config=config,
-                attention=self.attention, state_slots=state_slots,
-                linear_attention=self.model.tp.linear_attention(layer))
-            return hidden, kv
-        layer = partial(gated_delta_net.verify_slots, config=linear)
-        pools = list(kv)
-        hidden, nodes, _ = qwen3_next.verify_forward(
-            params, kv, tokens, positions, metadata, config=config, attention=self.attention,
-            tree=tree, linear_attention=self.model.tp.linear_attention(layer))
-        written = tree.valid[:, 0]
-        kv = [(pools[i] if commit is None else
-               gated_delta_net.commit_node(pools[i], layer_nodes, tree.slot, commit, written))
-              if config.is_linear_layer(i) else layer_nodes
-              for i, layer_nodes in enumerate(nodes)]
-        return hidden, kv
-
-    def logits(self, params, hidden):
-        return self.model.impl.compute_logits(params, hidden, self.model.config)
-
-    def to_target(self, params, draft_ids):
-        return draft_ids
-
-
-def allocate_draft_cache(draft: DraftModel, *, num_pages: int, page_size: int, dtype,
-                         tp: TensorParallel, num_state_slots: int = 0,
-                         kv_dtype=None) -> list[LayerKV]:
-    """The draft's cache uses the same page ids as the target's, so one allocator serves both
-    (and a hybrid draft the target's state slot ids); it is split over the target's mesh by
-    the same rules, and its pages store the target's KV dtype (`kv_dtype`, None: `dtype`)."""
-    return allocate_kv_cache(draft.cache_config, num_pages=num_pages, page_size=page_size,
-                             dtype=dtype, tp=tp, kv_dtype=kv_dtype,
-                             num_state_slots=num_state_slots if draft.recurrent else 0)
 
 
 def grow_tree(

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.proposal import align_proposals
 from sgl_jax.speculative.suffix_config import SuffixConfig
 from sgl_jax.speculative.suffix_index import SuffixIndex
@@ -55,6 +55,7 @@ class NgramDrafter:
     committed ([count, tokens...], i32[S+2])."""
 
     features = ""
+    capture_layers = ()
     defers = False
     advances_on_plain = False  # a plain step's one token is the slot's last token
     full_depth = False  # a tree reaches as deep as the text's statistics go
@@ -66,6 +67,7 @@ class NgramDrafter:
         self.slot_width = 1 + self.run_width
         self.num_proposal_nodes, _ = proposal_shape(shapes)
         self.params: dict = {}
+        self.cache = None  # no cache: the slot's run is all it keeps
 
     def reach(self, shape: TreeShape) -> int:
         return 0  # no draft windows: only the verify window writes past kv_len
@@ -84,8 +86,6 @@ class NgramDrafter:
     def propose(self, params, kv, inputs, page_table, state_slots, hints: NgramHints, *,
                 shape: TreeShape) -> tuple[DraftTree, list]:
         roots = inputs.root_tokens
-        if shape.num_draft_tokens == 1:
-            return DraftTree(roots[:, None], jnp.full((roots.shape[0], 1), -1, jnp.int32)), kv
         stored_len, stored = inputs.draft[:, 0], inputs.draft[:, 1:]
         last = jnp.zeros_like(stored).at[:, 0].set(roots)
         run = jnp.where((hints.behind == IN_ROUND)[:, None], stored, last)
@@ -103,6 +103,9 @@ class NgramDrafter:
         pad = self.run_width - tokens.shape[1]
         run = jnp.pad(tokens, ((0, 0), (0, pad)))
         return jnp.concatenate([(verdict.num_accepted + 1)[:, None], run], axis=1), kv
+
+    def catch_up(self, params, kv, tokens, features, page_table, start, valid):
+        raise NotImplementedError("NGRAM never defers: it keeps no draft to catch up")
 
 
 class NgramProposer:

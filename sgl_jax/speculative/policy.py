@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.config import TreeShape
 
 PLAIN = TreeShape(num_steps=0, topk=1, num_draft_tokens=1)  # the root alone: one token
 INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
@@ -230,7 +230,7 @@ class SpeculationPolicy:
             self.round_seconds.setdefault(key, seconds)
 
     def new_request(self) -> Acceptance:
-        """The acceptance record a request carries (Req.spec_acceptance)."""
+        """A new request's acceptance record (request_state.DraftState.acceptance)."""
         return Acceptance(self.depth, REQUEST_DECAY)
 
     def admits_draft(self, bucket: int, rid: str, drafted_peers: int = 0) -> bool:

@@ -64,6 +64,16 @@ class SlotState:
     # the root, f[S, H])
 
 
+@dataclass
+class DraftDeviceState:
+    """The speculative runner's device arrays that outlive a round, beside the target's
+    DeviceState. Programs take them donated and the runner stores their successors here."""
+
+    kv: list[LayerKV]  # the drafter's own paged cache (page ids and KV dtype the target's);
+    # [] for a drafter that keeps none
+    slots: SlotState  # per request slot: what the round in flight left for the next
+
+
 @dataclass(frozen=True)
 class CatchUpRow:
     """A request whose draft is behind its target by the tokens of some plain rounds."""

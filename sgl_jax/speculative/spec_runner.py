@@ -24,10 +24,11 @@ Trees are grown at the start of the round that verifies them, so each round may 
 shape (the adaptive policy's choice) without a program per pair of shapes. What passes from
 one round to the next stays on the device (round.py), so a round can be dispatched before the
 host has read the one before it. Results come back to the host asynchronously
-(`PendingRound`). The device state is the target's (ModelRunner: KV cache, per-slot last
-tokens) plus the draft's cache and the slots' speculative state held here; every program
-takes and returns all of it, donated. Warm-up and the timing of round programs:
-spec_warmup.py.
+(`PendingRound`). The device state is the target's (ModelRunner's DeviceState: KV cache,
+per-slot last tokens) plus this runner's own (`DraftDeviceState`: the draft's cache and the
+slots' speculative state); every program takes and returns all of it, donated. Every method
+that launches device work is a `device_call` (multi-host followers replay it). Warm-up and
+the timing of round programs: spec_warmup.py.
 
 Invariant between steps: a request's target cache holds its first kv_len tokens (kv_len =
 all tokens but the last) and its draft cache the same, except that with an adaptive policy a
@@ -55,6 +56,7 @@ import numpy as np
 from sgl_jax.layers.sampler import SamplingBatch, sample
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
+    Buckets,
     SeqChunk,
     build_forward_batch,
     token_positions,
@@ -65,12 +67,13 @@ from sgl_jax.model_executor.model_runner import (
     pad_rows,
     top_logprobs_if,
 )
-from sgl_jax.speculative import spec_warmup
-from sgl_jax.speculative.drafter import Drafter
-from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.parallel.multihost import device_call
+from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.drafter import Drafter, root_only_tree
 from sgl_jax.speculative.round import (
     CATCH_UP_WIDTH,
     CatchUpRow,
+    DraftDeviceState,
     PendingRound,
     RoundInputs,
     RoundRows,
@@ -87,41 +90,35 @@ from sgl_jax.speculative.verify import AcceptThresholds
 logger = logging.getLogger(__name__)
 
 
-
 class SpecRunner:
     def __init__(
         self,
         target: ModelRunner,
         drafter: Drafter,
-        draft_kv: list,  # the drafter's own cache (page ids shared with the target's)
         shape: TreeShape,
         *,
         thresholds: AcceptThresholds,
-        capture_layers: tuple[int, ...],
         shapes: Sequence[TreeShape] = (),
     ):
         self.target = target
         self.drafter = drafter
         self.forward = target.target_forward
-        # One state with the target's runner: rounds and plain steps alike read and write it.
+        # The target runner's state, which rounds and plain steps alike read and write.
         self.state = target.state
-        self.state.draft_kv = draft_kv
+        self.draft_state = DraftDeviceState(self._allocate_draft_cache(),
+                                            self._empty_slot_state())
         self.vocab_size = target.config.vocab_size
         self.shape = shape  # the flags' shape: the widest a round may take
         self.shapes = tuple(dict.fromkeys((*shapes, shape)))  # every shape a round may take
         self.thresholds = thresholds
-        self.capture_layers = capture_layers
+        self.capture_layers = drafter.capture_layers
         self.page_size = target.page_size
         self.tp = target.tp
-        num_slots = self.state.last_tokens.shape[0]
-        self.state.slot_state = self.tp.put_replicated(SlotState(
-            np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32),
-            np.zeros((num_slots, drafter.slot_width), drafter.slot_dtype)))
         # Every program that writes the per-slot state (SlotState, the target's last tokens)
         # takes it donated, after the two caches.
         state_args = (2, 3, 4, 5)
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=state_args)
-        self._rounds = {s: jax.jit(functools.partial(self._round_impl, shape=s),
+        self.round_programs = {s: jax.jit(functools.partial(self._round_impl, shape=s),
                                    donate_argnums=state_args) for s in self.shapes}
         self._draft_trees = jax.jit(functools.partial(self._draft_trees_impl, shape=shape),
                                     donate_argnums=(1,))
@@ -134,6 +131,29 @@ class SpecRunner:
         self.hybrid = target.config.is_hybrid
         # Seconds of one round by (shape, padded batch size), measured by warmup().
         self.round_seconds: dict[tuple[TreeShape, int], float] = {}
+
+    def _allocate_draft_cache(self) -> list:
+        """The drafter's paged cache, as many pages as the target's first attention layer (a
+        hybrid model's layer 0 may be a state pool): one allocator serves both."""
+        cache, target = self.drafter.cache, self.target
+        if cache is None:
+            return []
+        config = target.config
+        first = next(i for i in range(config.num_layers) if not config.is_linear_layer(i))
+        return cache.allocate(
+            num_pages=self.state.kv_cache[first][0].shape[0], page_size=target.page_size,
+            dtype=target.model.dtype, tp=target.tp, num_state_slots=target.num_state_slots,
+            kv_dtype=target.kv_dtype)
+
+    def _empty_slot_state(self) -> SlotState:
+        num_slots = self.state.last_tokens.shape[0]
+        return self.target.tp.put_replicated(SlotState(
+            np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32),
+            np.zeros((num_slots, self.drafter.slot_width), self.drafter.slot_dtype)))
+
+    @property
+    def buckets(self) -> Buckets:
+        return self.target.buckets
 
     @property
     def lookahead(self) -> int:
@@ -150,6 +170,7 @@ class SpecRunner:
 
     # ------------------------------------------------------------------ host API
 
+    @device_call
     def prefill(
         self,
         chunks: Sequence[SeqChunk],
@@ -168,54 +189,56 @@ class SpecRunner:
         rows = shape.num_logits
         draft_ids = _shifted_ids(chunks, shape, next_tokens)
         sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
-        state = self.state
-        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens, out,
-         top) = self._prefill(
-            self.target.model.params, self.drafter.params, state.kv_cache, state.draft_kv,
-            state.slot_state, state.last_tokens, batch, sampling,
+        state, draft = self.state, self.draft_state
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out, top) = self._prefill(
+            self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
+            draft.slots, state.last_tokens, batch, sampling,
             pad_rows(emits, rows, fill=False), pad_rows(slots.astype(np.int32), rows, fill=-1),
             np.bool_(want_top_logprobs), draft_ids, np.bool_(run_draft))
         return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
                            top if want_top_logprobs else None)
 
+    @device_call
     def round(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
               shape: TreeShape | None = None, *, num_rows: int | None = None,
               want_logprobs: bool = True) -> PendingRound:
         """Dispatch a round of `shape` (default: the flags') for every row: propose, verify,
         advance the drafter; `sampling` has a host row per row of `rows`. Results come back
         for the first `num_rows` (default: every row)."""
-        state = self.state
-        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens,
-         result) = self._rounds[shape or self.shape](
-            self.target.model.params, self.drafter.params, state.kv_cache, state.draft_kv,
-            state.slot_state, state.last_tokens, rows, sampling,
-            np.bool_(want_top_logprobs))
+        state, draft = self.state, self.draft_state
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
+         result) = self.round_programs[shape or self.shape](
+            self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
+            draft.slots, state.last_tokens, rows, sampling, np.bool_(want_top_logprobs))
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
+    @device_call
     def draft_trees(self, rows: RoundRows) -> DraftTree:
         """The first half of a masked round: each row's tree of the flags' shape, as host
         arrays (tokens and parents i32[B, N]). Every row's length must be known (>= 0)."""
-        state = self.state
-        tree, state.draft_kv = self._draft_trees(self.drafter.params, state.draft_kv,
-                                                 state.slot_state, state.last_tokens, rows)
+        draft = self.draft_state
+        tree, draft.kv = self._draft_trees(self.drafter.params, draft.kv, draft.slots,
+                                           self.state.last_tokens, rows)
         return jax.device_get(tree)
 
+    @device_call
     def masked_verify(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
                       tree: DraftTree, allowed: np.ndarray, *, num_rows: int | None = None,
                       want_logprobs: bool = True) -> PendingRound:
         """The second half: verify `tree` (draft_trees' for the same rows) with every node's
         target distribution masked by `allowed` (i32[B, N, W] bitmasks, W = ceil(V / 32), in
         place of `sampling.allowed`), then advance the drafter."""
-        state = self.state
-        (state.kv_cache, state.draft_kv, state.slot_state, state.last_tokens,
+        state, draft = self.state, self.draft_state
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
          result) = self._masked_verify(
-            self.target.model.params, self.drafter.params, state.kv_cache, state.draft_kv,
-            state.slot_state, state.last_tokens, rows, tree, sampling,
+            self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
+            draft.slots, state.last_tokens, rows, tree, sampling,
             np.bool_(want_top_logprobs), allowed)
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
+    @device_call
     def catch_up(self, rows: Sequence[CatchUpRow]) -> None:
         """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); the
         draft's output at each row's last one becomes its slot's root."""
@@ -233,18 +256,9 @@ class SpecRunner:
             slots[i] = row.slot
             tokens[i, :count] = row.next_tokens
             features[i, :count] = row.features
-        state = self.state
-        state.draft_kv, state.slot_state = self._catch_up(
-            self.drafter.params, state.draft_kv, state.slot_state, tokens, features, page_table,
-            *ints, slots)
-
-    def warmup(self, sizes: Sequence[int] | None = None, *, rare_programs: bool = True) -> None:
-        """Compile and time the programs before serving (spec_warmup.warm_up)."""
-        spec_warmup.warm_up(self, sizes, rare_programs=rare_programs)
-
-    def time_bucket(self, size: int) -> None:
-        """Compile and time a batch bucket's rounds while serving (spec_warmup.time_bucket)."""
-        spec_warmup.time_bucket(self, size)
+        draft = self.draft_state
+        draft.kv, draft.slots = self._catch_up(self.drafter.params, draft.kv, draft.slots,
+                                               tokens, features, page_table, *ints, slots)
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -277,7 +291,7 @@ class SpecRunner:
                     last_tokens, rows: RoundRows, sampling, want_top, *, shape: TreeShape):
         self._count_compilation(f"round {_shape_name(shape)}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, last_tokens, rows, sampling)
-        tree, draft_kv = self._propose(draft_params, draft_kv, inputs, rows, shape)
+        tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
                                            want_top, shape)
         features = slot_rows = None
@@ -296,7 +310,7 @@ class SpecRunner:
     def _draft_trees_impl(self, draft_params, draft_kv, slot_state, last_tokens,
                           rows: RoundRows, *, shape: TreeShape):
         inputs = round_inputs(slot_state, last_tokens, rows, None)
-        tree, draft_kv = self._propose(draft_params, draft_kv, inputs, rows, shape)
+        tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
         return self.tp.constrain_replicated(tree), draft_kv
 
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
@@ -314,9 +328,12 @@ class SpecRunner:
             (slot_state, last_tokens,
              (verified.verdict, verified.logprobs, verified.top, tree, None)))
 
-    def _propose(self, draft_params, draft_kv, inputs: RoundInputs, rows: RoundRows,
+    def propose(self, draft_params, draft_kv, inputs: RoundInputs, rows: RoundRows,
                  shape: TreeShape) -> tuple[DraftTree, list]:
-        """The drafter's trees, each cut to its row's max depth (a request's own cap)."""
+        """The drafter's trees, each cut to its row's max depth (a request's own cap). The
+        one-node shape (plain decoding) runs no draft at all."""
+        if shape.num_draft_tokens == 1:
+            return root_only_tree(inputs.root_tokens), draft_kv
         tree, draft_kv = self.drafter.propose(draft_params, draft_kv, inputs, rows.page_table,
                                               rows.state_slots, rows.hints, shape=shape)
         return limit_depth(tree, rows.max_depths), draft_kv
@@ -335,9 +352,9 @@ class SpecRunner:
                        draft_lens, counts, slots):
         self._count_compilation("catch-up", tokens.shape[0])
         batch, width = tokens.shape
-        slot_rows, draft_kv = self.drafter.extend(
+        slot_rows, draft_kv = self.drafter.catch_up(
             draft_params, draft_kv, tokens, features.reshape(batch * width, -1), page_table,
-            draft_lens, counts, jnp.zeros(batch, jnp.int32))
+            draft_lens, counts)
         where = jnp.where(slots >= 0, slots, slot_state.draft.shape[0])
         slot_state = dataclasses.replace(
             slot_state, draft=slot_state.draft.at[where].set(slot_rows, mode="drop"))

@@ -1,12 +1,16 @@
 """Compiling a SpecRunner's programs before they serve, and timing its round programs for the
-adaptive policy (SpecRunner.round_seconds)."""
+adaptive policy (SpecRunner.round_seconds).
+
+A runner given here may be rank 0's `Mirrored` view of one (several nodes): its device calls
+(rounds, catch-ups) reach the other ranks too, so whatever runs while serving
+(`time_bucket`) runs a fixed number of them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -14,11 +18,9 @@ from tqdm.auto import tqdm
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.process_maps import WarmupForecast
-from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
-
-if TYPE_CHECKING:
-    from sgl_jax.speculative.spec_runner import SpecRunner
+from sgl_jax.speculative.spec_runner import SpecRunner
 
 
 def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
@@ -29,11 +31,10 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     the programs few batches need (grammar-masked rounds, prefills of one-token chunks)
     are left to compile on first use, as are the buckets left out of `sizes`
     (`time_bucket` times those when the policy first meets them)."""
-    buckets = spec.target.buckets
+    buckets = spec.buckets
     sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
     prefills = [s for s in buckets.all_shapes() if rare_programs or s.q_block > 1]
-    if spec.defers_draft:  # rounds where no request has a draft: the target's decode steps
-        spec.target.warmup(_decode_shapes(spec, sizes))
+    _warm_undrafted_steps(spec, sizes)
     total = len(sizes) * (len(spec.shapes) + 1) + len(prefills)
     forecast = WarmupForecast(total)
     with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
@@ -44,12 +45,8 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
             rows = _dummy_rows(spec, size)
             _time_rounds(spec, rows, after_each=compiled)
             if rare_programs:
-                tree = spec.draft_trees(rows)
-                spec.masked_verify(
-                    rows, greedy_sampling_batch(size, spec.vocab_size), False, tree,
-                    allow_every_id(tree.tokens.shape, spec.vocab_size)).result()
-            if spec.defers_draft:
-                _warm_catch_up(spec, range(size))
+                _warm_masked_round(spec, rows)
+            _warm_catch_up(spec, range(size))
             compiled()
         for shape in prefills:
             _warm_prefill(spec, shape)
@@ -61,24 +58,35 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
 def time_bucket(spec: SpecRunner, size: int) -> None:
     """Compile and time the round programs of batch bucket `size` while serving: padding
     rows only (they write nothing, so the requests' slots and caches stay as they were),
-    and a fixed number of runs (other nodes replay this call and must run the same
-    rounds). The bucket's other programs (the target's decode step, the catch-up) are
-    compiled with them, so no later batch of this size compiles."""
+    and a fixed number of runs (other nodes replay these rounds and must run the same
+    ones). The bucket's other programs are compiled with them, so no later batch of this
+    size compiles."""
     _time_rounds(spec, _padding_rows(spec, size), runs=2, budget_s=0.0)
+    _warm_undrafted_steps(spec, [size])
+    _warm_catch_up(spec, [-1] * size)
+
+
+def _warm_undrafted_steps(spec: SpecRunner, sizes: Sequence[int]) -> None:
+    """Where plain rounds leave the draft behind, a round where no request has a draft is
+    the target's decode step: compile those of the batch buckets `sizes`."""
     if spec.defers_draft:
-        spec.target.warmup(_decode_shapes(spec, [size]))
-        _warm_catch_up(spec, [-1] * size)
-
-
-def _decode_shapes(spec: SpecRunner, sizes: Sequence[int]) -> list[BatchShape]:
-    return [s for s in spec.target.buckets.all_shapes()
-            if s.q_block == 1 and s.num_tokens in sizes]
+        spec.target.warmup([s for s in spec.buckets.all_shapes()
+                            if s.q_block == 1 and s.num_tokens in sizes])
 
 
 def _warm_catch_up(spec: SpecRunner, slots: Sequence[int]) -> None:
-    """A catch-up of nothing for `slots` (-1: padding, which writes no root)."""
-    spec.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, spec.feature_width)))
-                   for slot in slots])
+    """Where plain rounds leave the draft behind: a catch-up of nothing for `slots` (-1:
+    padding, which writes no root)."""
+    if spec.defers_draft:
+        spec.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, spec.feature_width)))
+                       for slot in slots])
+
+
+def _warm_masked_round(spec: SpecRunner, rows: RoundRows) -> None:
+    size = len(rows.slots)
+    tree = spec.draft_trees(rows)
+    spec.masked_verify(rows, greedy_sampling_batch(size, spec.vocab_size), False, tree,
+                       allow_every_id(tree.tokens.shape, spec.vocab_size)).result()
 
 
 def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
@@ -97,11 +105,11 @@ def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
 
 
 def _warm_prefill(spec: SpecRunner, shape: BatchShape) -> None:
-    chunks = _dummy_chunks(shape, spec.target.buckets.context_len, spec.page_size)
+    chunks = _dummy_chunks(shape, spec.buckets.context_len, spec.page_size)
     count = len(chunks)
-    if spec.hybrid:
-        chunks = [dataclasses.replace(c, state_slot=slot) for c, slot
-                  in zip(chunks, _dummy_state_slots(spec, count), strict=True)]
+    slots = spec.target.scratch_state_slots(count)
+    chunks = [dataclasses.replace(c, state_slot=slot)
+              for c, slot in zip(chunks, slots, strict=True)]
     spec.prefill(chunks, greedy_sampling_batch(count, spec.vocab_size),
                  np.zeros(count, bool), False, [0] * count,
                  np.full(count, -1, np.int32)).result()
@@ -112,8 +120,9 @@ def _dummy_rows(spec: SpecRunner, count: int) -> RoundRows:
     token in the null page."""
     zeros = np.zeros(count, np.int32)
     return RoundRows(np.arange(count, dtype=np.int32),
-                     np.zeros((count, spec.target.buckets.pages_per_seq), np.int32),
-                     zeros, zeros, zeros, np.array(_dummy_state_slots(spec, count), np.int32),
+                     np.zeros((count, spec.buckets.pages_per_seq), np.int32),
+                     zeros, zeros, zeros,
+                     np.array(spec.target.scratch_state_slots(count), np.int32),
                      np.full(count, spec.shape.num_steps, np.int32),
                      spec.drafter.idle_hints(count))
 
@@ -122,16 +131,8 @@ def _padding_rows(spec: SpecRunner, count: int) -> RoundRows:
     """Rows that are all padding (slot -1, the null page, the null state slot)."""
     zeros = np.zeros(count, np.int32)
     return RoundRows(np.full(count, -1, np.int32),
-                     np.zeros((count, spec.target.buckets.pages_per_seq), np.int32),
+                     np.zeros((count, spec.buckets.pages_per_seq), np.int32),
                      zeros, zeros, zeros, zeros, zeros, spec.drafter.idle_hints(count))
-
-
-def _dummy_state_slots(spec: SpecRunner, count: int) -> list[int]:
-    """Warm-up rows of a hybrid target need distinct real slots (their states are
-    scratch: no request holds a slot during warm-up)."""
-    if not spec.hybrid:
-        return [0] * count
-    return [1 + i % (spec.target.num_state_slots - 1) for i in range(count)]
 
 
 def _fastest_seconds(fn, runs: int = 5, budget_s: float = 1.0) -> float:

@@ -188,12 +188,24 @@ class SuffixIndex:
         trusted = math.ceil(self.config.spec_factor * match_len + self.config.spec_offset)
         return max(0, min(max_depth, self.config.branch_length, trusted))
 
+    @property
+    def responses(self) -> SuffixTrie:
+        """The trie of recent responses (read it; evict_oldest_response removes from it)."""
+        return self._responses
+
+    def evict_oldest_response(self) -> bool:
+        """Drop the oldest recent response from the trie; False when none is kept."""
+        if not self._kept:
+            return False
+        start, length = self._kept.popleft()
+        self._responses.remove_text(start, length)
+        self._kept_tokens -= length
+        return True
+
     def _remember(self, output: list[int]) -> None:
         """Add one output to the recent responses, oldest evicted first to make room."""
         while self._kept and self._kept_tokens + len(output) > self.config.capacity:
-            start, length = self._kept.popleft()
-            self._responses.remove_text(start, length)
-            self._kept_tokens -= length
+            self.evict_oldest_response()
         self._kept.append((self._responses.add_text(output), len(output)))
         self._kept_tokens += len(output)
 

@@ -73,6 +73,15 @@ class SuffixTrie:
     def num_nodes(self) -> int:
         return len(self._count) - len(self._free)
 
+    @property
+    def num_wide_records(self) -> int:
+        """Nodes keeping a record of their frequent children (more than _WIDE children)."""
+        return len(self._wide)
+
+    def root_counts(self) -> dict[int, int]:
+        """Per first token, the suffixes that start with it (each kept token starts one)."""
+        return {token: self._count[child] for token, child in self._children[0].items()}
+
     def append(self, token: int) -> None:
         """Extend the growing text by one token: every suffix in `_active`, and the new
         one-token suffix, moves one node down."""

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from sgl_jax.testing.eagle3 import _layer_shapes, _norm_weight
+from sgl_jax.testing.eagle3 import draft_layer_shapes, random_norm_weight
 
 
 def write_tiny_dflash_draft(
@@ -55,7 +55,7 @@ def write_tiny_dflash_draft(
     rng = np.random.default_rng(seed)
     shapes = {"fc.weight": (h, len(target_layer_ids) * h)}
     for i in range(num_layers):
-        shapes.update(_layer_shapes(config, f"layers.{i}.", attention_input=h))
+        shapes.update(draft_layer_shapes(config, f"layers.{i}.", attention_input=h))
     tensors = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
                for name, shape in shapes.items()}
     hd = config["head_dim"]
@@ -65,7 +65,7 @@ def write_tiny_dflash_draft(
                       f"layers.{i}.post_attention_layernorm.weight": h,
                       f"layers.{i}.self_attn.q_norm.weight": hd,
                       f"layers.{i}.self_attn.k_norm.weight": hd})
-    tensors.update({name: _norm_weight(rng, size) for name, size in norms.items()})
+    tensors.update({name: random_norm_weight(rng, size) for name, size in norms.items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -129,7 +129,7 @@ def fit_dflash_draft(
         for row in range(text.shape[0]):
             row_blocks = blocks.clone()
             row_blocks[:, 0] = text[row, anchors]
-            hidden = _torch_block_forward(weights, config, features[row], embed[row_blocks],
+            hidden = torch_block_forward(weights, config, features[row], embed[row_blocks],
                                           anchors)
             logits = hidden @ head.T  # [A, B, V]
             targets = text[row, labels.clamp(max=length - 1)]
@@ -150,7 +150,7 @@ def _load(path: Path) -> dict[str, np.ndarray]:
     return load_file(str(path / "model.safetensors"))
 
 
-def _torch_block_forward(w: dict, config: dict, features: Any, block_embeds: Any,
+def torch_block_forward(w: dict, config: dict, features: Any, block_embeds: Any,
                          anchors: Any) -> Any:
     """Blocks [A, B, H] anchored at positions `anchors` [A] over one sequence's context
     features [L, F] -> the final-normed block states [A, B, H] (torch, for fitting)."""

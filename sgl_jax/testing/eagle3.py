@@ -65,7 +65,7 @@ def _random_tensors(config: dict, draft_vocab: int, prefix: str, with_embed: boo
     rng = np.random.default_rng(seed)
     h = config["hidden_size"]
     shapes = {"fc.weight": (h, 3 * config["target_hidden_size"]),
-              **_layer_shapes(config, prefix, attention_input=2 * h)}
+              **draft_layer_shapes(config, prefix, attention_input=2 * h)}
     if with_embed:
         shapes["embed_tokens.weight"] = (config["vocab_size"], h)
     if with_lm_head:
@@ -74,12 +74,12 @@ def _random_tensors(config: dict, draft_vocab: int, prefix: str, with_embed: boo
     tensors = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
                for name, shape in shapes.items()}
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        tensors[f"{prefix}{norm}.weight"] = _norm_weight(rng, h)
-    tensors["norm.weight"] = _norm_weight(rng, h)
+        tensors[f"{prefix}{norm}.weight"] = random_norm_weight(rng, h)
+    tensors["norm.weight"] = random_norm_weight(rng, h)
     return tensors
 
 
-def _layer_shapes(config: dict, prefix: str, *, attention_input: int
+def draft_layer_shapes(config: dict, prefix: str, *, attention_input: int
                   ) -> dict[str, tuple[int, int]]:
     """Projection weight shapes of one Llama decoder layer whose q/k/v read
     `attention_input` features."""
@@ -97,7 +97,7 @@ def _layer_shapes(config: dict, prefix: str, *, attention_input: int
     }
 
 
-def _norm_weight(rng: np.random.Generator, size: int) -> np.ndarray:
+def random_norm_weight(rng: np.random.Generator, size: int) -> np.ndarray:
     return (1 + NORM_WEIGHT_STD * rng.standard_normal(size)).astype(np.float32)
 
 
@@ -140,7 +140,7 @@ def write_tiny_eagle_draft(
     h = config["hidden_size"]
     shapes = {"fc.weight": (h, 2 * h)}
     for i in range(num_layers):
-        shapes.update(_layer_shapes(config, f"layers.{i}.", attention_input=h))
+        shapes.update(draft_layer_shapes(config, f"layers.{i}.", attention_input=h))
     if with_embed:
         shapes["embed_tokens.weight"] = (config["vocab_size"], h)
     tensors = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
@@ -148,9 +148,9 @@ def write_tiny_eagle_draft(
     if with_fc_bias:
         tensors["fc.bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
     for i in range(num_layers):
-        tensors[f"layers.{i}.post_attention_layernorm.weight"] = _norm_weight(rng, h)
+        tensors[f"layers.{i}.post_attention_layernorm.weight"] = random_norm_weight(rng, h)
         if i > 0:
-            tensors[f"layers.{i}.input_layernorm.weight"] = _norm_weight(rng, h)
+            tensors[f"layers.{i}.input_layernorm.weight"] = random_norm_weight(rng, h)
     tensors = {model_prefix + name: t for name, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -159,7 +159,7 @@ def write_tiny_eagle_draft(
 def cached_draft_keys(engine: Any, token_ids: list[int]) -> np.ndarray:
     """f32[T, heads, dim]: the draft's first-layer keys that an Engine's prefix cache holds
     for the full pages of token_ids it matches (T tokens)."""
-    match = engine._loop.scheduler.cache.radix.match_prefix(token_ids)
-    draft_kv = engine._spec.state.draft_kv
+    match = engine.runtime.scheduler.cache.radix.match_prefix(token_ids)
+    draft_kv = engine.runtime.spec_runner.draft_state.kv
     keys = np.asarray(draft_kv[0][0])[match.page_ids]  # [pages, heads, page, dim]
     return keys.transpose(0, 2, 1, 3).reshape(match.num_tokens, *keys.shape[1::2])

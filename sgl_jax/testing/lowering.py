@@ -1,8 +1,8 @@
 """Every program an Engine compiles, lowered for TPU and for CUDA on any host.
 
 `record_engine_programs` starts an Engine (tiny checkpoints, a bucket or two) with `jax.jit`
-replaced by a recorder, and runs the warm-up an accelerator runs (`Engine._warmup` for a
-platform other than the CPU: every batch bucket, every round shape, the grammar-masked
+replaced by a recorder, and runs the warm-up an accelerator runs (`runtime.warmup.warm_up`
+for a platform other than the CPU: every batch bucket, every round shape, the grammar-masked
 programs, the catch-up). While it runs, each call of a jitted function records the function,
 its `jax.jit` options and its arguments as `jax.ShapeDtypeStruct`s (shardings included), and
 returns zeros of the program's output shapes instead of running it: nothing is compiled for
@@ -213,17 +213,18 @@ def record_engine_programs(model_path: str, **engine_kwargs: Any) -> list[Progra
     """The programs an Engine of these settings (over ACCELERATOR_SETTINGS) compiles at its
     warm-up on an accelerator, recorded on this host without compiling any."""
     from sgl_jax.entrypoints.engine import Engine
+    from sgl_jax.runtime import warmup
 
     recorder = _Recorder()
-    engine_warmup = Engine._warmup
+    warm_up = warmup.warm_up
 
-    def warmup(engine) -> None:
+    def accelerator_warm_up(runner, spec) -> None:
         with recorder.recording():
-            engine_warmup(engine, platform="accelerator")
+            warm_up(runner, spec, platform="accelerator")
 
     settings = {**ACCELERATOR_SETTINGS, **engine_kwargs}
     with mock.patch.object(jax, "jit", recorder.jit), \
-            mock.patch.object(Engine, "_warmup", warmup):
+            mock.patch.object(warmup, "warm_up", accelerator_warm_up):
         engine = Engine(model_path=model_path, **settings)
     engine.shutdown()
     return list(recorder.programs.values())

@@ -134,8 +134,8 @@ def _build(out: Path, minutes: float, seed: int) -> None:
     torch.manual_seed(seed)
     tokenizer = write_tiny_tokenizer(out)
     train_stop = TRAIN_RECORDS - HELD_OUT_RECORDS
-    train = _pack(_encode(tokenizer, _documents(0, train_stop)))
-    held_out = _pack(_encode(tokenizer, _documents(train_stop, TRAIN_RECORDS)))
+    train = _pack(_encode(tokenizer, training_documents(0, train_stop)))
+    held_out = _pack(_encode(tokenizer, training_documents(train_stop, TRAIN_RECORDS)))
     held_out = held_out[:HELD_OUT_SEQUENCES]
     print(f"{len(train)} training and {len(held_out)} held-out sequences of {SEQ_LEN} tokens",
           flush=True)
@@ -154,7 +154,7 @@ def _build(out: Path, minutes: float, seed: int) -> None:
 # --------------------------------------------------------------------------- data
 
 
-def _documents(first_record: int, stop_record: int) -> list[str]:
+def training_documents(first_record: int, stop_record: int) -> list[str]:
     """The first exchange of ShareGPT records [first_record, stop_record), as the benchmark
     formats it. Counted in records, as ``iter_sharegpt_exchanges(skip=...)`` counts."""
     from sgl_jax.datasets import first_exchange, iter_sharegpt

@@ -28,7 +28,7 @@ def engine(model_dir):
 
 def all_pages_free(engine) -> bool:
     """No request holds a page: after dropping the prefix cache every page is free."""
-    return engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+    return engine.flush_cache() and engine.usage().all_pages_free
 
 
 def test_single_prompt_gives_a_dict_and_batch_a_list(engine):

@@ -111,7 +111,7 @@ def test_fp8_pages_cost_half_of_bfloat16s_and_a_budget_buys_twice_the_pages(fp8,
 
 def test_the_engine_sizes_and_stores_fp8_pages(fp8, sized):
     assert sized[0] == [FP8_BYTES_PER_TOKEN]  # what the pool was sized with
-    for k_pages, v_pages in fp8._runner.state.kv_cache:
+    for k_pages, v_pages in fp8.runtime.runner.state.kv_cache:
         assert k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn
     info = fp8.get_server_info()
     assert (info["kv_cache_dtype"], info["kv_pages_dtype"]) == ("fp8_e4m3", "float8_e4m3fn")
@@ -124,8 +124,8 @@ def test_greedy_speculation_equals_plain_decoding_over_fp8_pages(fp8, model_dir)
                 speculative_algorithm="STANDALONE",
                 speculative_draft_model_path=str(model_dir), **CHAIN, **SMALL) as spec:
         # The draft's own cache stores the target's KV dtype too.
-        assert spec._runner.state.draft_kv
-        for k_pages, v_pages in spec._runner.state.draft_kv:
+        assert spec.runtime.spec_runner.draft_state.kv
+        for k_pages, v_pages in spec.runtime.spec_runner.draft_state.kv:
             assert k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn
         outputs = spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outputs] == plain

@@ -30,7 +30,7 @@ def test_chat_logprobs_bytes_are_the_tokens_own_bytes(tokenizer):
     ids = tokenizer("日本 😀", add_special_tokens=False).input_ids
     meta = {"output_token_logprobs": [(-0.5, i) for i in ids],
             "output_top_logprobs": [[(-0.5, i)] for i in ids]}
-    content = serving._chat_logprobs(meta)["content"]
+    content = serving.chat_logprobs(meta)["content"]
     assert b"".join(bytes(e["bytes"]) for e in content) == "日本 😀".encode()
     assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
 

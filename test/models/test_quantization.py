@@ -38,7 +38,6 @@ from sgl_jax.models.loader import (
 )
 from sgl_jax.models.registry import get_model_impl
 from sgl_jax.server_args import ServerArgs
-from sgl_jax.speculative.setup import draft_quantization
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.fp8 import dequantize_blocks, quantize_blocks, write_fp8_checkpoint
@@ -261,7 +260,8 @@ def test_speculation_over_quantized_weights_equals_plain_decoding(moe, draft, fm
     with Engine(model_path=str(moe), quantization=fmt, speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(draft), speculative_num_steps=2,
                 speculative_eagle_topk=2, speculative_num_draft_tokens=4, **ENGINE) as engine:
-        assert isinstance(engine._spec.drafter.draft.params["layer"]["fc"], QuantizedWeight)
+        head = engine.runtime.spec_runner.drafter.draft
+        assert isinstance(head.params["layer"]["fc"], QuantizedWeight)
         speculative = engine.generate(input_ids=prompts(), sampling_params=[greedy] * 3)
     assert [o["output_ids"] for o in speculative] == [o["output_ids"] for o in plain]
 
@@ -273,7 +273,7 @@ def test_the_draft_format_follows_the_target_unless_the_flag_says(target, flag, 
     args = ServerArgs(model_path="m", quantization=target, speculative_algorithm="EAGLE3",
                       speculative_draft_model_path="d",
                       speculative_draft_model_quantization=flag)
-    assert draft_quantization(args) == expected
+    assert args.speculative.draft_quantization == expected
 
 
 def test_a_draft_format_without_a_draft_model_is_refused():

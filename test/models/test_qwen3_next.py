@@ -252,7 +252,7 @@ def test_state_pool_returns_to_full_after_finish_abort_and_retraction(checkpoint
             time.sleep(0.05)
         info = engine.get_server_info()
         assert info["state_slots_in_use"] == 0 and info["state_slots_total"] == 8
-        assert engine._allocator.num_free == engine._allocator.capacity
+        assert engine.usage().all_pages_free
         assert info["num_compilations"] == compiled
     for ids, out in zip(seqs, outputs, strict=True):
         assert_greedy_as_transformers(reference, ids, out["output_ids"])

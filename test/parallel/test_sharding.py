@@ -11,8 +11,14 @@ import pytest
 from sgl_jax.layers.rotary import RopeConfig
 from sgl_jax.models.config import ModelConfig, tensor_parallel_problems
 from sgl_jax.parallel import make_mesh
-from sgl_jax.parallel.multihost import Mirrored, StepReceiver, StepSender, follow
-from sgl_jax.parallel.sharding import _copy_kv_heads
+from sgl_jax.parallel.multihost import (
+    Mirrored,
+    StepReceiver,
+    StepSender,
+    device_call,
+    follow,
+)
+from sgl_jax.parallel.sharding import copy_kv_heads
 from sgl_jax.testing.parallel import cpu_devices_env
 from sgl_jax.testing.server import free_port
 
@@ -30,7 +36,7 @@ def test_copied_kv_heads_serve_the_q_heads_that_read_them(heads, kv_heads, tp):
     k, v = rng.standard_normal((2, kv_heads, hd, width))
     per_group = heads // kv_heads
     fused = np.concatenate([q.reshape(kv_heads, per_group * hd, width), k, v], axis=1)
-    copied = _copy_kv_heads(fused, tp // kv_heads, hd)  # [tp, (heads/tp + 2) * hd, width]
+    copied = copy_kv_heads(fused, tp // kv_heads, hd)  # [tp, (heads/tp + 2) * hd, width]
     assert copied.shape == (tp, (heads // tp + 2) * hd, width)
     q_per_device = heads // tp
     for device in range(tp):
@@ -78,6 +84,7 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
+    @device_call
     def step(self, *args, **kwargs):
         self.calls.append((args, kwargs))
         return len(self.calls)
@@ -85,6 +92,7 @@ class Recorder:
     def untouched(self):
         return "local only"
 
+    @device_call
     def fails(self):
         raise RuntimeError("a step that fails on every rank")
 
@@ -104,7 +112,7 @@ def test_rank0_calls_reach_every_follower_in_order():
         thread.start()
     sender = StepSender(address, num_followers=2, timeout=30)
     leader = Recorder()
-    mirrored = Mirrored(leader, "runner", ("step", "fails"), sender)
+    mirrored = Mirrored(leader, "runner", sender)
     big = np.arange(300_000, dtype=np.int32)  # larger than one socket read
     assert mirrored.step([1, 2], flag=True) == 1
     with pytest.raises(RuntimeError):  # rank 0 fails the step's requests and goes on ...

@@ -31,7 +31,7 @@ def engine(model_dir):
 
 
 def pages_all_free(engine) -> bool:
-    return engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+    return engine.flush_cache() and engine.usage().all_pages_free
 
 
 def random_prompts(seed, lengths):

@@ -42,7 +42,7 @@ def engines(model_dir):
 
 
 def pages_all_free(engine) -> bool:
-    return engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+    return engine.flush_cache() and engine.usage().all_pages_free
 
 
 def emitted(output):
@@ -63,7 +63,7 @@ def launches_and_reads(engine, **request) -> list[str]:
     """The order in which the engine dispatched steps and read their results back while it
     served `request`."""
     events = []
-    runner = engine._loop.scheduler.runner
+    runner = engine.runtime.scheduler.runner
     launch = runner.launch  # every step, extend or decode, is dispatched here
 
     def logged_launch(*args, **kwargs):
@@ -73,11 +73,11 @@ def launches_and_reads(engine, **request) -> list[str]:
         pending.result = lambda: (events.append("read"), read())[1]
         return pending
 
-    engine._loop.call(lambda s: setattr(s.runner, "launch", logged_launch))
+    engine.runtime.call(lambda s: setattr(s.runner, "launch", logged_launch))
     try:
         engine.generate(**request)
     finally:
-        engine._loop.call(lambda s: delattr(s.runner, "launch"))
+        engine.runtime.call(lambda s: delattr(s.runner, "launch"))
     return events
 
 

@@ -58,10 +58,10 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None, observed=None):
                 speculative_draft_model_path=str(paths[draft]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
         if observed is not None:
-            slow_prefills(engine._loop.scheduler.decoding, observed)
+            slow_prefills(engine.runtime.scheduler.decoding, observed)
         if relative_costs:  # a machine where a round of each shape costs that many plain
             # steps: at warm-up and while serving
-            policy = engine._loop.scheduler.decoding.policy
+            policy = engine.runtime.scheduler.decoding.policy
             policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
                                     for shape, bucket in policy.round_seconds}
             observe = policy.observe
@@ -139,7 +139,7 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
                     speculative_draft_model_path=str(paths["eagle3"]),
                     speculative_adaptive=adaptive, **TREE, **BASE) as engine:
             compiled = engine.get_server_info()["num_compilations"]
-            scheduler, spec = engine._loop.scheduler, engine._spec
+            scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
             if adaptive:  # else the flags' shape every round: the draft kept in step
                 script = iter(([PLAIN] * 3 + [spec.shape] * 2 + [PLAIN] * (CATCH_UP_WIDTH + 2)
                                + [scheduler.decoding.policy.shapes[1]]) * 100)
@@ -183,12 +183,12 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
     with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(paths["eagle3"]), **TREE, **BASE) as engine:
         compiled = engine.get_server_info()["num_compilations"]
-        scheduler, spec = engine._loop.scheduler, engine._spec
+        scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
         policy = scheduler.decoding.policy
         policy.admits_draft = lambda bucket, rid, *_: False
-        before = jax.device_get(spec.state.draft_kv)
+        before = jax.device_get(spec.draft_state.kv)
         firsts, _ = generate(engine, [1] * 4)  # prefill only
-        unchanged = jax.tree.map(np.array_equal, before, jax.device_get(spec.state.draft_kv))
+        unchanged = jax.tree.map(np.array_equal, before, jax.device_get(spec.draft_state.kv))
         assert all(jax.tree.leaves(unchanged)), "a prefill without drafts ran the draft"
 
         order = []  # admission order: the 2nd and 4th prompts get a draft

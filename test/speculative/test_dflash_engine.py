@@ -69,7 +69,7 @@ def pages_all_free(engine) -> bool:
     """No request holds a page (the target's KV and the head's context alike), and with the
     prefix cache flushed every page is free."""
     return (engine.flush_cache() and engine.get_server_info()["kv_pages_in_use"] == 0
-            and engine._allocator.num_free == engine._allocator.capacity)
+            and engine.usage().all_pages_free)
 
 
 def test_retraction_grammar_and_aborts(fitted, references):

@@ -89,7 +89,7 @@ def spec_engine(paths, shape, page_size, draft="eagle3"):
 def states_all_free(engine) -> bool:
     info = engine.get_server_info()
     return (info["state_slots_in_use"] == 0
-            and engine._allocator.num_free == engine._allocator.capacity)
+            and engine.usage().all_pages_free)
 
 
 def test_greedy_speculation_equals_plain_decoding(paths, references):
@@ -200,7 +200,8 @@ def test_dflash_rolls_the_state_back_over_a_chain_of_15(paths, references, tmp_p
     one_bucket = {**BASE, "precompile_token_paddings": [64], "precompile_bs_paddings": [8]}
     with Engine(model_path=str(paths["target"]), speculative_algorithm="DFLASH",
                 speculative_draft_model_path=str(head), page_size=16, **one_bucket) as engine:
-        assert engine._spec.shape.num_steps == 15 and engine._spec.capture_layers == (2, 4, 7)
+        spec = engine.runtime.spec_runner
+        assert spec.shape.num_steps == 15 and spec.capture_layers == (2, 4, 7)
         own = engine.generate(input_ids=FIT_PROMPTS[:4], sampling_params=[{
             "temperature": 0, "max_new_tokens": FIT_NEW_TOKENS,
             "min_new_tokens": FIT_NEW_TOKENS}] * 4)
@@ -256,12 +257,12 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
     decoding the root, g1 ... ga one token at a time leaves: the chain's state is rolled back
     to a node inside it."""
     with spec_engine(paths, shape, 16) as engine:
-        runner, spec = engine._runner, engine._spec
+        runner, spec = engine.runtime.runner, engine.runtime.spec_runner
         ids = [prompts()[i] for i in (2, 5)]
         follow = [references[i] for i in (2, 5)]  # 12 and 6 greedy tokens
         n = spec.shape.num_draft_tokens
-        slots = [engine._state_slots.allocate() for _ in range(4)]
-        pages = [engine._allocator.allocate(8) for _ in range(4)]
+        slots = [engine.runtime.state_slots.allocate() for _ in range(4)]
+        pages = [engine.runtime.allocator.allocate(8) for _ in range(4)]
         # Slots 0, 1: the requests before verify; 2, 3: the same prompts decoded plainly.
         runner.forward([SeqChunk(p[:-1], 0, pages[j], state_slot=slots[j])
                         for j, p in enumerate(ids)])
@@ -323,7 +324,7 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                 np.testing.assert_allclose(committed.conv, plain.conv, rtol=1e-4, atol=1e-4)
                 np.testing.assert_allclose(committed.ssm, plain.ssm, rtol=1e-4, atol=1e-4)
         for slot in slots:
-            engine._state_slots.free(slot)
+            engine.runtime.state_slots.free(slot)
         for page_ids in pages:
-            engine._allocator.free(page_ids)
+            engine.runtime.allocator.free(page_ids)
         assert isinstance(runner.state.kv_cache[0], gated_delta_net.GdnState)

@@ -58,7 +58,7 @@ def references(targets):
 
 
 def pages_all_free(engine) -> bool:
-    return engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+    return engine.flush_cache() and engine.usage().all_pages_free
 
 
 @pytest.mark.parametrize("preset, shape, page_size, overlap", [
@@ -117,7 +117,7 @@ def test_text_with_nothing_to_repeat_accepts_nothing(targets, references):
         assert engine.get_server_info()["spec_accepted_tokens"] == 0
         # A request with nothing to generate never runs; none stays indexed.
         engine.generate(input_ids=[prompts()[0]], sampling_params=[{"max_new_tokens": 0}])
-        assert len(engine._loop.scheduler.decoding.proposer.index) == 0
+        assert len(engine.runtime.scheduler.decoding.proposer.index) == 0
 
 
 def test_ngram_flags_are_checked_at_start_up(targets):

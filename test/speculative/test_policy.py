@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sgl_jax.speculative import policy as P
-from sgl_jax.speculative.drafts import TreeShape
+from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
 
 TREE = TreeShape(3, 4, 8)

@@ -69,7 +69,7 @@ def engines(request, paths):
 
 def all_returned(engine) -> bool:
     info = engine.get_server_info()
-    return (engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+    return (engine.flush_cache() and engine.usage().all_pages_free
             and info.get("state_slots_in_use", 0) == 0)
 
 
@@ -104,7 +104,7 @@ class TestSharedEnginePairs:
     def test_a_round_is_dispatched_before_the_last_one_is_read(self, engines):
         for engine, ahead in zip(engines, (True, False), strict=True):
             events = []
-            spec = engine._spec
+            spec = engine.runtime.spec_runner
             launch = spec.round
 
             def logged_round(*args, launch=launch, events=events, **kwargs):
@@ -114,12 +114,12 @@ class TestSharedEnginePairs:
                 pending.result = lambda: (events.append("read"), read())[1]
                 return pending
 
-            engine._loop.call(lambda s, spec=spec, logged=logged_round: setattr(spec, "round",
+            engine.runtime.call(lambda s, spec=spec, logged=logged_round: setattr(spec, "round",
                                                                                 logged))
             try:
                 engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(20))
             finally:
-                engine._loop.call(lambda s, spec=spec: delattr(spec, "round"))
+                engine.runtime.call(lambda s, spec=spec: delattr(spec, "round"))
             assert (events[:3] == ["launch", "launch", "read"]) is ahead
             assert events.count("launch") == events.count("read") >= 3
 
@@ -177,10 +177,10 @@ def test_plain_streaks_and_catch_ups(paths):
         with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                     speculative_draft_model_path=str(paths["eagle3"]),
                     disable_overlap_schedule=not overlap, **shape, **SMALL) as engine:
-            policy = engine._loop.scheduler.decoding.policy
-            assert engine._spec.defers_draft  # plain rounds leave the draft behind
-            script = iter(([PLAIN] * 3 + [engine._spec.shape] * 2 + [PLAIN] * 10
-                           + [engine._spec.shape]) * 100)
+            policy = engine.runtime.scheduler.decoding.policy
+            assert engine.runtime.spec_runner.defers_draft  # plain rounds leave the draft behind
+            script = iter(([PLAIN] * 3 + [engine.runtime.spec_runner.shape] * 2 + [PLAIN] * 10
+                           + [engine.runtime.spec_runner.shape]) * 100)
             policy.choose = lambda records, bucket, script=script, **_: next(script)
             results.append(emitted(engine.generate(
                 input_ids=random_prompts(5, [5, 30, 12, 50]),

@@ -70,7 +70,7 @@ def spec_engine(paths, algorithm, draft, shape, **extra):
 
 
 def pages_all_free(engine) -> bool:
-    return engine.flush_cache() and engine._allocator.num_free == engine._allocator.capacity
+    return engine.flush_cache() and engine.usage().all_pages_free
 
 
 CASES = [
@@ -140,7 +140,7 @@ def test_target_as_its_own_tree_draft_accepts_a_full_path_every_round(checkpoint
     paths = {"target": checkpoints["llama"]["target"], "self": checkpoints["llama"]["target"]}
     with spec_engine(paths, "STANDALONE", "self", TREE, page_size=16) as engine:
         rounds = []
-        original = engine._spec.round
+        original = engine.runtime.spec_runner.round
 
         class RecordedRound:  # records the round's results when the host reads them
             def __init__(self, pending):
@@ -156,7 +156,7 @@ def test_target_as_its_own_tree_draft_accepts_a_full_path_every_round(checkpoint
         def recording_round(*args, **kwargs):
             return RecordedRound(original(*args, **kwargs))
 
-        engine._spec.round = recording_round
+        engine.runtime.spec_runner.round = recording_round
         outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
                                                                         MAX_NEW])
     assert [o["output_ids"] for o in outputs] == references["llama"]

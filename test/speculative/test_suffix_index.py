@@ -224,7 +224,7 @@ def test_wide_nodes_under_churn_match_reference():
                 index.finish("probe", record=False)
                 ref.texts.pop("probe")
                 ref.prompt_lens.pop("probe")
-    assert index._responses._wide  # the case above did build records
+    assert index.responses.num_wide_records  # the case above did build records
 
 
 _SINGLES = [x for k in range(10, 25) for x in (0, k)]  # "0" followed by 15 different tokens
@@ -253,7 +253,7 @@ def test_wide_record_follows_falling_totals(outputs):
         index.finish("probe", record=False)
         ref.texts.pop("probe")
     assert ref.responses == outputs[1:]
-    assert index._responses._wide  # records were made and used
+    assert index.responses.num_wide_records  # records were made and used
 
 
 def test_bucket_size_never_changes_drafts():
@@ -368,14 +368,14 @@ def test_eviction_cycles_keep_counts_and_memory_bounded():
         index.add_request(key, [0])
         index.extend(key, [rng.randrange(3) for _ in range(rng.randint(1, 12))])
         index.finish(key)
-    trie = index._responses
+    trie = index.responses
     assert index.response_tokens <= 30
     assert len(trie.tokens) <= 2 * (30 + 30)  # the dead front of the token list is dropped
     # Every kept token starts one suffix, counted once under the root.
-    assert sum(trie._count[c] for c in trie._children[0].values()) == index.response_tokens
-    while index._kept:  # evicting everything leaves no node behind
-        trie.remove_text(*index._kept.popleft())
-    assert trie._children[0] == {} and trie.num_nodes == 1
+    assert sum(trie.root_counts().values()) == index.response_tokens
+    while index.evict_oldest_response():  # evicting everything leaves no node behind
+        pass
+    assert trie.root_counts() == {} and trie.num_nodes == 1
 
 
 def test_no_match_proposes_only_the_root():

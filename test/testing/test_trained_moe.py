@@ -18,8 +18,8 @@ from sgl_jax.testing import trained_moe
 
 def test_a_miniature_build_trains_loads_and_is_cached(tmp_path, monkeypatch):
     read = []
-    documents = trained_moe._documents
-    monkeypatch.setattr(trained_moe, "_documents",
+    documents = trained_moe.training_documents
+    monkeypatch.setattr(trained_moe, "training_documents",
                         lambda first, stop: read.append((first, stop)) or documents(first, stop))
     monkeypatch.setattr(trained_moe, "TRAIN_RECORDS", 80)
     monkeypatch.setattr(trained_moe, "HELD_OUT_RECORDS", 20)

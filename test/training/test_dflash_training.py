@@ -15,7 +15,7 @@ import torch
 from sgl_jax.models.config import dense_config_from_hf
 from sgl_jax.models.loader import load_dflash_draft
 from sgl_jax.testing import write_tiny_checkpoint
-from sgl_jax.testing.dflash import _torch_block_forward, write_tiny_dflash_draft
+from sgl_jax.testing.dflash import torch_block_forward, write_tiny_dflash_draft
 from sgl_jax.testing.torch_reference import torch_tensors
 from sgl_jax.training import dflash as dflash_lib
 from sgl_jax.training.objective import Batch
@@ -57,7 +57,7 @@ def test_block_states_match_the_published_objective_in_torch(target, windows, tm
     for row in range(ROWS):
         blocks = torch.full((ANCHORS, BLOCK), draft.config.mask_token_id)
         blocks[:, 0] = torch.from_numpy(ids[row, anchors[row]])
-        expected = _torch_block_forward(weights, config, torch.from_numpy(features[row]),
+        expected = torch_block_forward(weights, config, torch.from_numpy(features[row]),
                                         torch.from_numpy(embed)[blocks],
                                         torch.from_numpy(anchors[row]).long())
         np.testing.assert_allclose(np.asarray(hidden[row]), expected.detach().numpy(),

@@ -136,7 +136,7 @@ class OpenAIServing:
             output = self._chat_output(request)
             choices.append({
                 "index": index, "message": output.message(out["text"]),
-                "logprobs": self._chat_logprobs(meta) if request.logprobs else None,
+                "logprobs": self.chat_logprobs(meta) if request.logprobs else None,
                 "finish_reason": output.finish_reason(_finish_reason(meta)),
             })
         return {**head, "object": "chat.completion", "choices": choices,
@@ -158,7 +158,7 @@ class OpenAIServing:
                     finals[index] = meta
                     _raise_if_aborted(meta)
                 delta = outputs[index].delta(chunk["text"], final=finished)
-                logprobs = self._chat_logprobs(meta) if request.logprobs else None
+                logprobs = self.chat_logprobs(meta) if request.logprobs else None
                 if delta or (logprobs and logprobs["content"]):
                     yield sse(_chat_chunk(head, index, delta, logprobs=logprobs))
                 if finished:
@@ -168,7 +168,7 @@ class OpenAIServing:
             yield sse({**head, "choices": [], "usage": _usage(_in_order(finals), request.n)})
         yield sse("[DONE]")
 
-    def _chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def chat_logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
         content = []
         for (logprob, token), top in zip(meta["output_token_logprobs"],
                                          meta["output_top_logprobs"], strict=True):

@@ -1,0 +1,38 @@
+"""Speculative decoding's settings, as the flags give them (server_args.py builds them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_jax.speculative.suffix_config import SuffixConfig
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    num_steps: int  # S: draft depth
+    topk: int  # K: branching per step
+    num_draft_tokens: int  # N: nodes sent to verify, the root included
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft-and-verify settings (see docs/speculative.md)."""
+
+    algorithm: str
+    draft_model_path: str
+    draft_model_revision: str | None
+    # The draft's weight format: the target's --quantization unless
+    # --speculative-draft-model-quantization says otherwise (None: the model dtype).
+    draft_quantization: str | None
+    num_steps: int  # draft depth S
+    eagle_topk: int  # branching K per step; 1 = a chain
+    num_draft_tokens: int  # N tokens sent to verify, the root included
+    accept_threshold_single: float
+    accept_threshold_acc: float
+    adaptive: bool  # each round's shape chosen by the policy, the flags' shape the widest
+    ngram: SuffixConfig | None = None  # NGRAM's drafting statistics
+
+    @property
+    def shape(self) -> TreeShape:
+        """The flags' shape: the widest a round may take."""
+        return TreeShape(self.num_steps, self.eagle_topk, self.num_draft_tokens)
