@@ -280,7 +280,7 @@ def _draw(
     return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
 
 
-def _sampled_tokens(penalised: jax.Array, params: SamplingBatch) -> jax.Array:  # i32[S]
+def sampled_tokens(penalised: jax.Array, params: SamplingBatch) -> jax.Array:  # i32[S]
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     drawn = _draw(*_sorted_filtered_probs(penalised, params), params.seed, params.position)
     return jnp.where(params.temperature == 0, greedy, drawn)
@@ -314,7 +314,7 @@ def sample(
     tokens = jax.lax.cond(
         jnp.all(params.temperature == 0),
         lambda x, p: jnp.argmax(x, axis=-1).astype(jnp.int32),
-        _sampled_tokens,
+        sampled_tokens,
         penalised,
         params,
     )

@@ -21,7 +21,7 @@ Child = tuple[int, int, Handle]
 
 # An explicit node with more children than this keeps a record of its frequent ones, so a
 # lookup does not walk every child of a common token (thousands, in recent responses).
-_WIDE = 16
+WIDE_NODE = 16
 
 
 class SuffixTrie:
@@ -75,7 +75,7 @@ class SuffixTrie:
 
     @property
     def num_wide_records(self) -> int:
-        """Nodes keeping a record of their frequent children (more than _WIDE children)."""
+        """Nodes keeping a record of their frequent children (more than WIDE_NODE children)."""
         return len(self._wide)
 
     def root_counts(self) -> dict[int, int]:
@@ -164,7 +164,7 @@ class SuffixTrie:
         if total == 0:
             return 0, []
         pool = self._children[node]
-        if len(pool) > _WIDE:
+        if len(pool) > WIDE_NODE:
             record = self._wide.get(node)
             if record is None or not record[0] <= 2 * total <= 4 * record[0]:
                 record = self._wide[node] = self._wide_record(pool, total)

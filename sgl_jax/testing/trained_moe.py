@@ -119,7 +119,7 @@ def trained_tiny_qwen3_moe(directory: Path | None = None, *, minutes: float = 12
     scratch = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     try:
-        _build(scratch, minutes, seed)
+        train_and_save(scratch, minutes, seed)
         shutil.rmtree(out, ignore_errors=True)  # an unfinished folder from elsewhere
         scratch.rename(out)
     finally:
@@ -127,7 +127,7 @@ def trained_tiny_qwen3_moe(directory: Path | None = None, *, minutes: float = 12
     return out
 
 
-def _build(out: Path, minutes: float, seed: int) -> None:
+def train_and_save(out: Path, minutes: float, seed: int) -> None:
     import torch
 
     torch.set_num_threads(THREADS)

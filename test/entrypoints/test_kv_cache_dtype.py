@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.entrypoints import engine as engine_module
 from sgl_jax.layers.gated_delta_net import GdnState
 from sgl_jax.mem_cache import kv_cache
 from sgl_jax.mem_cache.kv_cache import (
@@ -21,6 +20,7 @@ from sgl_jax.mem_cache.kv_cache import (
 from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk
 from sgl_jax.model_executor.model_runner import ModelRunner
 from sgl_jax.models.registry import get_model_impl
+from sgl_jax.runtime import budget
 from sgl_jax.server_args import ServerArgs
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.checkpoints import tiny_config
@@ -89,7 +89,7 @@ def fp8(model_dir, sized):
     """Plain decoding over fp8 pages, its pool sized through the spy."""
     seen, spy = sized
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "kv_pool_pages", spy)
+        patch.setattr(budget, "kv_pool_pages", spy)
         engine = Engine(model_path=str(model_dir), kv_cache_dtype="fp8_e4m3",
                         max_total_tokens=256, **SMALL)
     with engine:

@@ -445,7 +445,7 @@ def test_only_batches_that_sample_take_the_sampling_branch(monkeypatch):
     def tripwire(penalised, params):
         raise AssertionError("sampling branch taken")
 
-    monkeypatch.setattr(sampler, "_sampled_tokens", tripwire)
+    monkeypatch.setattr(sampler, "sampled_tokens", tripwire)
     logits = np.random.default_rng(7).normal(size=(S, V)).astype(np.float32)
     with jax.disable_jit():
         greedy = sampler.sample(logits, make_params(temperature=0.0), empty_state(), NO_SLOTS)

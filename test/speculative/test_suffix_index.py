@@ -169,8 +169,8 @@ def random_config(rng: random.Random) -> SuffixConfig:
 def test_matches_reference(seed, monkeypatch):
     rng = random.Random(seed)
     cfg = random_config(rng)
-    # Nodes with more children than _WIDE keep a record of their frequent children.
-    monkeypatch.setattr(suffix_trie, "_WIDE", rng.choice([0, 1, 3, 16]))
+    # Nodes with more children than WIDE_NODE keep a record of their frequent children.
+    monkeypatch.setattr(suffix_trie, "WIDE_NODE", rng.choice([0, 1, 3, 16]))
     vocab = rng.choice([2, 3, 4, 6])
     index, ref = SuffixIndex(cfg), RefIndex(cfg)
     pool: list[list[int]] = []

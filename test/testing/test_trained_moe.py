@@ -46,6 +46,6 @@ def test_a_miniature_build_trains_loads_and_is_cached(tmp_path, monkeypatch):
         expected = reference(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
 
-    monkeypatch.setattr(trained_moe, "_build", lambda *a: (_ for _ in ()).throw(
+    monkeypatch.setattr(trained_moe, "train_and_save", lambda *a: (_ for _ in ()).throw(
         AssertionError("a finished build is trained again")))
     assert trained_moe.trained_tiny_qwen3_moe(tmp_path / "moe") == out
