@@ -238,7 +238,7 @@ def test_state_pool_returns_to_full_after_finish_abort_and_retraction(checkpoint
                     precompile_token_paddings=[64], precompile_bs_paddings=[8],
                     max_prefill_tokens=64)
     seqs = prompts(5, [30, 25, 40, 20, 35, 28])
-    with caplog.at_level(logging.INFO, logger="sgl_jax.entrypoints.engine"), \
+    with caplog.at_level(logging.INFO, logger="sgl_jax.runtime"), \
             Engine(model_path=str(path), **settings) as engine:
         compiled = engine.get_server_info()["num_compilations"]
         outputs = engine.generate(input_ids=seqs, sampling_params=greedy(24))
