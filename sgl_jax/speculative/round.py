@@ -27,7 +27,13 @@ from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import LayerKV
 from sgl_jax.layers.attention.metadata import read_slots, write_slots
 from sgl_jax.layers.sampler import SamplingBatch
-from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
+from sgl_jax.model_executor.forward_batch import (
+    BatchShape,
+    SeqChunk,
+    kv_slots,
+    token_positions,
+    window_metadata,
+)
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words, top_logprobs_if
 from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
@@ -291,3 +297,13 @@ def target_features(kind: str, hidden: jax.Array, captured: tuple[jax.Array, ...
     if kind == "aux":
         return jnp.concatenate(captured, axis=-1)
     return hidden if kind == "final" else None
+
+
+def shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Sequence[int]
+                 ) -> np.ndarray:
+    """i32[T]: at each token, the token after it (EAGLE3 pairs features t with token t+1)."""
+    ids = np.zeros(shape.num_tokens, np.int32)
+    for chunk, where, after in zip(chunks, token_positions(chunks, shape), next_tokens,
+                                   strict=True):
+        ids[where] = [*chunk.token_ids[1:], after]
+    return ids

@@ -9,6 +9,7 @@ A runner given here may be rank 0's `Mirrored` view of one (several nodes): its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
-from sgl_jax.model_executor.model_runner import greedy_sampling_batch
+from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
@@ -64,6 +65,52 @@ def time_bucket(spec: SpecRunner, size: int) -> None:
     _time_rounds(spec, _padding_rows(spec, size), runs=2, budget_s=0.0)
     _warm_undrafted_steps(spec, [size])
     _warm_catch_up(spec, [-1] * size)
+
+
+def batch_limit(spec: SpecRunner, wanted: int) -> int:
+    """The most requests a round may take with the programs built so far (see
+    model_runner.ready_batch_limit); the buckets `wanted` requests need go to the builder."""
+    return ready_batch_limit(spec.buckets.bs_paddings, wanted, spec.target.builder,
+                             spec.bucket_built, functools.partial(build_bucket, spec),
+                             "speculative bucket")
+
+
+def masked_ready(spec: SpecRunner, bucket: int) -> bool:
+    """Whether the grammar-masked pair of `bucket` may run now; with a builder, one not built
+    yet goes to it (the batch takes plain rounds meanwhile)."""
+    if spec.target.builder is None or spec.masked_built(bucket):
+        return True
+    spec.target.builder.submit(("masked round", bucket),
+                               functools.partial(build_masked, spec, bucket), priority=bucket)
+    return False
+
+
+def build_bucket(spec: SpecRunner, size: int) -> None:
+    """Build, never run, every program a round of batch bucket `size` may run but the
+    grammar-masked pair (build_masked): from any thread, while the engine serves."""
+    rows = _padding_rows(spec, size)
+    sampling = greedy_sampling_batch(size, spec.vocab_size)
+    state = spec.state_args()
+    for programs in spec.rounds.values():
+        programs.build(size, *state, rows, sampling, np.bool_(False))
+    if spec.defers_draft:
+        spec.target.build_program(spec.buckets.decode_shape(size))
+        padded, inputs = spec.catch_up_inputs(
+            [CatchUpRow(-1, [0], 0, [], np.zeros((0, spec.feature_width)))] * size)
+        draft = spec.draft_state
+        spec.catch_ups.build(padded, spec.drafter.params, draft.kv, draft.slots, *inputs)
+
+
+def build_masked(spec: SpecRunner, size: int) -> None:
+    """Build, never run, the grammar-masked pair of batch bucket `size` (any thread)."""
+    rows = _padding_rows(spec, size)
+    draft = spec.draft_state
+    trees = spec.tree_drafts.build(size, spec.drafter.params, draft.kv, draft.slots,
+                                   spec.state.last_tokens, rows)
+    tree = trees.out_info[0]
+    spec.masked_verifies.build(
+        size, *spec.state_args(), rows, tree, greedy_sampling_batch(size, spec.vocab_size),
+        np.bool_(False), allow_every_id(tree.tokens.shape, spec.vocab_size))
 
 
 def _warm_undrafted_steps(spec: SpecRunner, sizes: Sequence[int]) -> None:
