@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -141,17 +142,23 @@ class ExecutableStore:
 
 def evict(root: Path, *, keep: Path, limit: int = STORE_BYTES) -> None:
     """Remove the least recently used fingerprints' directories while `root` holds more than
-    `limit` bytes (never `keep`, the one in use)."""
-    dirs = [d for d in root.iterdir() if d.is_dir() and d != keep]
-    sizes = {d: sum(f.stat().st_size for f in d.iterdir()) for d in dirs}
-    total = sum(sizes.values()) + sum(f.stat().st_size for f in keep.iterdir())
-    for directory in sorted(dirs, key=lambda d: d.stat().st_mtime):
+    `limit` bytes (never `keep`, the one in use). Other processes may be writing or removing
+    directories meanwhile: what vanishes is skipped."""
+    sizes = {}
+    for directory in root.iterdir():
+        try:
+            sizes[directory] = (directory.stat().st_mtime,
+                                sum(f.stat().st_size for f in directory.iterdir()))
+        except OSError:
+            continue
+    total = sum(size for _, size in sizes.values())
+    for directory, (_, size) in sorted(sizes.items(), key=lambda item: item[1][0]):
         if total <= limit:
             return
-        for file in directory.iterdir():
-            file.unlink(missing_ok=True)
-        directory.rmdir()
-        total -= sizes[directory]
+        if directory == keep:
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        total -= size
 
 
 class Programs:

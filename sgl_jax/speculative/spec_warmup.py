@@ -13,6 +13,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -107,7 +108,8 @@ def build_masked(spec: SpecRunner, size: int) -> None:
     draft = spec.draft_state
     trees = spec.tree_drafts.build(size, spec.drafter.params, draft.kv, draft.slots,
                                    spec.state.last_tokens, rows)
-    tree = trees.out_info[0]
+    # The tree comes back to the host between the two (draft_trees): plain host arrays.
+    tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trees.out_info[0])
     spec.masked_verifies.build(
         size, *spec.state_args(), rows, tree, greedy_sampling_batch(size, spec.vocab_size),
         np.bool_(False), allow_every_id(tree.tokens.shape, spec.vocab_size))

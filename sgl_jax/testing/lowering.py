@@ -2,8 +2,9 @@
 
 `record_engine_programs` starts an Engine (tiny checkpoints, a bucket or two) with `jax.jit`
 replaced by a recorder, and runs the warm-up an accelerator runs (`runtime.warmup.warm_up`
-for a platform other than the CPU: every batch bucket, every round shape, the grammar-masked
-programs, the catch-up). While it runs, each call of a jitted function records the function,
+for a platform other than the CPU, every program at once rather than the larger buckets in
+the background: every batch bucket, every round shape, the grammar-masked programs, the
+catch-up). While it runs, each call of a jitted function records the function,
 its `jax.jit` options and its arguments as `jax.ShapeDtypeStruct`s (shardings included), and
 returns zeros of the program's output shapes instead of running it: nothing is compiled for
 the CPU, and the warm-up goes on with results of the right shapes. A donated state array
@@ -219,6 +220,7 @@ def record_engine_programs(model_path: str, **engine_kwargs: Any) -> list[Progra
     warm_up = warmup.warm_up
 
     def accelerator_warm_up(runner, spec) -> None:
+        runner.builder = None  # every program now, none left to the background builder
         with recorder.recording():
             warm_up(runner, spec, platform="accelerator")
 

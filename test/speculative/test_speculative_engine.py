@@ -252,7 +252,9 @@ def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoin
     more requests than built programs take. Here the builder is held: two requests are
     answered one at a time, as plain decoding answers them; released, it builds bucket 2
     (XLA:CPU: only once a batch needs it, for the memory mappings of test_process_maps),
-    and the same two then run together without compiling on the serving thread."""
+    and the same two then run together without compiling on the serving thread. A
+    grammar-constrained request likewise takes plain rounds until its masked pair is
+    built, and the same answer after."""
     paths = checkpoints["qwen3"]
     settings = {**BASE, "precompile_token_paddings": [16], "precompile_bs_paddings": [1, 2],
                 "max_prefill_tokens": 16, "skip_server_warmup": False}
@@ -280,3 +282,17 @@ def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoin
         assert answers() == references["qwen3"][:2]
         assert max(batch_sizes) == 2
         assert engine.get_server_info()["num_compilations"] == compiled
+        # A grammar-constrained request takes plain rounds until the masked pair is built.
+        held.clear()
+        runtime.builder.submit("held again", held.wait, priority=-1)
+        masked = []
+        masked_verify = spec.masked_verify
+        spec.masked_verify = lambda *args, **kw: masked.append(1) or masked_verify(*args, **kw)
+        constrained = dict(greedy(12), regex="[ab]{3,12}")
+        before = engine.generate(input_ids=[7, 8, 9], sampling_params=constrained)
+        assert not masked and not spec.masked_built(1)
+        held.set()
+        assert runtime.builder.wait_idle(timeout=600) and spec.masked_built(1)
+        after = engine.generate(input_ids=[7, 8, 9], sampling_params=constrained)
+        assert masked and after["output_ids"] == before["output_ids"]
+        assert set(before["text"]) <= {"a", "b"} and len(before["output_ids"]) >= 2
