@@ -277,6 +277,15 @@ class ModelRunner:
             lambda size: self.has_program(self.buckets.decode_shape(size)),
             lambda size: self.build_program(self.buckets.decode_shape(size)), "decode step")
 
+    def prefill_token_limit(self, wanted: int) -> int:
+        """The most tokens an extend batch may take without waiting for a compile; token
+        buckets up to `wanted`'s are built in the background."""
+        return ready_batch_limit(
+            self.buckets.token_paddings, wanted, self.builder,
+            lambda tokens: self.has_program(self.buckets.extend_shape(tokens)),
+            lambda tokens: self.build_program(self.buckets.extend_shape(tokens)),
+            "extend step")
+
     def _sampling_program(self, shape: BatchShape, host_inputs: tuple
                           ) -> tuple[Packing, jax.stages.Compiled]:
         """The sampling step of one bucket, built now if nothing built it yet."""
@@ -366,11 +375,11 @@ class ModelRunner:
 def ready_batch_limit(sizes: Sequence[int], wanted: int, builder: BackgroundBuilder | None,
                       is_built: Callable[[int], bool], build: Callable[[int], None],
                       name: str) -> int:
-    """The largest of the batch buckets `sizes` (ascending) up to which every bucket's
-    programs are built (`is_built(size)`); the missing buckets up to the one `wanted`
-    sequences need go to `builder` (job ids `(name, size)`), smallest first. Without a
-    builder, or before even the smallest is built, every size is allowed (a missing program
-    then compiles when due)."""
+    """The largest of the buckets `sizes` (ascending: batch sizes, or extend token counts)
+    up to which every bucket's programs are built (`is_built(size)`); the missing buckets up
+    to the one `wanted` needs go to `builder` (job ids `(name, size)`), smallest first.
+    Without a builder, or before even the smallest is built, every size is allowed (a
+    missing program then compiles when due)."""
     if builder is None or not is_built(sizes[0]):
         return sizes[-1]
     limit = next((s for s in sizes if not is_built(s)), None)
@@ -379,7 +388,8 @@ def ready_batch_limit(sizes: Sequence[int], wanted: int, builder: BackgroundBuil
     needed = next((s for s in sizes if s >= wanted), sizes[-1])
     for size in sizes:
         if limit <= size <= needed and not is_built(size):
-            builder.submit((name, size), functools.partial(build, size), priority=size)
+            builder.submit((name, size), functools.partial(build, size),
+                           priority=sizes.index(size))
     return max(s for s in sizes if s < limit)
 
 

@@ -17,6 +17,7 @@ only what is built.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
@@ -41,7 +42,8 @@ STORE_BYTES = 8 * 2**30
 _PACKAGE = Path(__file__).resolve().parents[1]
 # An executable JAX loaded from its own persistent cache serializes without the machine code
 # of some of its functions on XLA:CPU ("Function ... not found" when the copy runs), so only
-# executables compiled here are stored: the compiling thread hears of a cache hit.
+# executables compiled here are stored: the compiling thread hears of a cache hit, and the
+# programs kept here stay out of JAX's cache (_outside_jax_cache).
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _compiling = threading.local()
 
@@ -52,6 +54,18 @@ def _note_cache_hit(event: str, **_) -> None:
 
 
 jax.monitoring.register_event_listener(_note_cache_hit)
+
+
+def _outside_jax_cache() -> contextlib.AbstractContextManager:
+    """This thread's compiles kept out of JAX's persistent cache (its minimum compile time
+    raised past any): the store keeps them, and an executable JAX handed back could not be
+    stored. Where JAX's internals differ, a hit is still noticed and left unstored."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+    except (ImportError, AttributeError, TypeError):
+        return contextlib.nullcontext()
 
 
 def source_digest() -> str:
@@ -136,6 +150,19 @@ class ExecutableStore:
         partial.write_bytes(blob)
         partial.replace(path)  # readers see a whole file or none
 
+    def read_json(self, name: str) -> dict[str, Any]:
+        """A small record kept beside the executables (e.g. their measured timings)."""
+        try:
+            return json.loads((self.directory / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def write_json(self, name: str, record: Mapping[str, Any]) -> None:
+        path = self.directory / f"{name}.json"
+        partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        partial.write_text(json.dumps(record, sort_keys=True))
+        partial.replace(path)
+
     def _path(self, name: str, signature: str) -> Path:
         return self.directory / f"{name}-{signature}.exe"
 
@@ -205,7 +232,8 @@ class Programs:
                 logger.debug("Loaded %s from the executable store", name)
             else:
                 _compiling.cache_hit = False
-                program = self._jitted.lower(*args, **static).compile()
+                with _outside_jax_cache():
+                    program = self._jitted.lower(*args, **static).compile()
                 self.traced += 1
                 if self._store and not _compiling.cache_hit:
                     self._store.save(self.name, digest, program)
@@ -223,7 +251,9 @@ def _key_text(key: Hashable) -> str:
 
 class BackgroundBuilder:
     """A thread that runs build jobs, the lowest priority number first; a job asked for
-    twice runs once. `stop()` drops what has not started and waits for the job running."""
+    twice runs once. It starts paused (`resume()`: tracing holds the GIL, so it would slow
+    the start it follows); `stop()` drops what has not started and waits for the job
+    running."""
 
     def __init__(self, name: str = "program-builder"):
         self._jobs: list[tuple[Any, int, Hashable, Callable[[], None]]] = []
@@ -233,6 +263,7 @@ class BackgroundBuilder:
         self._stopped = False
         self.failed: dict[Hashable, BaseException] = {}
         self._busy = False
+        self._paused = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -242,6 +273,11 @@ class BackgroundBuilder:
                 return
             self._queued.add(job_id)
             heapq.heappush(self._jobs, (priority, next(self._order), job_id, build))
+            self._wake.notify()
+
+    def resume(self) -> None:
+        with self._wake:
+            self._paused = False
             self._wake.notify()
 
     def idle(self) -> bool:
@@ -267,7 +303,7 @@ class BackgroundBuilder:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._jobs and not self._stopped:
+                while (self._paused or not self._jobs) and not self._stopped:
                     self._wake.wait()
                 if self._stopped:
                     return

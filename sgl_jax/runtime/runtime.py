@@ -97,6 +97,12 @@ class Runtime:
         self.scheduler = self._scheduler(runner, on_output)
         self.loop = EngineLoop(self.scheduler, self._on_crash)
 
+    def start_background_builds(self) -> None:
+        """Let the builder start on the larger buckets: once the caller is ready to serve
+        (its tracing would hold the GIL against the rest of the start)."""
+        if self.builder is not None:
+            self.builder.resume()
+
     # ------------------------------------------------------------------ building
 
     def _buckets(self) -> Buckets:
@@ -312,9 +318,7 @@ def _settled(args: ServerArgs) -> ServerArgs:
     """Start what must come before any device use (the compilation cache, the other nodes),
     refuse a device JAX does not run on, and settle the platform's attention backend, so
     server info reports what actually runs."""
-    if not args.disable_compilation_cache and args.nnodes > 1:
-        # One process: the executable store (runtime/executables.py) keeps the compiled
-        # programs instead, which JAX's cache would hand back unfit to store.
+    if not args.disable_compilation_cache:
         enable_compilation_cache(args.compilation_cache_dir)
     init_distributed(args.nnodes, args.node_rank, args.dist_init_addr)
     if args.device is not None:

@@ -72,7 +72,8 @@ class Scheduler:
         self.slot_table = slot_table
         self.decoding = decoding  # plain or speculative: how a step runs on the device
         self.prefill = PrefillManager(cache, limits, on_admit=self._admit,
-                                      batch_limit=decoding.batch_limit)
+                                      batch_limit=decoding.batch_limit,
+                                      prefill_limit=decoding.prefill_limit)
         self.decode = DecodeManager(cache, self._retract, settle=self._settle,
                                     lookahead=decoding.lookahead)
         self.running: list[Req] = []

@@ -124,6 +124,9 @@ class SpecDecoder:
     def batch_limit(self, wanted: int) -> int:
         return spec_warmup.batch_limit(self.spec, wanted)
 
+    def prefill_limit(self, wanted: int) -> int:
+        return spec_warmup.prefill_limit(self.spec, wanted)
+
     def flush(self) -> None:
         self.proposer.flush()
 

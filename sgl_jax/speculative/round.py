@@ -307,3 +307,23 @@ def shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Sequ
                                    strict=True):
         ids[where] = [*chunk.token_ids[1:], after]
     return ids
+
+
+def catch_up_arrays(rows: Sequence[CatchUpRow], padded: int, pages_per_seq: int,
+                    feature_width: int, dtype) -> tuple:
+    """A catch-up's host arrays over `padded` rows: tokens i32[B, W], features f[B, W, F],
+    page table i32[B, P], draft lengths and pending counts i32[B] each, slots i32[B] (-1:
+    padding), W = CATCH_UP_WIDTH."""
+    page_table = np.zeros((padded, pages_per_seq), np.int32)
+    ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
+    slots = np.full(padded, -1, np.int32)
+    tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
+    features = np.zeros((padded, CATCH_UP_WIDTH, feature_width), dtype)
+    for i, row in enumerate(rows):
+        count = len(row.next_tokens)
+        page_table[i, : len(row.page_ids)] = row.page_ids
+        ints[:, i] = row.draft_len, count
+        slots[i] = row.slot
+        tokens[i, :count] = row.next_tokens
+        features[i, :count] = row.features
+    return tokens, features, page_table, *ints, slots

@@ -1,7 +1,7 @@
 """SpecRunner: the jitted steps of speculative decoding, beside the target's ModelRunner.
 
-Its programs, each one compiled function per bucket (a plain round where no request has a
-draft is the target's own decode step, which the host side runs: speculative/decoder.py):
+Its programs, each built per bucket (model_executor/programs.py; a plain round where no
+request has a draft is the target's own decode step, run from speculative/decoder.py):
 
 - `prefill`: the target's extend (prompt chunks) with its captured hidden states and the
   draft's extend over the same tokens; for the requests whose prompt is now complete, the
@@ -23,12 +23,10 @@ draft is the target's own decode step, which the host side runs: speculative/dec
 Trees are grown at the start of the round that verifies them, so each round may take another
 shape (the adaptive policy's choice) without a program per pair of shapes. What passes from
 one round to the next stays on the device (round.py), so a round can be dispatched before the
-host has read the one before it. Results come back to the host asynchronously
-(`PendingRound`). The device state is the target's (ModelRunner's DeviceState: KV cache,
-per-slot last tokens) plus this runner's own (`DraftDeviceState`: the draft's cache and the
-slots' speculative state); every program takes and returns all of it, donated. Every method
-that launches device work is a `device_call` (multi-host followers replay it). Warm-up and
-the timing of round programs: spec_warmup.py.
+host has read the one before it (`PendingRound`). Every program takes and returns the
+target's device state (KV cache, last tokens) and this runner's (`DraftDeviceState`),
+donated; every method that launches device work is a `device_call` (multi-host followers
+replay it). Warm-up, building and timing: spec_warmup.py.
 
 Invariant between steps: a request's target cache holds its first kv_len tokens (kv_len =
 all tokens but the last) and its draft cache the same, except that with an adaptive policy a
@@ -55,6 +53,7 @@ import numpy as np
 
 from sgl_jax.layers.sampler import SamplingBatch, sample
 from sgl_jax.model_executor.forward_batch import (
+    BatchShape,
     Buckets,
     SeqChunk,
     build_forward_batch,
@@ -70,7 +69,6 @@ from sgl_jax.parallel.multihost import device_call
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.drafter import Drafter, root_only_tree
 from sgl_jax.speculative.round import (
-    CATCH_UP_WIDTH,
     CatchUpRow,
     DraftDeviceState,
     PendingRound,
@@ -79,6 +77,7 @@ from sgl_jax.speculative.round import (
     SlotState,
     Verified,
     advance_slots,
+    catch_up_arrays,
     round_inputs,
     shifted_ids,
     target_features,
@@ -208,18 +207,26 @@ class SpecRunner:
         """Extend target and draft (the target alone without `run_draft`: no request of the
         batch has a draft), without waiting. An emitting row's sampled token and the
         drafter's slot row at it become its slot's root."""
+        shape, inputs = self.prefill_inputs(chunks, sampling, emits, want_top_logprobs,
+                                            next_tokens, slots, run_draft)
+        state, draft = self.state, self.draft_state
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out, top) = self.prefills(
+            shape, *self.state_args(), *inputs)
+        return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
+                           top if want_top_logprobs else None)
+
+    def prefill_inputs(self, chunks: Sequence[SeqChunk], sampling: SamplingBatch,
+                       emits: np.ndarray, want_top_logprobs: bool, next_tokens: Sequence[int],
+                       slots: np.ndarray, run_draft: bool) -> tuple[BatchShape, tuple]:
+        """A prefill's bucket and its host inputs, padded to the bucket (see prefill)."""
         shape = self.target.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
-        draft_ids = shifted_ids(chunks, shape, next_tokens)
         sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
-        state, draft = self.state, self.draft_state
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out, top) = self.prefills(
-            shape, *self.state_args(), batch, sampling,
-            pad_rows(emits, rows, fill=False), pad_rows(slots.astype(np.int32), rows, fill=-1),
-            np.bool_(want_top_logprobs), draft_ids, np.bool_(run_draft))
-        return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
-                           top if want_top_logprobs else None)
+        return shape, (batch, sampling, pad_rows(emits, rows, fill=False),
+                       pad_rows(slots.astype(np.int32), rows, fill=-1),
+                       np.bool_(want_top_logprobs), shifted_ids(chunks, shape, next_tokens),
+                       np.bool_(run_draft))
 
     @device_call
     def round(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
@@ -271,20 +278,8 @@ class SpecRunner:
     def catch_up_inputs(self, rows: Sequence[CatchUpRow]) -> tuple[int, tuple]:
         """The padded batch size and the host arrays of a catch-up of `rows`."""
         padded = self.target.buckets.batch_padding(len(rows))
-        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
-        ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
-        slots = np.full(padded, -1, np.int32)
-        tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
-        features = np.zeros((padded, CATCH_UP_WIDTH, self.feature_width),
-                            self.target.model.dtype)
-        for i, row in enumerate(rows):
-            count = len(row.next_tokens)
-            page_table[i, : len(row.page_ids)] = row.page_ids
-            ints[:, i] = row.draft_len, count
-            slots[i] = row.slot
-            tokens[i, :count] = row.next_tokens
-            features[i, :count] = row.features
-        return padded, (tokens, features, page_table, *ints, slots)
+        return padded, catch_up_arrays(rows, padded, self.target.buckets.pages_per_seq,
+                                       self.feature_width, self.target.model.dtype)
 
     # ------------------------------------------------------------------ jitted bodies
 

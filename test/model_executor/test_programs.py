@@ -107,12 +107,13 @@ def test_old_fingerprints_are_evicted_past_the_size_limit(tmp_path):
     assert [s.directory.exists() for s in stores] == [False, True, True]
 
 
-def test_the_builder_runs_jobs_smallest_first_once_each_and_stops():
+def test_the_builder_runs_jobs_once_resumed_smallest_first_once_each_and_stops():
     builder, done, gate = BackgroundBuilder(), [], threading.Event()
-    builder.submit("gate", gate.wait, priority=-1)
     for size in (8, 2, 4, 2):
         builder.submit(size, lambda size=size: done.append(size), priority=size)
-    gate.set()
+    time.sleep(0.1)
+    assert not done  # paused until resumed
+    builder.resume()
     assert builder.wait_idle(timeout=10) and done == [2, 4, 8]
     builder.submit("failing", lambda: 1 / 0)
     assert builder.wait_idle(timeout=10) and isinstance(builder.failed["failing"],
