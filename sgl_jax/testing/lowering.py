@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sgl_jax.model_executor.programs import abstract
+
 PLATFORMS = ("tpu", "cuda")
 # What the `fa` kernel of each platform lowers to (a Pallas kernel in interpret mode lowers
 # to plain loops instead, without it).
@@ -95,12 +97,12 @@ class _Recorder:
             self.active = False
 
     def record(self, fun: Callable, options: dict, args: tuple, kwargs: dict) -> None:
-        abstract = jax.tree.map(_abstract, args)
-        key = (id(fun), _hashable(options), _signature(abstract), _hashable(kwargs))
+        abstract_args = abstract(args)
+        key = (id(fun), _hashable(options), _signature(abstract_args), _hashable(kwargs))
         if key not in self.programs:
             function, name = _name(fun)
             count = sum(p.name.split(" #")[0] == name for p in self.programs.values())
-            self.programs[key] = Program(f"{name} #{count}", function, fun, options, abstract,
+            self.programs[key] = Program(f"{name} #{count}", function, fun, options, abstract_args,
                                          kwargs)
 
 
@@ -140,15 +142,6 @@ class _FakeLowered:
 
     def compile(self):
         return self.run
-
-
-def _abstract(x):
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                    weak_type=x.weak_type)
-    if isinstance(x, (np.ndarray, np.generic)):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    return x
 
 
 def _signature(tree, *, shardings: bool = True) -> tuple:
