@@ -300,3 +300,18 @@ def test_auto_backend_works_without_torch(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
     assert {dt for dt, _ in _tensors(tmp_path).values()} == {"BF16"}
     assert _json(tmp_path / "config.json")["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_repeat_block_fills_matrices_from_one_random_block(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path / "tiled", "llama", backend="numpy", repeat_block=97)
+    plain = _load_all(write_tiny_checkpoint(tmp_path / "drawn", "llama", backend="numpy"))
+    tiled = _load_all(path)
+    assert {n: a.shape for n, a in tiled.items()} == {n: a.shape for n, a in plain.items()}
+    matrices = [a for n, a in tiled.items() if not n.endswith("norm.weight")]
+    block = np.unique(matrices[0])
+    assert len(block) == 97  # every value drawn once, repeated to fill the matrix
+    for array in matrices:
+        assert np.isin(array, block).all() and len(np.unique(array)) == 97
+    assert not all(np.array_equal(a.ravel()[:97], matrices[0].ravel()[:97]) for a in matrices)
+    with pytest.raises(ValueError, match="numpy"):
+        write_tiny_checkpoint(tmp_path / "torch", "llama", backend="torch", repeat_block=97)
