@@ -254,7 +254,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     _, verified = jax.jit(verify_part)(
         runner.model.params, state.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
-    whole = spec.round_programs[shape]  # the program SpecRunner.round runs
+    whole = spec.rounds[shape]  # the programs SpecRunner.round runs, by batch bucket
     device_arrays = jax.device_put((rows, request_sampling, want_top))
 
     def run_verify():
@@ -268,8 +268,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     def run_round_device():
         (state.kv_cache, draft_state.kv, draft_state.slots, state.last_tokens, out) = whole(
-            runner.model.params, spec.drafter.params, state.kv_cache, draft_state.kv,
-            draft_state.slots, state.last_tokens, *device_arrays)
+            len(rows.slots), *spec.state_args(), *device_arrays)
         return out
 
     catch_up_rows = [CatchUpRow(

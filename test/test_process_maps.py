@@ -72,11 +72,12 @@ def test_the_forecast_projects_the_mean_cost_of_the_programs_so_far(caplog):
     assert not caplog.records
 
 
-def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
-    """Warm-up on a CPU compiles and times the smallest batch bucket only; the first batch
-    of eight times bucket 8 between rounds, with padding rows that leave the running
-    requests untouched: a draft that predicts everything (the target itself) still gives
-    exactly plain greedy decoding, through rounds of bucket 8's programs."""
+def test_a_cpu_server_builds_a_larger_bucket_once_a_batch_needs_it(paths):
+    """Warm-up on a CPU builds and times the smallest batch bucket only; the first batch of
+    six has bucket 8 built on the background builder (meanwhile the requests run as the
+    built bucket allows), and a batch that then runs in bucket 8 times it between rounds,
+    with padding rows that leave the running requests untouched: a draft that predicts
+    everything (the target itself) still gives exactly plain greedy decoding."""
     target, _ = paths
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, n).tolist() for n in (3, 20, 7, 12, 5, 9)]
@@ -88,16 +89,20 @@ def test_a_cpu_server_times_a_larger_bucket_when_a_batch_first_needs_it(paths):
     with Engine(model_path=str(target), speculative_algorithm="STANDALONE",
                 speculative_draft_model_path=str(target), speculative_num_steps=3,
                 speculative_eagle_topk=1, **buckets) as engine:
-        timed = engine.runtime.spec_runner.round_seconds
+        runtime = engine.runtime
+        timed = runtime.spec_runner.round_seconds
         assert {bucket for _, bucket in timed} == {1}
         # Every request drafts and every round takes the chain, whatever timings a busy
         # machine measured (the bucket is still timed first: the decoder asks before).
-        policy = engine.runtime.scheduler.decoding.policy
+        policy = runtime.scheduler.decoding.policy
         policy.admits_draft = lambda *_, **__: True
-        policy.choose = lambda *_, **__: engine.runtime.spec_runner.shape
-        outputs = [o["output_ids"] for o in engine.generate(input_ids=prompts,
-                                                            sampling_params=GREEDY)]
+        policy.choose = lambda *_, **__: runtime.spec_runner.shape
+        outputs = [[o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                             sampling_params=GREEDY)]]
+        assert runtime.builder.wait_idle(timeout=600) and runtime.spec_runner.bucket_built(8)
+        outputs.append([o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                                 sampling_params=GREEDY)])
         assert {bucket for _, bucket in timed} == {1, 8}
         rounds = engine.get_server_info()["spec_rounds_by_shape"]
-    assert outputs == plain
+    assert outputs == [plain, plain]
     assert rounds["3/1/4"] >= 3 and rounds["plain"] == 0

@@ -60,6 +60,7 @@ class Engine:
         logger.info("Engine ready: %s on %d x %s (tensor parallel), attention backend %s",
                     self.model.config.architecture, args.tp_size, jax.devices()[0].device_kind,
                     args.attention_backend)
+        self.runtime.start_background_builds()
 
     def generate(self, prompt: Prompt = None, sampling_params: Params = None,
                  input_ids: InputIds = None, stream: bool = False, return_logprob: bool = False,

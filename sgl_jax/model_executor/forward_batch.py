@@ -123,7 +123,11 @@ class Buckets:
         if all(len(c.token_ids) == 1 and c.tree_mask is None for c in chunks):
             return self.decode_shape(len(chunks))
         needed = sum(aligned(len(c.token_ids)) for c in chunks)
-        tokens = _pad_to(self.token_paddings, needed, "tokens (block-aligned) in an extend batch")
+        return self.extend_shape(
+            _pad_to(self.token_paddings, needed, "tokens (block-aligned) in an extend batch"))
+
+    def extend_shape(self, tokens: int) -> BatchShape:
+        """The shape of an extend batch of token bucket `tokens`."""
         return BatchShape(tokens, EXTEND_Q_BLOCK, self.pages_per_seq, tokens // EXTEND_Q_BLOCK)
 
     def decode_shape(self, num_seqs: int) -> BatchShape:
@@ -137,11 +141,7 @@ class Buckets:
 
     def all_shapes(self) -> list[BatchShape]:
         decode = [BatchShape(s, 1, self.pages_per_seq, s) for s in self.bs_paddings]
-        extend = [
-            BatchShape(t, EXTEND_Q_BLOCK, self.pages_per_seq, t // EXTEND_Q_BLOCK)
-            for t in self.token_paddings
-        ]
-        return decode + extend
+        return decode + [self.extend_shape(t) for t in self.token_paddings]
 
     def prompt_width(self, length: int) -> int:
         return _pad_to(self.prompt_widths(), length, "prompt tokens")

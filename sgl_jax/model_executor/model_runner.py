@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
 )
 from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
+from sgl_jax.model_executor.programs import BackgroundBuilder, ExecutableStore, Programs
 from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.models.loader import LoadedModel
 from sgl_jax.parallel.multihost import device_call
@@ -53,8 +54,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_SUPPRESSED_IDS = 16  # EOS + stop ids a row can ban while min_new_tokens is unmet
 
 
-def _warn_if_slow_on_cpu(attention_backend: str | None, dtype: jnp.dtype) -> None:
-    """Say at start-up why a CPU run will crawl: correct, but many times slower."""
+def _warn_if_slow_on_cpu(attention_backend: str | None, dtype: jnp.dtype,
+                         weights_format: str | None) -> None:
+    """Say at start-up why a CPU run will crawl: correct, but many times slower. The
+    figures: the demo model (SmolLM2-135M) at batch 1 on a 2-core CPU (docs/models.md)."""
     if jax.default_backend() != "cpu":
         return
     if resolve_attention_backend(attention_backend) == "fa":
@@ -63,8 +66,14 @@ def _warn_if_slow_on_cpu(attention_backend: str | None, dtype: jnp.dtype) -> Non
                        "default) is much faster", attention_backend)
     name = jnp.dtype(dtype).name
     if name in ("bfloat16", "float16"):
-        logger.warning("--dtype %s on CPU is slow (most CPUs lack fast %s matmuls); "
-                       "--dtype float32 (what auto picks on CPU) is much faster", name, name)
+        logger.warning("--dtype %s on CPU is slow (most CPUs lack fast %s matmuls: the demo "
+                       "model decodes 2.4 tokens/s in bfloat16, 34.8 in float32); --dtype "
+                       "float32 (what auto picks on CPU) is much faster", name, name)
+    if weights_format is not None:
+        logger.warning("%s weights on CPU are slow (XLA:CPU has no fast 8-bit matmul: the "
+                       "demo model decodes 5.6 tokens/s with int8 weights, 34.8 in float32); "
+                       "leave out --quantization on CPU unless the float weights do not fit "
+                       "in memory", weights_format)
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,8 @@ class ModelRunner:
         num_request_slots: int = 1,  # rows of the per-request device state (penalties, tokens)
         num_state_slots: int = 0,  # hybrid models: recurrent-state slots, the null slot included
         kv_dtype: jax.typing.DTypeLike | None = None,  # the KV pages'; None: the model dtype
+        store: ExecutableStore | None = None,  # compiled programs kept between processes
+        builder: BackgroundBuilder | None = None,  # None: a missing program compiles when due
     ):
         if model.config.is_hybrid and num_state_slots < 2:
             raise ValueError(f"{model.config.architecture} keeps a recurrent state per request: "
@@ -131,7 +142,7 @@ class ModelRunner:
                 init_penalty_state(num_request_slots, self.config.vocab_size)),
             last_tokens=self.tp.put_replicated(jnp.zeros(num_request_slots, jnp.int32)))
         self.num_state_slots = num_state_slots if model.config.is_hybrid else 0
-        _warn_if_slow_on_cpu(attention_backend, model.dtype)
+        _warn_if_slow_on_cpu(attention_backend, model.dtype, model.weights.name)
         # The target's forward, which speculative rounds run too.
         self.target_forward = TargetForward(
             model, self.tp.attention(get_attention_backend(attention_backend)))
@@ -144,9 +155,11 @@ class ModelRunner:
             donate_argnums=(1, 2, 3), static_argnames=("packing",),
         )
         self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
-        # Compiled sampling steps by bucket, with the layout of their packed host inputs:
+        self.store, self.builder = store, builder
+        # Compiled sampling steps by bucket, and the layout of each one's packed host inputs:
         # serving calls them directly, never tracing.
-        self._sampling_programs: dict[BatchShape, tuple[Packing, jax.stages.Compiled]] = {}
+        self.sampling_programs = Programs("sampling_step", self._sampling_step, store)
+        self._packings: dict[BatchShape, Packing] = {}
 
     # ------------------------------------------------------------------ public steps
 
@@ -231,26 +244,47 @@ class ModelRunner:
                                                  ids)
 
     def warmup(self, shapes: Sequence[BatchShape] | None = None) -> None:
-        """Compile every bucket (or `shapes`) now, so serving never waits on the compiler.
-        Programs are compiled without being run (a dummy 2048-token prefill alone takes
-        seconds on a CPU); tracing holds the GIL, so it runs here while a pool compiles, or
-        loads from the compilation cache, the programs already traced."""
+        """Build every bucket's program (or `shapes`') now, so serving never waits on the
+        compiler: loaded from the executable store where kept, else traced and compiled
+        without being run (a dummy 2048-token prefill alone takes seconds on a CPU). Tracing
+        holds the GIL, so a pool compiles the programs already traced meanwhile."""
         shapes = [s for s in (self.buckets.all_shapes() if shapes is None else shapes)
-                  if s not in self._sampling_programs]
+                  if s not in self.sampling_programs]
         workers = max(1, min(4, os.cpu_count() or 1))
         forecast = WarmupForecast(len(shapes))
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(shapes), desc="Compiling step buckets", unit="bucket") as bar:
-            pending = {}
-            for shape in shapes:
-                packing, lowered = self._lower_sampling_step(self._dummy_step_inputs(shape))
-                pending[shape] = packing, pool.submit(lowered.compile)
-            for shape, (packing, future) in pending.items():
-                self._sampling_programs[shape] = packing, future.result()
+            for future in [pool.submit(self.build_program, shape) for shape in shapes]:
+                future.result()
                 forecast.compiled()
                 bar.update()
         self.reset_penalty_slot(0, [])
-        logger.info("Warm-up done: %d compilations", self.num_compilations)
+        logger.info("Warm-up done: %d programs traced and compiled, %d loaded",
+                    self.sampling_programs.traced, self.sampling_programs.loaded)
+
+    def build_program(self, shape: BatchShape) -> None:
+        """Build one bucket's sampling step without running it (any thread)."""
+        self._sampling_program(shape, self._dummy_step_inputs(shape))
+
+    def has_program(self, shape: BatchShape) -> bool:
+        return shape in self.sampling_programs
+
+    def decode_batch_limit(self, wanted: int) -> int:
+        """The most sequences a decode step may take without waiting for a compile (see
+        ready_batch_limit); decode buckets up to `wanted`'s are built in the background."""
+        return ready_batch_limit(
+            self.buckets.bs_paddings, wanted, self.builder,
+            lambda size: self.has_program(self.buckets.decode_shape(size)),
+            lambda size: self.build_program(self.buckets.decode_shape(size)), "decode step")
+
+    def prefill_token_limit(self, wanted: int) -> int:
+        """The most tokens an extend batch may take without waiting for a compile; token
+        buckets up to `wanted`'s are built in the background."""
+        return ready_batch_limit(
+            self.buckets.token_paddings, wanted, self.builder,
+            lambda tokens: self.has_program(self.buckets.extend_shape(tokens)),
+            lambda tokens: self.build_program(self.buckets.extend_shape(tokens)),
+            "extend step")
 
     def compiled_step(self, shape: BatchShape) -> jax.stages.Compiled | None:
         """The compiled sampling step of `shape`, if built (benchmarks read its HLO)."""
@@ -259,18 +293,13 @@ class ModelRunner:
 
     def _sampling_program(self, shape: BatchShape, host_inputs: tuple
                           ) -> tuple[Packing, jax.stages.Compiled]:
-        """The compiled sampling step of one bucket, compiled now if warm-up did not."""
-        entry = self._sampling_programs.get(shape)
-        if entry is None:
-            packing, lowered = self._lower_sampling_step(host_inputs)
-            entry = self._sampling_programs[shape] = packing, lowered.compile()
-        return entry
-
-    def _lower_sampling_step(self, host_inputs: tuple) -> tuple[Packing, jax.stages.Lowered]:
-        packing = layout(host_inputs)
-        return packing, self._sampling_step.lower(
-            self.model.params, self.state.kv_cache, self.state.penalties, self.state.last_tokens,
-            *pack(host_inputs, packing), packing=packing)
+        """The sampling step of one bucket, built now if nothing built it yet."""
+        packing = self._packings.get(shape) or self._packings.setdefault(
+            shape, layout(host_inputs))
+        program = self.sampling_programs.get(shape) or self.sampling_programs.build(
+            shape, self.model.params, self.state.kv_cache, self.state.penalties,
+            self.state.last_tokens, *pack(host_inputs, packing), packing=packing)
+        return packing, program
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -346,6 +375,27 @@ class ModelRunner:
             meta.page_table.shape[1], batch.logits_indices.shape[0],
             " tree-mask" if meta.tree_bits is not None else "",
         )
+
+
+def ready_batch_limit(sizes: Sequence[int], wanted: int, builder: BackgroundBuilder | None,
+                      is_built: Callable[[int], bool], build: Callable[[int], None],
+                      name: str) -> int:
+    """The largest of the buckets `sizes` (ascending: batch sizes, or extend token counts)
+    up to which every bucket's programs are built (`is_built(size)`); the missing buckets up
+    to the one `wanted` needs go to `builder` (job ids `(name, size)`), smallest first.
+    Without a builder, or before even the smallest is built, every size is allowed (a
+    missing program then compiles when due)."""
+    if builder is None or not is_built(sizes[0]):
+        return sizes[-1]
+    limit = next((s for s in sizes if not is_built(s)), None)
+    if limit is None:
+        return sizes[-1]
+    needed = next((s for s in sizes if s >= wanted), sizes[-1])
+    for size in sizes:
+        if limit <= size <= needed and not is_built(size):
+            builder.submit((name, size), functools.partial(build, size),
+                           priority=sizes.index(size))
+    return max(s for s in sizes if s < limit)
 
 
 def _with_last_tokens(input_ids: jax.Array, last_tokens: jax.Array, slots: jax.Array

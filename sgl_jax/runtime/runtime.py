@@ -27,6 +27,7 @@ from sgl_jax.mem_cache.radix_cache import RadixCache
 from sgl_jax.mem_cache.state_slots import StateSlotAllocator
 from sgl_jax.model_executor.forward_batch import Buckets, default_token_paddings, powers_of_two
 from sgl_jax.model_executor.model_runner import ModelRunner
+from sgl_jax.model_executor.programs import BackgroundBuilder
 from sgl_jax.models.loader import load_model
 from sgl_jax.parallel import TensorParallel, init_distributed, shutdown_distributed
 from sgl_jax.parallel.multihost import (
@@ -38,6 +39,7 @@ from sgl_jax.parallel.multihost import (
 )
 from sgl_jax.runtime import warmup
 from sgl_jax.runtime.budget import PoolSizes, size_pools
+from sgl_jax.runtime.executables import open_store
 from sgl_jax.runtime.usage import RuntimeUsage, usage_of
 from sgl_jax.scheduler.cache_manager import CacheManager
 from sgl_jax.scheduler.decoding import Decoding, PlainDecoding
@@ -72,6 +74,10 @@ class Runtime:
         drafter = self._drafter()
         pools = size_pools(args, self.model, buckets, self.context_length,
                            drafter and drafter.drafter.params, drafter and drafter.drafter.cache)
+        self.store = open_store(args, self.model)
+        # Larger buckets build here while the server answers (one process, warm-up on).
+        self.builder = (BackgroundBuilder() if args.nnodes == 1 and not args.skip_server_warmup
+                        else None)
         self.allocator = PageAllocator(pools.num_pages)
         self.state_slots = (StateSlotAllocator(pools.num_state_slots)
                             if pools.num_state_slots else None)
@@ -90,6 +96,12 @@ class Runtime:
         self.decoding = self._decoding(runner, spec, drafter)
         self.scheduler = self._scheduler(runner, on_output)
         self.loop = EngineLoop(self.scheduler, self._on_crash)
+
+    def start_background_builds(self) -> None:
+        """Let the builder start on the larger buckets: once the caller is ready to serve
+        (its tracing would hold the GIL against the rest of the start)."""
+        if self.builder is not None:
+            self.builder.resume()
 
     # ------------------------------------------------------------------ building
 
@@ -121,7 +133,7 @@ class Runtime:
             self.model, num_pages=pools.num_pages, page_size=self.args.page_size,
             buckets=buckets, attention_backend=self.args.attention_backend,
             num_request_slots=buckets.max_seqs, num_state_slots=pools.num_state_slots,
-            kv_dtype=pools.kv_dtype)
+            kv_dtype=pools.kv_dtype, store=self.store, builder=self.builder)
 
     def _spec_runner(self, setup: DrafterSetup) -> SpecRunner:
         spec = self.args.speculative
@@ -268,6 +280,8 @@ class Runtime:
         self.loop.call(lambda scheduler: scheduler.abort_all("engine shut down"))
         self.loop.stop()
         self.loop = None
+        if self.builder is not None:
+            self.builder.stop()
         if self._sender is not None:
             self._sender.close()
             shutdown_distributed()

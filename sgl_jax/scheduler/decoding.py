@@ -73,6 +73,13 @@ class Decoding(Protocol):
     def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
         """A request is about to be admitted into a batch of `batch_size`."""
 
+    def batch_limit(self, wanted: int) -> int:
+        """The most requests a decode step may take now without waiting for a compile; the
+        programs `wanted` requests would need are built in the background meanwhile."""
+
+    def prefill_limit(self, wanted: int) -> int:
+        """The same for the tokens of an extend batch."""
+
     def launch_prefill(self, batch: PrefillBatch) -> PendingStep: ...
 
     def plan_decode(self, reqs: list[Req], in_flight: LaunchedStep | None) -> DecodePlan: ...
@@ -110,6 +117,12 @@ class PlainDecoding:
 
     def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
         pass
+
+    def batch_limit(self, wanted: int) -> int:
+        return self.runner.decode_batch_limit(wanted)
+
+    def prefill_limit(self, wanted: int) -> int:
+        return self.runner.prefill_token_limit(wanted)
 
     def launch_prefill(self, batch: PrefillBatch) -> PendingStep:
         reqs = batch.reqs

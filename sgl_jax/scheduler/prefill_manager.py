@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +26,16 @@ class PrefillLimits:
 
 class PrefillManager:
     def __init__(self, cache: CacheManager, limits: PrefillLimits,
-                 on_admit: Callable[[Req, int], None] | None = None):
+                 on_admit: Callable[[Req, int], None] | None = None,
+                 batch_limit: Callable[[int], int] | None = None,
+                 prefill_limit: Callable[[int], int] | None = None):
         self.cache = cache
         self.limits = limits
+        # The most requests that may run given the programs built so far (Decoding's
+        # batch_limit), asked with how many would run if all waiting ones were admitted.
+        self.batch_limit = batch_limit or (lambda wanted: limits.max_running_requests)
+        # The same for the tokens of one extend batch (Decoding's prefill_limit).
+        self.prefill_limit = prefill_limit or (lambda wanted: limits.max_prefill_tokens)
         # Called before a request is admitted (again, if admission fails for want of pages)
         # with the size of the batch it joins: the running requests and as many waiting ones
         # as may run.
@@ -45,15 +53,17 @@ class PrefillManager:
         """Pick (request, tokens to compute) pairs for one extend batch; admitted requests
         are appended to `running`."""
         batch: list[tuple[Req, int]] = []
-        budget = self.limits.max_prefill_tokens
+        budget = self._token_budget(running)
         for req in running:
             if req.tokens_to_compute > 1 and budget > 0:
                 budget -= self._take_chunk(req, budget, batch)
-        while self._can_admit(running, batch, budget):
+        most = self.limits.max_running_requests
+        if self.waiting:
+            most = min(most, self.batch_limit(len(running) + len(self.waiting)))
+        while self._can_admit(running, budget, most):
             req = self.waiting[0]
             if self.on_admit is not None:
-                self.on_admit(req, min(len(running) + len(self.waiting),
-                                       self.limits.max_running_requests))
+                self.on_admit(req, min(len(running) + len(self.waiting), most))
             self.cache.admit(req)
             taken = self._take_chunk(req, budget, batch)
             if not taken:
@@ -65,13 +75,20 @@ class PrefillManager:
             budget -= taken
         return batch
 
-    def _can_admit(self, running: list[Req], batch: list, budget: int) -> bool:
-        return (
-            bool(self.waiting)
-            and budget > 0
-            and len(running) < self.limits.max_running_requests
+    def _token_budget(self, running: list[Req]) -> int:
+        """max_prefill_tokens, or less while the larger token buckets are being built."""
+        most = self.limits.max_prefill_tokens
+        wanted = 0
+        pending = itertools.chain((r for r in running if r.tokens_to_compute > 1), self.waiting)
+        for req in pending:
+            wanted += aligned(min(req.tokens_to_compute, self.limits.chunk_size))
+            if wanted >= most:
+                break
+        return min(most, self.prefill_limit(wanted)) if wanted else most
+
+    def _can_admit(self, running: list[Req], budget: int, most: int) -> bool:
+        return bool(self.waiting) and budget > 0 and len(running) < most \
             and self.cache.can_admit
-        )
 
     def _take_chunk(self, req: Req, budget: int, batch: list[tuple[Req, int]]) -> int:
         """Add up to a chunk of the request's tokens; returns the batch space it takes."""

@@ -71,7 +71,9 @@ class Scheduler:
         self.cache = cache
         self.slot_table = slot_table
         self.decoding = decoding  # plain or speculative: how a step runs on the device
-        self.prefill = PrefillManager(cache, limits, on_admit=self._admit)
+        self.prefill = PrefillManager(cache, limits, on_admit=self._admit,
+                                      batch_limit=decoding.batch_limit,
+                                      prefill_limit=decoding.prefill_limit)
         self.decode = DecodeManager(cache, self._retract, settle=self._settle,
                                     lookahead=decoding.lookahead)
         self.running: list[Req] = []

@@ -121,6 +121,12 @@ class SpecDecoder:
             state.drafting = self.policy.admits_draft(
                 self._timed_bucket(batch_size), req.rid, sum(self._drafting(running)))
 
+    def batch_limit(self, wanted: int) -> int:
+        return spec_warmup.batch_limit(self.spec, wanted)
+
+    def prefill_limit(self, wanted: int) -> int:
+        return spec_warmup.prefill_limit(self.spec, wanted)
+
     def flush(self) -> None:
         self.proposer.flush()
 
@@ -153,8 +159,8 @@ class SpecDecoder:
         }
 
     def _timed_bucket(self, batch_size: int) -> int:
-        """The padded size of a batch of `batch_size`, its round programs compiled and timed
-        first if warm-up left them (XLA:CPU warms only the smallest: see Engine)."""
+        """The padded size of a batch of `batch_size`, its round programs timed first (and
+        compiled, without a background builder) if warm-up left them."""
         bucket = self.buckets.batch_padding(batch_size)
         if self.policy.adaptive and bucket not in self.policy.timed_buckets:
             spec_warmup.time_bucket(self.spec, bucket)
@@ -362,8 +368,9 @@ class SpecDecoder:
         constrained = [req for req in reqs if req.grammar is not None]
         if not constrained:
             return None
-        if any(req.suppressing_eos for req in constrained):
-            return (PLAIN,)
+        if any(req.suppressing_eos for req in constrained) or not spec_warmup.masked_ready(
+                self.spec, self.buckets.batch_padding(len(reqs))):
+            return (PLAIN,)  # (masked rounds not built yet: plain rounds meanwhile)
         return (PLAIN, self.spec.shape)
 
     def _tree_masks(self, reqs: list[Req], tokens: np.ndarray, parents: np.ndarray

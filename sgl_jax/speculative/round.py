@@ -27,7 +27,13 @@ from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import LayerKV
 from sgl_jax.layers.attention.metadata import read_slots, write_slots
 from sgl_jax.layers.sampler import SamplingBatch
-from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
+from sgl_jax.model_executor.forward_batch import (
+    BatchShape,
+    SeqChunk,
+    kv_slots,
+    token_positions,
+    window_metadata,
+)
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words, top_logprobs_if
 from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
@@ -291,3 +297,33 @@ def target_features(kind: str, hidden: jax.Array, captured: tuple[jax.Array, ...
     if kind == "aux":
         return jnp.concatenate(captured, axis=-1)
     return hidden if kind == "final" else None
+
+
+def shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Sequence[int]
+                 ) -> np.ndarray:
+    """i32[T]: at each token, the token after it (EAGLE3 pairs features t with token t+1)."""
+    ids = np.zeros(shape.num_tokens, np.int32)
+    for chunk, where, after in zip(chunks, token_positions(chunks, shape), next_tokens,
+                                   strict=True):
+        ids[where] = [*chunk.token_ids[1:], after]
+    return ids
+
+
+def catch_up_arrays(rows: Sequence[CatchUpRow], padded: int, pages_per_seq: int,
+                    feature_width: int, dtype) -> tuple:
+    """A catch-up's host arrays over `padded` rows: tokens i32[B, W], features f[B, W, F],
+    page table i32[B, P], draft lengths and pending counts i32[B] each, slots i32[B] (-1:
+    padding), W = CATCH_UP_WIDTH."""
+    page_table = np.zeros((padded, pages_per_seq), np.int32)
+    ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
+    slots = np.full(padded, -1, np.int32)
+    tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
+    features = np.zeros((padded, CATCH_UP_WIDTH, feature_width), dtype)
+    for i, row in enumerate(rows):
+        count = len(row.next_tokens)
+        page_table[i, : len(row.page_ids)] = row.page_ids
+        ints[:, i] = row.draft_len, count
+        slots[i] = row.slot
+        tokens[i, :count] = row.next_tokens
+        features[i, :count] = row.features
+    return tokens, features, page_table, *ints, slots

@@ -1,7 +1,7 @@
 """SpecRunner: the jitted steps of speculative decoding, beside the target's ModelRunner.
 
-Its programs, each one compiled function per bucket (a plain round where no request has a
-draft is the target's own decode step, which the host side runs: speculative/decoder.py):
+Its programs, each built per bucket (model_executor/programs.py; a plain round where no
+request has a draft is the target's own decode step, run from speculative/decoder.py):
 
 - `prefill`: the target's extend (prompt chunks) with its captured hidden states and the
   draft's extend over the same tokens; for the requests whose prompt is now complete, the
@@ -23,12 +23,10 @@ draft is the target's own decode step, which the host side runs: speculative/dec
 Trees are grown at the start of the round that verifies them, so each round may take another
 shape (the adaptive policy's choice) without a program per pair of shapes. What passes from
 one round to the next stays on the device (round.py), so a round can be dispatched before the
-host has read the one before it. Results come back to the host asynchronously
-(`PendingRound`). The device state is the target's (ModelRunner's DeviceState: KV cache,
-per-slot last tokens) plus this runner's own (`DraftDeviceState`: the draft's cache and the
-slots' speculative state); every program takes and returns all of it, donated. Every method
-that launches device work is a `device_call` (multi-host followers replay it). Warm-up and
-the timing of round programs: spec_warmup.py.
+host has read the one before it (`PendingRound`). Every program takes and returns the
+target's device state (KV cache, last tokens) and this runner's (`DraftDeviceState`),
+donated; every method that launches device work is a `device_call` (multi-host followers
+replay it). Warm-up, building and timing: spec_warmup.py.
 
 Invariant between steps: a request's target cache holds its first kv_len tokens (kv_len =
 all tokens but the last) and its draft cache the same, except that with an adaptive policy a
@@ -59,7 +57,6 @@ from sgl_jax.model_executor.forward_batch import (
     Buckets,
     SeqChunk,
     build_forward_batch,
-    token_positions,
 )
 from sgl_jax.model_executor.model_runner import (
     ModelRunner,
@@ -67,11 +64,11 @@ from sgl_jax.model_executor.model_runner import (
     pad_rows,
     top_logprobs_if,
 )
+from sgl_jax.model_executor.programs import Programs
 from sgl_jax.parallel.multihost import device_call
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.drafter import Drafter, root_only_tree
 from sgl_jax.speculative.round import (
-    CATCH_UP_WIDTH,
     CatchUpRow,
     DraftDeviceState,
     PendingRound,
@@ -80,7 +77,9 @@ from sgl_jax.speculative.round import (
     SlotState,
     Verified,
     advance_slots,
+    catch_up_arrays,
     round_inputs,
+    shifted_ids,
     target_features,
     verify_trees,
 )
@@ -117,14 +116,20 @@ class SpecRunner:
         # Every program that writes the per-slot state (SlotState, the target's last tokens)
         # takes it donated, after the two caches.
         state_args = (2, 3, 4, 5)
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=state_args)
-        self.round_programs = {s: jax.jit(functools.partial(self._round_impl, shape=s),
-                                   donate_argnums=state_args) for s in self.shapes}
-        self._draft_trees = jax.jit(functools.partial(self._draft_trees_impl, shape=shape),
-                                    donate_argnums=(1,))
-        self._masked_verify = jax.jit(functools.partial(self._masked_verify_impl, shape=shape),
-                                      donate_argnums=state_args)
-        self._catch_up = jax.jit(self._catch_up_impl, donate_argnums=(1, 2))
+        store = target.store
+
+        def programs(name: str, impl, donate=state_args, **bound) -> Programs:
+            jitted = jax.jit(functools.partial(impl, **bound) if bound else impl,
+                             donate_argnums=donate)
+            return Programs(name, jitted, store)
+        # Each by its inputs' padded size: a prefill's BatchShape, else the batch bucket.
+        self.prefills = programs("spec_prefill", self._prefill_impl)
+        self.rounds = {s: programs(f"round_{s.num_steps}x{s.topk}x{s.num_draft_tokens}",
+                                   self._round_impl, shape=s) for s in self.shapes}
+        self.tree_drafts = programs("draft_trees", self._draft_trees_impl, (1,), shape=shape)
+        self.masked_verifies = programs("masked_verify", self._masked_verify_impl,
+                                        shape=shape)
+        self.catch_ups = programs("catch_up", self._catch_up_impl, (1, 2))
         # Plain rounds leave the draft behind when the policy may take them and the drafter
         # can be caught up (a recurrent draft's state would need its own catch-up).
         self.defers_draft = drafter.defers and any(s.num_draft_tokens == 1 for s in self.shapes)
@@ -168,6 +173,24 @@ class SpecRunner:
         hidden = self.target.config.hidden_size
         return hidden * len(self.capture_layers) if self.drafter.features == "aux" else hidden
 
+    def state_args(self) -> tuple:
+        """The leading arguments of every round and prefill program: both models' parameters,
+        then the state they donate (target KV, draft KV, slot state, last tokens)."""
+        state, draft = self.state, self.draft_state
+        return (self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
+                draft.slots, state.last_tokens)
+
+    def bucket_built(self, size: int) -> bool:
+        """Whether every program a round of batch bucket `size` may run is built (the
+        grammar-masked pair apart: masked_built)."""
+        deferred = not self.defers_draft or (
+            size in self.catch_ups
+            and self.target.has_program(self.buckets.decode_shape(size)))
+        return deferred and all(size in programs for programs in self.rounds.values())
+
+    def masked_built(self, size: int) -> bool:
+        return size in self.tree_drafts and size in self.masked_verifies
+
     # ------------------------------------------------------------------ host API
 
     @device_call
@@ -184,19 +207,26 @@ class SpecRunner:
         """Extend target and draft (the target alone without `run_draft`: no request of the
         batch has a draft), without waiting. An emitting row's sampled token and the
         drafter's slot row at it become its slot's root."""
+        shape, inputs = self.prefill_inputs(chunks, sampling, emits, want_top_logprobs,
+                                            next_tokens, slots, run_draft)
+        state, draft = self.state, self.draft_state
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out, top) = self.prefills(
+            shape, *self.state_args(), *inputs)
+        return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
+                           top if want_top_logprobs else None)
+
+    def prefill_inputs(self, chunks: Sequence[SeqChunk], sampling: SamplingBatch,
+                       emits: np.ndarray, want_top_logprobs: bool, next_tokens: Sequence[int],
+                       slots: np.ndarray, run_draft: bool) -> tuple[BatchShape, tuple]:
+        """A prefill's bucket and its host inputs, padded to the bucket (see prefill)."""
         shape = self.target.buckets.shape_for(chunks)
         batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
         rows = shape.num_logits
-        draft_ids = _shifted_ids(chunks, shape, next_tokens)
         sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
-        state, draft = self.state, self.draft_state
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out, top) = self._prefill(
-            self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
-            draft.slots, state.last_tokens, batch, sampling,
-            pad_rows(emits, rows, fill=False), pad_rows(slots.astype(np.int32), rows, fill=-1),
-            np.bool_(want_top_logprobs), draft_ids, np.bool_(run_draft))
-        return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
-                           top if want_top_logprobs else None)
+        return shape, (batch, sampling, pad_rows(emits, rows, fill=False),
+                       pad_rows(slots.astype(np.int32), rows, fill=-1),
+                       np.bool_(want_top_logprobs), shifted_ids(chunks, shape, next_tokens),
+                       np.bool_(run_draft))
 
     @device_call
     def round(self, rows: RoundRows, sampling: SamplingBatch, want_top_logprobs: bool,
@@ -207,9 +237,8 @@ class SpecRunner:
         for the first `num_rows` (default: every row)."""
         state, draft = self.state, self.draft_state
         (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
-         result) = self.round_programs[shape or self.shape](
-            self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
-            draft.slots, state.last_tokens, rows, sampling, np.bool_(want_top_logprobs))
+         result) = self.rounds[shape or self.shape](
+            len(rows.slots), *self.state_args(), rows, sampling, np.bool_(want_top_logprobs))
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
@@ -218,8 +247,8 @@ class SpecRunner:
         """The first half of a masked round: each row's tree of the flags' shape, as host
         arrays (tokens and parents i32[B, N]). Every row's length must be known (>= 0)."""
         draft = self.draft_state
-        tree, draft.kv = self._draft_trees(self.drafter.params, draft.kv, draft.slots,
-                                           self.state.last_tokens, rows)
+        tree, draft.kv = self.tree_drafts(len(rows.slots), self.drafter.params, draft.kv,
+                                          draft.slots, self.state.last_tokens, rows)
         return jax.device_get(tree)
 
     @device_call
@@ -231,9 +260,8 @@ class SpecRunner:
         place of `sampling.allowed`), then advance the drafter."""
         state, draft = self.state, self.draft_state
         (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
-         result) = self._masked_verify(
-            self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
-            draft.slots, state.last_tokens, rows, tree, sampling,
+         result) = self.masked_verifies(
+            len(rows.slots), *self.state_args(), rows, tree, sampling,
             np.bool_(want_top_logprobs), allowed)
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
@@ -242,23 +270,16 @@ class SpecRunner:
     def catch_up(self, rows: Sequence[CatchUpRow]) -> None:
         """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); the
         draft's output at each row's last one becomes its slot's root."""
-        padded = self.target.buckets.batch_padding(len(rows))
-        page_table = np.zeros((padded, self.target.buckets.pages_per_seq), np.int32)
-        ints = np.zeros((2, padded), np.int32)  # draft_len, pending count
-        slots = np.full(padded, -1, np.int32)
-        tokens = np.zeros((padded, CATCH_UP_WIDTH), np.int32)
-        features = np.zeros((padded, CATCH_UP_WIDTH, self.feature_width),
-                            self.target.model.dtype)
-        for i, row in enumerate(rows):
-            count = len(row.next_tokens)
-            page_table[i, : len(row.page_ids)] = row.page_ids
-            ints[:, i] = row.draft_len, count
-            slots[i] = row.slot
-            tokens[i, :count] = row.next_tokens
-            features[i, :count] = row.features
+        padded, inputs = self.catch_up_inputs(rows)
         draft = self.draft_state
-        draft.kv, draft.slots = self._catch_up(self.drafter.params, draft.kv, draft.slots,
-                                               tokens, features, page_table, *ints, slots)
+        draft.kv, draft.slots = self.catch_ups(padded, self.drafter.params, draft.kv,
+                                               draft.slots, *inputs)
+
+    def catch_up_inputs(self, rows: Sequence[CatchUpRow]) -> tuple[int, tuple]:
+        """The padded batch size and the host arrays of a catch-up of `rows`."""
+        padded = self.target.buckets.batch_padding(len(rows))
+        return padded, catch_up_arrays(rows, padded, self.target.buckets.pages_per_seq,
+                                       self.feature_width, self.target.model.dtype)
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -365,16 +386,6 @@ class SpecRunner:
         self.target.num_compilations += 1
         logger.info("Compiling speculative %s #%d: size %d", kind, self.target.num_compilations,
                     size)
-
-
-def _shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Sequence[int]
-                 ) -> np.ndarray:
-    """i32[T]: at each token, the token after it (EAGLE3 pairs features t with token t+1)."""
-    ids = np.zeros(shape.num_tokens, np.int32)
-    for chunk, where, after in zip(chunks, token_positions(chunks, shape), next_tokens,
-                                   strict=True):
-        ids[where] = [*chunk.token_ids[1:], after]
-    return ids
 
 
 def _shape_name(shape: TreeShape) -> str:

@@ -9,14 +9,17 @@ A runner given here may be rank 0's `Mirrored` view of one (several nodes): its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
-from sgl_jax.model_executor.model_runner import greedy_sampling_batch
+from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
@@ -24,17 +27,28 @@ from sgl_jax.speculative.spec_runner import SpecRunner
 
 
 def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
-            rare_programs: bool = True) -> None:
+            rare_programs: bool = True, token_sizes: Sequence[int] | None = None) -> None:
     """Compile the round programs of the batch buckets `sizes` (default: every one) and
     time each for the adaptive policy (the fastest of a few runs after the compiling one:
     the others met some other load), then the prefill buckets. Without `rare_programs`,
     the programs few batches need (grammar-masked rounds, prefills of one-token chunks)
     are left to compile on first use, as are the buckets left out of `sizes`
-    (`time_bucket` times those when the policy first meets them)."""
+    (`time_bucket` times those when the policy first meets them). `token_sizes`: the prefill
+    token buckets to build (default: every one)."""
     buckets = spec.buckets
     sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
-    prefills = [s for s in buckets.all_shapes() if rare_programs or s.q_block > 1]
+    token_sizes = buckets.token_paddings if token_sizes is None else token_sizes
+    prefills = [buckets.extend_shape(tokens) for tokens in token_sizes]
+    if rare_programs:  # prefills of one-token chunks
+        prefills += [buckets.decode_shape(size) for size in buckets.bs_paddings]
     _warm_undrafted_steps(spec, sizes)
+    # Built (or loaded) two at a time first: loading a kept executable and compiling both
+    # leave the GIL to the other thread.
+    builds = [build for size in sizes for build in _bucket_builds(spec, size)]
+    builds += [functools.partial(build_prefill, spec, tokens) for tokens in token_sizes]
+    with ThreadPoolExecutor(2) as pool:
+        for _ in pool.map(lambda build: build(), builds):
+            pass
     total = len(sizes) * (len(spec.shapes) + 1) + len(prefills)
     forecast = WarmupForecast(total)
     with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
@@ -66,6 +80,62 @@ def time_bucket(spec: SpecRunner, size: int) -> None:
     _warm_catch_up(spec, [-1] * size)
 
 
+def batch_limit(spec: SpecRunner, wanted: int) -> int:
+    """The most requests a round may take with the programs built so far (see
+    model_runner.ready_batch_limit); the buckets `wanted` requests need go to the builder."""
+    return ready_batch_limit(spec.buckets.bs_paddings, wanted, spec.target.builder,
+                             spec.bucket_built, functools.partial(build_bucket, spec),
+                             "speculative bucket")
+
+
+def masked_ready(spec: SpecRunner, bucket: int) -> bool:
+    """Whether the grammar-masked pair of `bucket` may run now; with a builder, one not built
+    yet goes to it (the batch takes plain rounds meanwhile)."""
+    if spec.target.builder is None or spec.masked_built(bucket):
+        return True
+    spec.target.builder.submit(("masked round", bucket),
+                               functools.partial(build_masked, spec, bucket),
+                               priority=spec.buckets.bs_paddings.index(bucket))
+    return False
+
+
+def build_bucket(spec: SpecRunner, size: int) -> None:
+    """Build, never run, every program a round of batch bucket `size` may run but the
+    grammar-masked pair (build_masked): from any thread, while the engine serves."""
+    for build in _bucket_builds(spec, size):
+        build()
+
+
+def _bucket_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
+    """build_bucket's programs, one call each."""
+    rows = _padding_rows(spec, size)
+    sampling = greedy_sampling_batch(size, spec.vocab_size)
+    state = spec.state_args()
+    builds = [functools.partial(programs.build, size, *state, rows, sampling, np.bool_(False))
+              for programs in spec.rounds.values()]
+    if spec.defers_draft:
+        padded, inputs = spec.catch_up_inputs(
+            [CatchUpRow(-1, [0], 0, [], np.zeros((0, spec.feature_width)))] * size)
+        draft = spec.draft_state
+        builds += [functools.partial(spec.target.build_program, spec.buckets.decode_shape(size)),
+                   functools.partial(spec.catch_ups.build, padded, spec.drafter.params,
+                                     draft.kv, draft.slots, *inputs)]
+    return builds
+
+
+def build_masked(spec: SpecRunner, size: int) -> None:
+    """Build, never run, the grammar-masked pair of batch bucket `size` (any thread)."""
+    rows = _padding_rows(spec, size)
+    draft = spec.draft_state
+    trees = spec.tree_drafts.build(size, spec.drafter.params, draft.kv, draft.slots,
+                                   spec.state.last_tokens, rows)
+    # The tree comes back to the host between the two (draft_trees): plain host arrays.
+    tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trees.out_info[0])
+    spec.masked_verifies.build(
+        size, *spec.state_args(), rows, tree, greedy_sampling_batch(size, spec.vocab_size),
+        np.bool_(False), allow_every_id(tree.tokens.shape, spec.vocab_size))
+
+
 def _warm_undrafted_steps(spec: SpecRunner, sizes: Sequence[int]) -> None:
     """Where plain rounds leave the draft behind, a round where no request has a draft is
     the target's decode step: compile those of the batch buckets `sizes`."""
@@ -93,26 +163,60 @@ def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
                  after_each: Callable[[], None] = lambda: None, runs: int = 5,
                  budget_s: float = 1.0) -> None:
     """round_seconds of every shape for `rows`' bucket: a compiling run, then the
-    fastest of `runs` (or of those that fit in `budget_s`)."""
+    fastest of `runs` (or of those that fit in `budget_s`), unless an earlier process with
+    the same programs (the executable store's fingerprint) kept its figure."""
     size = len(rows.slots)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
+    store = spec.target.store
+    kept = store.read_json(TIMINGS) if store else {}
     for shape in spec.shapes:
         def run(shape: TreeShape = shape) -> None:
             spec.round(rows, sampling, False, shape).result()
         run()
-        spec.round_seconds[shape, size] = _fastest_seconds(run, runs, budget_s)
+        seconds = kept.get(_timing_key(shape, size))
+        spec.round_seconds[shape, size] = seconds or _fastest_seconds(run, runs, budget_s)
         after_each()
+    if store:
+        store.write_json(TIMINGS, {_timing_key(shape, bucket): seconds for (shape, bucket),
+                                   seconds in spec.round_seconds.items()})
+
+
+TIMINGS = "round_seconds"  # the executable store's record of them
+
+
+def _timing_key(shape: TreeShape, size: int) -> str:
+    return f"{shape.num_steps}/{shape.topk}/{shape.num_draft_tokens} x {size}"
 
 
 def _warm_prefill(spec: SpecRunner, shape: BatchShape) -> None:
+    spec.prefill(*_dummy_prefill(spec, shape)).result()
+
+
+def build_prefill(spec: SpecRunner, tokens: int) -> None:
+    """Build, never run, the prefill program of token bucket `tokens` (any thread)."""
+    shape, inputs = spec.prefill_inputs(*_dummy_prefill(spec, spec.buckets.extend_shape(tokens)),
+                                        run_draft=True)
+    spec.prefills.build(shape, *spec.state_args(), *inputs)
+
+
+def prefill_limit(spec: SpecRunner, wanted: int) -> int:
+    """The most tokens a prefill may take with the programs built so far; the token buckets
+    `wanted` needs go to the builder."""
+    return ready_batch_limit(
+        spec.buckets.token_paddings, wanted, spec.target.builder,
+        lambda tokens: spec.buckets.extend_shape(tokens) in spec.prefills,
+        functools.partial(build_prefill, spec), "speculative prefill")
+
+
+def _dummy_prefill(spec: SpecRunner, shape: BatchShape) -> tuple:
+    """Arguments of a prefill filling `shape` that writes only into the null page."""
     chunks = _dummy_chunks(shape, spec.buckets.context_len, spec.page_size)
     count = len(chunks)
     slots = spec.target.scratch_state_slots(count)
     chunks = [dataclasses.replace(c, state_slot=slot)
               for c, slot in zip(chunks, slots, strict=True)]
-    spec.prefill(chunks, greedy_sampling_batch(count, spec.vocab_size),
-                 np.zeros(count, bool), False, [0] * count,
-                 np.full(count, -1, np.int32)).result()
+    return (chunks, greedy_sampling_batch(count, spec.vocab_size), np.zeros(count, bool),
+            False, [0] * count, np.full(count, -1, np.int32))
 
 
 def _dummy_rows(spec: SpecRunner, count: int) -> RoundRows:

@@ -2,8 +2,9 @@
 
 `record_engine_programs` starts an Engine (tiny checkpoints, a bucket or two) with `jax.jit`
 replaced by a recorder, and runs the warm-up an accelerator runs (`runtime.warmup.warm_up`
-for a platform other than the CPU: every batch bucket, every round shape, the grammar-masked
-programs, the catch-up). While it runs, each call of a jitted function records the function,
+for a platform other than the CPU, every program at once rather than the larger buckets in
+the background: every batch bucket, every round shape, the grammar-masked programs, the
+catch-up). While it runs, each call of a jitted function records the function,
 its `jax.jit` options and its arguments as `jax.ShapeDtypeStruct`s (shardings included), and
 returns zeros of the program's output shapes instead of running it: nothing is compiled for
 the CPU, and the warm-up goes on with results of the right shapes. A donated state array
@@ -44,6 +45,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from sgl_jax.model_executor.programs import abstract
 
 PLATFORMS = ("tpu", "cuda")
 # What the `fa` kernel of each platform lowers to (a Pallas kernel in interpret mode lowers
@@ -94,12 +97,12 @@ class _Recorder:
             self.active = False
 
     def record(self, fun: Callable, options: dict, args: tuple, kwargs: dict) -> None:
-        abstract = jax.tree.map(_abstract, args)
-        key = (id(fun), _hashable(options), _signature(abstract), _hashable(kwargs))
+        abstract_args = abstract(args)
+        key = (id(fun), _hashable(options), _signature(abstract_args), _hashable(kwargs))
         if key not in self.programs:
             function, name = _name(fun)
             count = sum(p.name.split(" #")[0] == name for p in self.programs.values())
-            self.programs[key] = Program(f"{name} #{count}", function, fun, options, abstract,
+            self.programs[key] = Program(f"{name} #{count}", function, fun, options, abstract_args,
                                          kwargs)
 
 
@@ -139,15 +142,6 @@ class _FakeLowered:
 
     def compile(self):
         return self.run
-
-
-def _abstract(x):
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                    weak_type=x.weak_type)
-    if isinstance(x, (np.ndarray, np.generic)):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    return x
 
 
 def _signature(tree, *, shardings: bool = True) -> tuple:
@@ -219,6 +213,7 @@ def record_engine_programs(model_path: str, **engine_kwargs: Any) -> list[Progra
     warm_up = warmup.warm_up
 
     def accelerator_warm_up(runner, spec) -> None:
+        runner.builder = None  # every program now, none left to the background builder
         with recorder.recording():
             warm_up(runner, spec, platform="accelerator")
 

@@ -132,3 +132,27 @@ def test_server_and_model_info_name_the_dtype_that_runs(model_dir):
     with Engine(model_path=str(model_dir), **{**SMALL, "dtype": "auto"}) as engine:
         assert engine.get_server_info()["dtype"] == "float32"  # what auto means on CPU
         assert model_info(engine, "m")["dtype"] == "float32"
+
+
+def test_a_second_engine_loads_its_programs_and_a_changed_flag_builds_them(model_dir,
+                                                                           tmp_path):
+    """Programs built by one engine are kept (executable store under the compilation cache
+    directory): the next engine with the same flags traces none and answers the same; one
+    with a changed flag loads none."""
+    settings = dict(SMALL, skip_server_warmup=False, precompile_bs_paddings=[1, 2],
+                    precompile_token_paddings=[16], max_prefill_tokens=16, page_size=4,
+                    compilation_cache_dir=str(tmp_path))
+    prompts = [[5, 6, 7], [9, 10]]
+
+    def start(**changes):
+        with Engine(model_path=str(model_dir), **{**settings, **changes}) as eng:
+            assert eng.runtime.builder.wait_idle(timeout=600)
+            outputs = [o["output_ids"] for o in eng.generate(input_ids=prompts,
+                                                             sampling_params=GREEDY)]
+            programs = eng.runtime.runner.sampling_programs
+            return outputs, programs.traced, programs.loaded
+
+    first, traced, _ = start()
+    assert traced == 3  # prefill 16, decode 1 and 2
+    assert start() == (first, 0, 3)
+    assert start(context_length=512)[1:] == (3, 0)

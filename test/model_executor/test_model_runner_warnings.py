@@ -14,8 +14,9 @@ def model_dir(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", with_tokenizer=False)
 
 
-def runner_warnings(model_dir, caplog, *, dtype: str, backend: str | None) -> list[str]:
-    model = load_model(str(model_dir), dtype=dtype, progress=False)
+def runner_warnings(model_dir, caplog, *, dtype: str, backend: str | None,
+                    quantization: str | None = None) -> list[str]:
+    model = load_model(str(model_dir), dtype=dtype, progress=False, quantization=quantization)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sgl_jax.model_executor.model_runner"):
         ModelRunner(model, num_pages=4, page_size=16, attention_backend=backend)
@@ -32,6 +33,14 @@ def test_pallas_backend_on_cpu_warns_about_interpret_mode(model_dir, caplog, bac
 def test_16_bit_dtype_on_cpu_warns(model_dir, caplog, dtype):
     (message,) = runner_warnings(model_dir, caplog, dtype=dtype, backend="native")
     assert f"--dtype {dtype} on CPU is slow" in message and "float32" in message
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8_int8"])
+def test_8_bit_weights_on_cpu_warn_with_the_figures(model_dir, caplog, quantization):
+    (message,) = runner_warnings(model_dir, caplog, dtype="float32", backend="native",
+                                 quantization=quantization)
+    assert f"{quantization} weights on CPU are slow" in message
+    assert "5.6 tokens/s" in message and "34.8 in float32" in message
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

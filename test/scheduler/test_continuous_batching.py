@@ -219,9 +219,12 @@ def test_logprobs_match_the_raw_distribution(engine, model_dir):
 
 
 def test_no_compilation_after_warm_up(model_dir):
+    """Warm-up builds the prefills and batch bucket 1, the background builder buckets 2 and
+    4; serving then compiles nothing."""
     buckets = dict(SMALL, skip_server_warmup=False, precompile_token_paddings=[16, 64],
                    precompile_bs_paddings=[1, 2, 4], max_prefill_tokens=64)
     with Engine(model_path=str(model_dir), **buckets) as eng:
+        assert eng.runtime.builder.wait_idle(timeout=600)
         after_warmup = eng.get_server_info()["num_compilations"]
         prompts = random_prompts(6, [3, 40, 9, 60, 17, 1, 33])
         params = [dict(greedy(n), repetition_penalty=1.1 if n % 2 else 1.0,

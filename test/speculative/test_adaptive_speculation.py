@@ -51,12 +51,19 @@ def reference(paths):
             input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
 
 
+def built_programs(engine) -> int:
+    """Compilations once warm-up and the background builder (the 64-token prefill bucket)
+    are done: serving must add none."""
+    assert engine.runtime.builder.wait_idle(timeout=600)
+    return engine.get_server_info()["num_compilations"]
+
+
 def run_adaptive(paths, algorithm, draft, relative_costs=None, observed=None):
     """Serve prompts() with an adaptive engine. `observed`, a list: each prefill's results
     come back SLOW_PREFILL_S late, and the seconds the policy is told of each round go in."""
     with Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
                 speculative_draft_model_path=str(paths[draft]), **TREE, **BASE) as engine:
-        compiled = engine.get_server_info()["num_compilations"]
+        compiled = built_programs(engine)
         if observed is not None:
             slow_prefills(engine.runtime.scheduler.decoding, observed)
         if relative_costs:  # a machine where a round of each shape costs that many plain
@@ -138,7 +145,7 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
         with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                     speculative_draft_model_path=str(paths["eagle3"]),
                     speculative_adaptive=adaptive, **TREE, **BASE) as engine:
-            compiled = engine.get_server_info()["num_compilations"]
+            compiled = built_programs(engine)
             scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
             if adaptive:  # else the flags' shape every round: the draft kept in step
                 script = iter(([PLAIN] * 3 + [spec.shape] * 2 + [PLAIN] * (CATCH_UP_WIDTH + 2)
@@ -182,7 +189,7 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
 
     with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(paths["eagle3"]), **TREE, **BASE) as engine:
-        compiled = engine.get_server_info()["num_compilations"]
+        compiled = built_programs(engine)
         scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
         policy = scheduler.decoding.policy
         policy.admits_draft = lambda bucket, rid, *_: False

@@ -4,6 +4,7 @@ batch 1 and 8; page sizes 1 and 16), a target used
 as its own draft accepts every token, and stops inside an accepted run are honoured."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -244,27 +245,54 @@ def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tm
         spec_engine({**paths, "gone": tmp_path / "missing"}, "EAGLE3", "gone", CHAIN)
 
 
-def test_warmup_compiles_the_smallest_bucket_before_serving_and_a_larger_one_once(
-        checkpoints):
-    """On a CPU warm-up compiles the smallest batch bucket's programs (the others wait for
-    a batch that needs them: XLA:CPU's kernels each take memory mappings, see
-    test_process_maps): serving one request compiles nothing, the first batch of two
-    compiles bucket 2, a second batch of two nothing more."""
+def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoints,
+                                                                       references):
+    """Warm-up builds the prefills and the smallest batch bucket; a larger bucket is built
+    on the background builder once a batch needs it, and until then the scheduler admits no
+    more requests than built programs take. Here the builder is held: two requests are
+    answered one at a time, as plain decoding answers them; released, it builds bucket 2
+    (XLA:CPU: only once a batch needs it, for the memory mappings of test_process_maps),
+    and the same two then run together without compiling on the serving thread. A
+    grammar-constrained request likewise takes no masked round until its masked pair is
+    built, and gives the same answer once it is."""
     paths = checkpoints["qwen3"]
     settings = {**BASE, "precompile_token_paddings": [16], "precompile_bs_paddings": [1, 2],
                 "max_prefill_tokens": 16, "skip_server_warmup": False}
     with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
-                speculative_draft_model_path=str(paths["eagle3"]), page_size=4, **TREE,
+                speculative_draft_model_path=str(paths["eagle3"]), **TREE,
                 **settings) as engine:
-        def compilations() -> int:
-            return engine.get_server_info()["num_compilations"]
+        runtime = engine.runtime
+        spec, held = runtime.spec_runner, threading.Event()
+        runtime.builder.submit("held", held.wait, priority=-1)
+        batch_sizes = []
+        round_of = spec.round
+        spec.round = lambda rows, *args, **kw: (batch_sizes.append(len(rows.slots))
+                                                or round_of(rows, *args, **kw))
 
-        warm = compilations()
-        one = engine.generate(input_ids=[5, 6, 7], sampling_params=greedy(9))
-        assert len(one["output_ids"]) == 9 and compilations() == warm
-        # Two pairs of prompts alike in length, unlike in tokens (no prefix cache hit).
-        first = engine.generate(input_ids=[[5, 6, 7], [9] * 12], sampling_params=greedy(9))
-        after_first = compilations()
-        second = engine.generate(input_ids=[[8, 6, 7], [10] * 12], sampling_params=greedy(9))
-        assert [len(o["output_ids"]) for o in first + second] == [9] * 4
-        assert after_first > warm and compilations() == after_first
+        def answers() -> list[list[int]]:
+            return [o["output_ids"] for o in engine.generate(
+                input_ids=prompts()[:2], sampling_params=[greedy(n) for n in MAX_NEW[:2]])]
+
+        assert answers() == references["qwen3"][:2]
+        assert max(batch_sizes) == 1 and not spec.bucket_built(2)
+        held.set()
+        assert runtime.builder.wait_idle(timeout=600) and spec.bucket_built(2)
+        batch_sizes.clear()
+        compiled = engine.get_server_info()["num_compilations"]
+        assert answers() == references["qwen3"][:2]
+        assert max(batch_sizes) == 2
+        assert engine.get_server_info()["num_compilations"] == compiled
+        # A grammar-constrained request takes plain rounds until the masked pair is built.
+        held.clear()
+        runtime.builder.submit("held again", held.wait, priority=-1)
+        masked = []
+        masked_verify = spec.masked_verify
+        spec.masked_verify = lambda *args, **kw: masked.append(1) or masked_verify(*args, **kw)
+        constrained = dict(greedy(12), regex="[ab]{3,12}")
+        before = engine.generate(input_ids=[7, 8, 9], sampling_params=constrained)
+        assert not masked and not spec.masked_built(1)
+        held.set()
+        assert runtime.builder.wait_idle(timeout=600) and spec.masked_built(1)
+        after = engine.generate(input_ids=[7, 8, 9], sampling_params=constrained)
+        assert after["output_ids"] == before["output_ids"]
+        assert set(before["text"]) <= {"a", "b"} and len(before["output_ids"]) >= 2

@@ -1,0 +1,172 @@
+"""Compiled programs kept between processes (ExecutableStore), built by key (Programs) and in
+the background (BackgroundBuilder), checked against the plain jitted functions."""
+
+import threading
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax.model_executor import programs as programs_module
+from sgl_jax.model_executor.model_runner import ready_batch_limit
+from sgl_jax.model_executor.programs import (
+    BackgroundBuilder,
+    ExecutableStore,
+    Programs,
+    fingerprint,
+)
+
+SETTINGS = {"page_size": 16, "dtype": "float32"}
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Rows:
+    ids: np.ndarray  # i32[B]
+    scale: np.ndarray  # f32[B]
+
+
+def step(state, rows: Rows):
+    """A donated state written at the rows' ids, and a per-row result."""
+    return state.at[rows.ids].add(rows.scale), rows.scale * 2 + state[rows.ids]
+
+
+def reference(state: np.ndarray, rows: Rows):
+    new = state.copy()
+    np.add.at(new, rows.ids, rows.scale)
+    return new, rows.scale * 2 + state[rows.ids]
+
+
+def rows(batch: int) -> Rows:
+    rng = np.random.default_rng(batch)
+    return Rows(rng.permutation(8)[:batch].astype(np.int32),
+                rng.standard_normal(batch).astype(np.float32))
+
+
+def programs_in(root, settings=SETTINGS) -> Programs:
+    store = ExecutableStore(root, fingerprint(settings))
+    return Programs("step", jax.jit(step, donate_argnums=(0,)), store)
+
+
+def run(programs: Programs, batch: int):
+    state = np.arange(8, dtype=np.float32)
+    expected = reference(state, rows(batch))
+    out = programs(batch, jnp.asarray(state), rows(batch))
+    np.testing.assert_allclose(np.asarray(out[0]), expected[0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out[1]), expected[1], rtol=1e-6)
+
+
+def test_a_second_store_loads_what_the_first_built(tmp_path):
+    first = programs_in(tmp_path)
+    run(first, 4)
+    assert (first.traced, first.loaded) == (1, 0)
+    second = programs_in(tmp_path)  # a later process: same settings, devices, versions
+    run(second, 4)
+    assert (second.traced, second.loaded) == (0, 1)
+
+
+def test_a_changed_setting_jax_version_or_shape_loads_nothing(tmp_path, monkeypatch):
+    run(programs_in(tmp_path), 4)
+    changed_flag = programs_in(tmp_path, {**SETTINGS, "page_size": 32})
+    run(changed_flag, 4)
+    other_shape = programs_in(tmp_path)
+    run(other_shape, 2)  # a key whose inputs differ: its own executable
+    monkeypatch.setattr(jax, "__version__", "0.0.1")
+    other_jax = programs_in(tmp_path)
+    run(other_jax, 4)
+    assert [p.loaded for p in (changed_flag, other_shape, other_jax)] == [0, 0, 0]
+    assert len({p._store.directory for p in (changed_flag, other_shape, other_jax)}) == 3
+
+
+def test_a_changed_source_file_loads_nothing(tmp_path, monkeypatch):
+    run(programs_in(tmp_path), 4)
+    monkeypatch.setattr(programs_module, "source_digest", lambda: "edited")
+    edited = programs_in(tmp_path)
+    run(edited, 4)
+    assert (edited.traced, edited.loaded) == (1, 0)
+
+
+def test_a_torn_file_is_built_again(tmp_path, caplog):
+    run(programs_in(tmp_path), 4)
+    (stored,) = programs_in(tmp_path)._store.directory.glob("step-*.exe")
+    stored.write_bytes(stored.read_bytes()[:100])
+    again = programs_in(tmp_path)
+    run(again, 4)
+    assert (again.traced, again.loaded) == (1, 0) and "unreadable" in caplog.text
+
+
+def test_old_fingerprints_are_evicted_past_the_size_limit(tmp_path):
+    stores = [ExecutableStore(tmp_path, fingerprint({"n": n})) for n in range(3)]
+    for store in stores:
+        (store.directory / "big.exe").write_bytes(b"x" * 1000)
+        time.sleep(0.01)  # distinct modification times: 0 is the least recently used
+    programs_module.evict(tmp_path, keep=stores[2].directory, limit=2500)
+    assert [s.directory.exists() for s in stores] == [False, True, True]
+
+
+def test_the_builder_runs_jobs_once_resumed_smallest_first_once_each_and_stops():
+    builder, done, gate = BackgroundBuilder(), [], threading.Event()
+    for size in (8, 2, 4, 2):
+        builder.submit(size, lambda size=size: done.append(size), priority=size)
+    time.sleep(0.1)
+    assert not done  # paused until resumed
+    builder.resume()
+    assert builder.wait_idle(timeout=10) and done == [2, 4, 8]
+    builder.submit("failing", lambda: 1 / 0)
+    assert builder.wait_idle(timeout=10) and isinstance(builder.failed["failing"],
+                                                         ZeroDivisionError)
+    gate.clear()
+    builder.submit("held", gate.wait, priority=0)
+    builder.submit("dropped", lambda: done.append("dropped"), priority=1)
+    threading.Timer(0.2, gate.set).start()
+    builder.stop()
+    assert "dropped" not in done
+
+
+@pytest.mark.parametrize("built, wanted, limit, queued", [
+    ({1}, 8, 1, [2, 4, 8]),  # only the smallest: the rest up to 8 go to the builder
+    ({1, 2}, 3, 2, [4]),  # 3 requests need bucket 4
+    ({1, 2, 4, 8}, 8, 8, []),
+    ({1, 4}, 4, 1, [2]),  # bucket 4 is built but 2 is not: batches of 2..4 wait for it
+    (set(), 8, 8, []),  # not even the smallest: everything compiles when due
+])
+def test_ready_batch_limit(built, wanted, limit, queued):
+    class Recorder:
+        def __init__(self):
+            self.jobs = []
+
+        def submit(self, job_id, build, priority):
+            self.jobs.append(job_id[1])
+
+    recorder = Recorder()
+    got = ready_batch_limit((1, 2, 4, 8), wanted, recorder, lambda s: s in built,
+                            lambda s: None, "test")
+    assert got == limit and recorder.jobs == queued
+    assert ready_batch_limit((1, 2, 4, 8), wanted, None, lambda s: s in built,
+                             lambda s: None, "test") == 8
+
+
+def test_an_executable_from_jaxs_own_cache_is_not_stored(tmp_path):
+    """XLA:CPU serializes an executable its persistent cache handed back without some of its
+    functions' code: such a build is used but never stored."""
+    class FromJaxCache:
+        def __init__(self, jitted):
+            self.jitted = jitted
+
+        def lower(self, *args, **kw):
+            lowered = self.jitted.lower(*args, **kw)
+
+            class Lowered:
+                def compile(self):
+                    jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+                    return lowered.compile()
+            return Lowered()
+
+    store = ExecutableStore(tmp_path, fingerprint(SETTINGS))
+    run(Programs("step", FromJaxCache(jax.jit(step, donate_argnums=(0,))), store), 4)
+    assert not list(store.directory.glob("step-*.exe"))
+    run(programs_in(tmp_path), 4)  # compiled here: stored
+    assert len(list(store.directory.glob("step-*.exe"))) == 1
