@@ -192,7 +192,7 @@ def bench_plain(model_path: str | None, label: str, batches: list[int], args,
             timings = engine_and_replay_ms(engine, runner, ("launch",), prompts,
                                            args.short, args.steps)
             row = result_row(label, _kind("decode", args), batch, *timings)
-            program = runner.compiled_step(runner.buckets.decode_shape(batch))
+            program = runner.sampling_programs.get(runner.buckets.decode_shape(batch))
             row["decode_kernels"] = None if program is None else kernel_count(program.as_text())
             yield row
     finally:

@@ -286,11 +286,6 @@ class ModelRunner:
             lambda tokens: self.build_program(self.buckets.extend_shape(tokens)),
             "extend step")
 
-    def compiled_step(self, shape: BatchShape) -> jax.stages.Compiled | None:
-        """The compiled sampling step of `shape`, if built (benchmarks read its HLO)."""
-        entry = self._sampling_programs.get(shape)
-        return None if entry is None else entry[1]
-
     def _sampling_program(self, shape: BatchShape, host_inputs: tuple
                           ) -> tuple[Packing, jax.stages.Compiled]:
         """The sampling step of one bucket, built now if nothing built it yet."""
