@@ -252,8 +252,8 @@ def _key_text(key: Hashable) -> str:
 class BackgroundBuilder:
     """A thread that runs build jobs, the lowest priority number first; a job asked for
     twice runs once. It starts paused (`resume()`: tracing holds the GIL, so it would slow
-    the start it follows); `stop()` drops what has not started and waits for the job
-    running."""
+    the start it follows); `stop()` drops what has not started and waits a while for the
+    job running."""
 
     def __init__(self, name: str = "program-builder"):
         self._jobs: list[tuple[Any, int, Hashable, Callable[[], None]]] = []
@@ -293,12 +293,17 @@ class BackgroundBuilder:
             time.sleep(0.01)
         return True
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> None:
+        """Drop the queue and wait up to `timeout` s for the running job; a job still running
+        then (a stuck one) is left to its daemon thread, so shutdown never hangs on it."""
         with self._wake:
             self._stopped = True
             self._jobs.clear()
             self._wake.notify()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("A background build was still running %.0f s after shutdown began; "
+                           "leaving it to finish on its own", timeout)
 
     def _run(self) -> None:
         while True:

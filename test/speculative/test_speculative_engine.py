@@ -4,6 +4,7 @@ batch 1 and 8; page sizes 1 and 16), a target used
 as its own draft accepts every token, and stops inside an accepted run are honoured."""
 
 import json
+import contextlib
 import threading
 
 import numpy as np
@@ -245,6 +246,15 @@ def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tm
         spec_engine({**paths, "gone": tmp_path / "missing"}, "EAGLE3", "gone", CHAIN)
 
 
+@contextlib.contextmanager
+def released_at_exit(event: threading.Event):
+    """Sets `event` on the way out, so a failed assertion never leaves a held build job."""
+    try:
+        yield
+    finally:
+        event.set()
+
+
 def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoints,
                                                                        references):
     """Warm-up builds the prefills and the smallest batch bucket; a larger bucket is built
@@ -258,11 +268,12 @@ def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoin
     paths = checkpoints["qwen3"]
     settings = {**BASE, "precompile_token_paddings": [16], "precompile_bs_paddings": [1, 2],
                 "max_prefill_tokens": 16, "skip_server_warmup": False}
+    held = threading.Event()
     with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(paths["eagle3"]), **TREE,
-                **settings) as engine:
+                **settings) as engine, released_at_exit(held):
         runtime = engine.runtime
-        spec, held = runtime.spec_runner, threading.Event()
+        spec = runtime.spec_runner
         runtime.builder.submit("held", held.wait, priority=-1)
         batch_sizes = []
         round_of = spec.round
