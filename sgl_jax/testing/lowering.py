@@ -186,14 +186,15 @@ def resharded(programs: list[Program]) -> list[str]:
 
 def _zeros_like_outputs(outputs, args: tuple, donated: list):
     """Arrays of zeros shaped as `outputs` (ShapeDtypeStructs): a donated input's sharding
-    where one has the output's shape and dtype, else whole on the arguments' mesh."""
+    where one has the output's shape and dtype, else whole on the arguments' mesh. Inputs
+    may be arrays or, for a program built ahead of its first call, ShapeDtypeStructs that
+    carry their sharding."""
     by_type: dict[tuple, Any] = {}
     for leaf in jax.tree.leaves(donated):
-        if isinstance(leaf, jax.Array):
-            by_type.setdefault((leaf.shape, leaf.dtype), leaf.sharding)
-    mesh = next((leaf.sharding.mesh for leaf in jax.tree.leaves(args)
-                 if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)),
-                None)
+        if _sharding(leaf) is not None:
+            by_type.setdefault((leaf.shape, leaf.dtype), _sharding(leaf))
+    mesh = next((_sharding(leaf).mesh for leaf in jax.tree.leaves(args)
+                 if isinstance(_sharding(leaf), NamedSharding)), None)
     whole = NamedSharding(mesh, P()) if mesh is not None else None
 
     def zeros(out: jax.ShapeDtypeStruct) -> jax.Array:
@@ -201,6 +202,13 @@ def _zeros_like_outputs(outputs, args: tuple, donated: list):
         value = np.zeros(out.shape, out.dtype)
         return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
     return jax.tree.map(zeros, outputs)
+
+
+def _sharding(leaf: Any) -> Any:
+    """The sharding of an array or of a ShapeDtypeStruct that names one, else None."""
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return leaf.sharding
+    return None
 
 
 def record_engine_programs(model_path: str, **engine_kwargs: Any) -> list[Program]:
