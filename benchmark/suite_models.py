@@ -8,7 +8,8 @@
 vocabulary 128256) in bfloat16, each matrix filled from one random block (written at disk
 speed: timings do not depend on the values), and an EAGLE3 head of the published shape for
 it (one layer, 32/8 heads, 14336 intermediate, a 32000-token draft vocabulary), random.
-`--tiny`: hidden 256, 4 layers (EAGLE3 reads three), vocabulary 1024, a head to match, for a check on a CPU.
+`--tiny`: hidden 256, 4 layers (EAGLE3 reads three), vocabulary 1024, a head to match, for
+a check on a CPU.
 `smollm2`: the demo model's shape (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, 1536
 intermediate, vocabulary 49152, tied embeddings), random, float32: the demo's step cost
 where the demo itself is not installed.
