@@ -3,8 +3,8 @@ token (Llama, Qwen2, Qwen3; EAGLE3, EAGLE, STANDALONE and DFLASH drafts; chain a
 batch 1 and 8; page sizes 1 and 16), a target used
 as its own draft accepts every token, and stops inside an accepted run are honoured."""
 
-import json
 import contextlib
+import json
 import threading
 
 import numpy as np
