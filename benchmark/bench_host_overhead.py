@@ -21,10 +21,11 @@ with NGRAM (whose drafting on the host is part of the engine's time and not the 
 `--model-path` puts another checkpoint in the demo's place (e.g. a random one of
 Llama-3.1-8B's shape, `--draft-model-path` its EAGLE3 head, `--dtype bfloat16`).
 
-Each plain row also counts the kernels of its compiled decode program: the operations left
-in the optimized HLO's non-fused computations that launch work on the device (fusions,
-library calls such as matrix products and the attention kernel, copies), so a step's fixed
-launch cost can be read beside its time. Rows are written to --json as each finishes.
+Each plain row also counts the kernels of its compiled decode program (`kernel_count`: the
+operations of the optimized HLO's entry and of the computations its control flow runs that
+launch work on the device: fusions, library calls such as matrix products and the attention
+kernel, copies), so a step's fixed launch cost can be read beside its time. Rows are written
+to --json as each finishes.
 
     python benchmark/bench_host_overhead.py                      # tiny 1,32,128,256; demo 1,32
     python benchmark/bench_host_overhead.py --tiny-batch-sizes 1,128 --rows tiny
@@ -256,8 +257,7 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
                          speculative_num_steps=steps, speculative_eagle_topk=topk,
                          speculative_num_draft_tokens=draft_tokens,
                          speculative_adaptive=False)
-    model = "demo" if args.model_path is None else Path(args.model_path).name
-    label = model if algorithm == "EAGLE3" else f"{model} {algorithm}"
+    label = model_label(args) if algorithm == "EAGLE3" else f"{model_label(args)} {algorithm}"
     kind = _kind(f"round {args.spec_shape.replace(',', '/')}", args)
     try:
         for batch in batches:
@@ -270,6 +270,11 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
                 args.steps))
     finally:
         engine.shutdown()
+
+
+def model_label(args) -> str:
+    """The rows' name for the target of the demo, spec and ngram rows."""
+    return "demo" if args.model_path is None else Path(args.model_path).name
 
 
 def result_row(model: str, kind: str, batch: int, engine_ms: float, device_ms: float,
@@ -294,16 +299,15 @@ def print_row(row: dict) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    rows = []
+    rows, machine = [], machine_info()
 
     def add(row: dict) -> None:
         rows.append(row)
         print_row(row)
         if args.json:  # after every row: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps({"machine": machine_info(), "rows": rows},
-                                                  indent=1))
+            Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
-    print(json.dumps(machine_info()))
+    print(json.dumps(machine))
     print("| model | step | batch | engine ms | device ms | floor ms | engine / device | "
           "engine / floor | decode kernels |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -315,9 +319,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             write_tiny_checkpoint(Path(tiny), "llama", backend="numpy", **TINY_LLAMA)
             for row in bench_plain(tiny, "tiny", args.tiny_batch_sizes, args):
                 add(row)
-    label = "demo" if args.model_path is None else Path(args.model_path).name
     batches = args.demo_batch_sizes
-    for row in (bench_plain(args.model_path, label, batches, args, dtype=args.dtype,
+    for row in (bench_plain(args.model_path, model_label(args), batches, args, dtype=args.dtype,
                             quantization=args.quantization) if "demo" in wanted else ()):
         add(row)
     for row in bench_speculative(batches, args) if "spec" in wanted else ():
