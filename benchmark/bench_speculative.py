@@ -631,11 +631,13 @@ def run(args: argparse.Namespace) -> list[Row]:
         if not real:
             common["context_length"] = args.input_len + args.output_len + 64
         with Engine(model_path=target, **common) as plain:
+            plain.wait_for_programs()
             prompts = load_prompts(args, target, plain.tokenizer)
             rows = []
             for shape in shapes:
                 with Engine(model_path=target, speculative_algorithm=algorithm,
                             **draft_args, **{**common, **settings[shape]}) as engine:
+                    engine.wait_for_programs()  # no timed round shares the host with a compile
                     for b in batch_sizes:
                         chosen = prompts if real else prompts[:b]
                         warm_up(engine, chosen, b)  # the policy's first rounds: not timed

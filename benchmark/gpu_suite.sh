@@ -136,7 +136,7 @@ from sgl_jax.demo import demo_model_path; demo_model_path(); MT_BENCH.path()' 2>
   FIRST_PARTS=$parts
   part spec8b 200 python3 "$here/bench_host_overhead.py" --rows spec --model-path "$ckpt/llama8b" \
     --draft-model-path "$ckpt/llama8b_eagle3" --spec-shape 3,4,8 "${eight[@]}" \
-    --json "$out/first_spec8b.json"
+    --demo-batch-sizes 1 --json "$out/first_spec8b.json"  # the target is batch 1
   part int8 200 python3 "$here/bench_host_overhead.py" --rows demo --model-path "$ckpt/llama8b" \
     --quantization int8 "${eight[@]}" --json "$out/first_int8.json"
 }

@@ -116,6 +116,13 @@ class Engine:
         """Pages, state slots and requests in use now."""
         return self.runtime.usage()
 
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait until the background builder has built every program it was given (the larger
+        batch buckets and round shapes), so timings that follow have no compile beside them.
+        False if `timeout` s passed first; True at once where nothing builds in the background."""
+        builder = self.runtime.builder
+        return builder is None or builder.wait_idle(timeout)
+
     def shutdown(self) -> None:
         """Abort what is still running, stop the engine thread, release the device memory."""
         self.runtime.shutdown()
