@@ -146,7 +146,7 @@ def test_a_second_engine_loads_its_programs_and_a_changed_flag_builds_them(model
 
     def start(**changes):
         with Engine(model_path=str(model_dir), **{**settings, **changes}) as eng:
-            assert eng.runtime.builder.wait_idle(timeout=600)
+            assert eng.wait_for_programs(timeout=600)
             outputs = [o["output_ids"] for o in eng.generate(input_ids=prompts,
                                                              sampling_params=GREEDY)]
             programs = eng.runtime.runner.sampling_programs
