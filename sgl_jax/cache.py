@@ -41,7 +41,14 @@ def date_undated_entries(directory: Path) -> None:
     count as the oldest: they are evicted first."""
     if not directory.is_dir():
         return
+    # Looking at thousands of entries costs a start 0.2 s: skip it while the directory is
+    # as the last pass left it (an entry added or removed changes its mtime). The stamp
+    # lives beside the directory, where JAX's cache never lists it.
+    stamp = directory.with_name(directory.name + ".dated")
+    if stamp.is_file() and stamp.read_text() == str(directory.stat().st_mtime_ns):
+        return
     for entry in directory.glob("*-cache"):
         access_time = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
         if not access_time.exists():
             access_time.write_bytes((0).to_bytes(8, "little"))  # JAX's format: ns, LE
+    stamp.write_text(str(directory.stat().st_mtime_ns))

@@ -33,3 +33,12 @@ def test_undated_entries_are_evicted_first(tmp_path):
 def test_a_missing_directory_is_left_to_jax(tmp_path):
     date_undated_entries(tmp_path / "absent")
     assert not (tmp_path / "absent").exists()
+
+
+def test_an_entry_added_after_a_pass_is_dated_by_the_next(tmp_path):
+    cache_dir = tmp_path / "xla"
+    cache_dir.mkdir()
+    date_undated_entries(cache_dir)  # empty: only the stamp is written
+    (cache_dir / "later-cache").write_bytes(b"written without an access time")
+    date_undated_entries(cache_dir)
+    assert (cache_dir / "later-atime").is_file()
