@@ -24,6 +24,9 @@ SPECULATIVE_ALGORITHMS = ("DFLASH", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDA
 # lookups cost nothing per step; a DFlash head drafts its whole block (the published heads'
 # 16 tokens: 15 steps and the root) in one forward.
 SHAPE_DEFAULTS = {"NGRAM": (7, 8), "DFLASH": (15, None)}  # None: a chain of the steps
+# Drafters whose chain width, given alone, sets the depth (SGLang's DFlash block size is its
+# --speculative-num-draft-tokens): a chain of W tokens drafts W - 1.
+WIDTH_SETS_CHAIN_DEPTH = ("DFLASH", "NEXTN")
 MAX_NGRAM_DRAFT_TOKENS = 64
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -281,8 +284,11 @@ class ServerArgs:
             return None
         algorithm = self.speculative_algorithm
         default_steps, default_tokens = SHAPE_DEFAULTS.get(algorithm, (3, None))
-        steps = self.speculative_num_steps or default_steps
         topk = self.speculative_eagle_topk or 1
+        width = self.speculative_num_draft_tokens
+        if algorithm in WIDTH_SETS_CHAIN_DEPTH and topk == 1 and width:
+            default_steps = max(width - 1, 1)
+        steps = self.speculative_num_steps or default_steps
         if default_tokens is None:
             default_tokens = steps + 1 if topk == 1 else 2 * (steps + 1)
         return SpeculativeConfig(
@@ -482,7 +488,9 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
                        help="the draft's weight format; default: as --quantization; unquant "
                             "keeps the draft in the model dtype")
     group.add_argument("--speculative-num-steps", type=int, default=None,
-                       help="draft depth per round (default 3)")
+                       help="draft depth per round (default 3; NGRAM 7, DFLASH 15; for a "
+                            "DFLASH or NEXTN chain given only --speculative-num-draft-tokens "
+                            "W, W - 1)")
     group.add_argument("--speculative-eagle-topk", type=int, default=None,
                        help="branching per draft step; 1 = a chain (default 1)")
     group.add_argument("--speculative-num-draft-tokens", type=int, default=None,

@@ -105,6 +105,21 @@ def test_nextn_reads_the_targets_own_checkpoint_unless_given_a_path():
     assert other.speculative.draft_model_path == "mtp-dir"
 
 
+@pytest.mark.parametrize("algorithm", ["DFLASH", "NEXTN"])
+def test_a_chain_width_given_alone_sets_the_depth(algorithm):
+    """SGLang's DFlash flags: `--speculative-num-draft-tokens 8` alone is a chain of 7 drafts;
+    a depth given beside it must still agree, and EAGLE3 keeps its default depth."""
+    argv = ["--model-path", "m", "--speculative-draft-model-path", "d",
+            "--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", "8"]
+    spec = ServerArgs.from_cli(argv).speculative
+    assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) == (7, 1, 8)
+    with pytest.raises(ValueError, match=r"must be num_steps \+ 1 = 4"):
+        ServerArgs.from_cli([*argv, "--speculative-num-steps", "3"])
+    with pytest.raises(ValueError, match=r"must be num_steps \+ 1 = 4"):
+        ServerArgs.from_cli([*argv[:4], "--speculative-algorithm", "EAGLE3",
+                             "--speculative-num-draft-tokens", "8"])
+
+
 def test_the_demo_model_takes_eagle3_without_a_draft_path():
     """README's demo command: the demo model ships its own head (the Engine fills it in)."""
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3", "--speculative-num-steps",
