@@ -1,4 +1,5 @@
-"""The process's memory mappings, and a warning before warm-up would exhaust them.
+"""The process's memory mappings (and resident memory), and a warning before warm-up would
+exhaust the mappings.
 
 XLA:CPU maps the machine code of every compiled kernel into the process apart (code,
 read-only data and data: about three mappings a kernel, a few hundred a step program), and
@@ -10,6 +11,7 @@ the count after each compiled program and says what to do while there is still r
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 
@@ -17,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _MAPS = Path("/proc/self/maps")
 _LIMIT = Path("/proc/sys/vm/max_map_count")
+_STATUS = Path("/proc/self/status")
 NEAR_LIMIT = 0.75  # share of the limit a projection may reach without a warning
 
 
@@ -27,6 +30,27 @@ def mapping_count() -> int | None:
             return sum(1 for _ in maps)
     except OSError:
         return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (None where /proc is not Linux's)."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def return_free_heap() -> None:
+    """Hand the C heap's free pages back to the system. glibc keeps freed memory for reuse:
+    ten tiny engines built and shut down in a row grew the process by 40% without this and
+    by under 5% with it. Elsewhere (not glibc) nothing happens."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def mapping_limit() -> int | None:

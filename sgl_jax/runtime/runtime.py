@@ -37,6 +37,7 @@ from sgl_jax.parallel.multihost import (
     channel_address,
     follow,
 )
+from sgl_jax.process_maps import return_free_heap
 from sgl_jax.runtime import warmup
 from sgl_jax.runtime.budget import PoolSizes, size_pools
 from sgl_jax.runtime.executables import open_store
@@ -294,10 +295,16 @@ class Runtime:
         65530 mappings: a runtime kept after shutdown must not keep its programs, or a second
         one built in the same process would crash while it compiles. The runners sit in
         reference cycles (their jitted functions close over them): collect them now rather
-        than at some later cyclic collection."""
+        than at some later cyclic collection. JAX's tracing and lowering caches also hold
+        the runners' jitted functions (every program built ahead of its first call left about
+        370 mappings of each tiny engine behind): they are cleared too. Another engine alive in
+        this process keeps its compiled programs; only what it traces anew pays."""
         self.runner = self.spec_runner = None
         self.scheduler = self.decoding = None
         gc.collect()
+        jax.clear_caches()
+        gc.collect()
+        return_free_heap()
 
     def ensure_running(self) -> EngineLoop:
         """The engine loop; a RuntimeError says why there is none."""
