@@ -94,6 +94,7 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port of rank 0's coordinator, with nnodes > 1
     dp_size: int = 1  # replicas of the server behind SGLang's router (the launcher's job)
     router_policy: str = "cache_aware"
+    replica_health_timeout: float = 10.0  # s without /health before a replica is restarted
     # Speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -189,6 +190,9 @@ class ServerArgs:
                              f"{self.mem_fraction_static}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if not self.replica_health_timeout > 0:
+            raise ValueError(f"replica_health_timeout must be > 0 s, got "
+                             f"{self.replica_health_timeout}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key == "":
@@ -470,6 +474,10 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
                             "router on rank 0's --port (pip install \"sgl-jax[router]\")")
     group.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                        help="how the router picks a replica with --dp-size")
+    group.add_argument("--replica-health-timeout", type=float, default=10.0,
+                       help="with --dp-size: seconds a replica may go without answering "
+                            "/health (checked every 2 s) before the launcher kills it and "
+                            "starts it again")
     group.add_argument("--dist-init-addr", default=None,
                        help="HOST:PORT of rank 0, where the nodes meet (needed with "
                             "--nnodes > 1); PORT + 1 carries the scheduled steps")

@@ -4,8 +4,9 @@ Each replica is a whole server (`python -m sgl_jax.launch_server` with the same 
 own process on its own `--tp-size` devices, listening on a free local port; SGLang's router
 (`sglang-router`, the optional extra `sgl-jax[router]`) serves `--host`/`--port` in front of
 them, with its routing policy, health checks and retries. The launcher stops every process
-when it is stopped or when the router exits; a replica that dies is the router's to route
-around.
+when it is stopped or when the router exits. On rank 0 it also watches its replicas: one that
+exits or stops answering `/health` is killed and started again on its port
+(sgl_jax.entrypoints.supervisor), while the router routes around it.
 
 Over `--nnodes M`, each node's launcher (the same command with its own `--node-rank`) starts
 N / M replicas on that node's devices; the other ranks report their replicas' addresses to
@@ -24,9 +25,14 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 
+from sgl_jax.entrypoints.supervisor import (
+    SUPERVISE_INTERVAL_S,
+    Replica,
+    ReplicaSupervisor,
+    healthy,
+)
 from sgl_jax.parallel.multihost import connect_when_listening
 from sgl_jax.server_args import ServerArgs
 
@@ -36,7 +42,7 @@ ROUTER_EXTRA = 'pip install "sgl-jax[router]"'
 # Flags the launcher answers itself; each replica (one node's) gets the rest unchanged.
 _LAUNCHER_FLAGS = {"--dp-size": True, "--dp": True, "--router-policy": True, "--port": True,
                    "--host": True, "--nnodes": True, "--node-rank": True,
-                   "--dist-init-addr": True}  # flag: takes a value
+                   "--dist-init-addr": True, "--replica-health-timeout": True}  # takes a value
 REPLICA_START_TIMEOUT_S = 1800  # a large model's load and warm-up
 # The router checks each replica this often, so a dead one leaves the rotation in seconds.
 HEALTH_CHECK_INTERVAL_S = 2
@@ -63,10 +69,22 @@ def serve_replicas(args: ServerArgs, argv: Sequence[str]) -> int:
                 return meeting.wait_for_rank_0(processes)
             urls = local_urls + meeting.gather()
             router = subprocess.Popen(router_command(args, urls))
-            processes.append(router)
             logger.info("Serving %d replicas (%s) behind SGLang's router on http://%s:%d",
                         len(urls), ", ".join(urls), args.host, args.port)
-            return router.wait()
+            supervisor = ReplicaSupervisor(
+                [Replica(first + i, _port_of(url), url, process)
+                 for i, (process, url) in enumerate(replicas)],
+                lambda replica: _start_replica(argv, device_envs[replica.rank - first],
+                                               replica.rank, meeting.bind_host,
+                                               meeting.advertised_host, replica.port)[0],
+                health_timeout=args.replica_health_timeout,
+                start_timeout=REPLICA_START_TIMEOUT_S)
+            processes = [router, *supervisor.processes()]
+            while router.poll() is None:
+                supervisor.check()
+                processes = [router, *supervisor.processes()]
+                time.sleep(SUPERVISE_INTERVAL_S)
+            return router.returncode
         except _Stopped:
             return 0
         finally:
@@ -213,15 +231,22 @@ def router_command(args: ServerArgs, urls: Sequence[str]) -> list[str]:
 
 
 def _start_replica(argv: Sequence[str], env: dict[str, str], rank: int, bind_host: str,
-                   advertised_host: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+                   advertised_host: str, port: int | None = None
+                   ) -> tuple[subprocess.Popen, str]:
+    """A replica on `port` (default: a free one), in a process group of its own."""
+    port = port or free_port()
     command = [sys.executable, "-m", "sgl_jax.launch_server", *replica_argv(argv),
                "--host", bind_host, "--port", str(port)]
     logger.info("Starting replica %d on port %d%s", rank, port,
                 f" ({env})" if env else "")
     # Its own process group: Ctrl+C reaches the launcher, which stops replicas in order.
     process = subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True)
+    logger.info("Replica %d is process %d", rank, process.pid)
     return process, f"http://{advertised_host}:{port}"
+
+
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def free_port() -> int:
@@ -242,14 +267,6 @@ def _wait_healthy(replicas: Sequence[tuple[subprocess.Popen, str]]) -> None:
                 raise ValueError(f"replica {rank} did not answer /health in "
                                  f"{REPLICA_START_TIMEOUT_S} s")
             time.sleep(0.5)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 class _Stopped(Exception):

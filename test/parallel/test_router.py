@@ -5,8 +5,10 @@ as they answer directly, share the requests, and survive one of them being kille
 
 import concurrent.futures
 import json
+import os
 import random
 import re
+import signal
 import string
 import subprocess
 import sys
@@ -190,14 +192,36 @@ def ended_cleanly(url: str, text: str, fields: dict, streaming: threading.Semaph
 
 
 def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_path):
+    """Also the launcher's supervision: a killed replica and a frozen one are each started
+    again on their port, and the router sends them their share again."""
     flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--dp-size", "2",
-             "--router-policy", "round_robin"]
+             "--router-policy", "round_robin", "--replica-health-timeout", "3"]
     with launch_server(flags, timeout_s=600) as launcher:
         answers = [chat(launcher.base_url, f"question {i}") for i in range(4)]
         assert all(answer.choices for answer in answers)
         ports = [int(p) for p in re.findall(r"Starting replica \d on port (\d+)", launcher.log())]
         assert len(ports) == 2 and all(healthy(f"http://127.0.0.1:{p}") for p in ports)
-    assert not any(healthy(f"http://127.0.0.1:{p}") for p in ports)  # stopped with it
+        replicas = [f"http://127.0.0.1:{port}" for port in ports]
+        for rank, fault in ((0, signal.SIGKILL), (1, signal.SIGSTOP)):
+            os.kill(replica_processes(launcher.log(), rank)[-1], fault)
+            wait_until(lambda r=rank: len(replica_processes(launcher.log(), r)) == 2
+                       and healthy(replicas[r]), 120)
+            # The router takes it back after two good health checks (2 s apart).
+            wait_until(lambda r=rank: serves_through(launcher.base_url, replicas[r]), 60)
+    assert not any(healthy(url) for url in replicas)  # stopped with it
+
+
+def serves_through(router_url: str, replica_url: str) -> bool:
+    """Four chats through the round-robin router, all answered, and the replica got one."""
+    before = requests_served(replica_url)
+    answers = [chat(router_url, f"through the router {i}") for i in range(4)]
+    assert all(answer.choices for answer in answers)
+    return requests_served(replica_url) > before
+
+
+def replica_processes(log: str, rank: int) -> list[int]:
+    """The process ids replica `rank` has had, oldest first (the launcher logs each start)."""
+    return [int(pid) for pid in re.findall(rf"Replica {rank} is process (\d+)", log)]
 
 
 def test_dp_size_over_two_nodes_serves_both_nodes_replicas(model_dir, tmp_path):
