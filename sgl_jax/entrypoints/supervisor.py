@@ -25,7 +25,6 @@ from dataclasses import dataclass
 logger = logging.getLogger("sgl_jax.router")
 
 SUPERVISE_INTERVAL_S = 2
-REPLICA_HEALTH_TIMEOUT_S = 10  # --replica-health-timeout's default
 MAX_FAILED_STARTS = 5
 MAX_RESTART_DELAY_S = 60
 PROBE_TIMEOUT_S = 2  # one /health probe; a frozen replica never answers it
@@ -59,13 +58,11 @@ class ReplicaSupervisor:
     group of its own. `check()` is one look at every replica."""
 
     def __init__(self, replicas: Sequence[Replica], start: Callable[[Replica], subprocess.Popen],
-                 *, health_timeout: float = REPLICA_HEALTH_TIMEOUT_S, start_timeout: float,
-                 probe: Callable[[str], bool] = healthy):
+                 *, health_timeout: float, start_timeout: float):
         self.replicas = list(replicas)
         self._start = start
         self.health_timeout = health_timeout
         self.start_timeout = start_timeout
-        self._probe = probe
         now = time.monotonic()
         for replica in self.replicas:
             replica.started_at = now
@@ -84,7 +81,7 @@ class ReplicaSupervisor:
                 self._restart(replica, now)
             return
         code = replica.process.poll()
-        if code is None and self._probe(replica.url):
+        if code is None and healthy(replica.url):
             if replica.starting:
                 logger.info("Replica %d is serving on port %d", replica.rank, replica.port)
             replica.starting, replica.unhealthy_since, replica.failed_starts = False, None, 0

@@ -41,7 +41,8 @@ def start_failing(replica: Replica) -> subprocess.Popen:
 def supervised(start, **timeouts) -> ReplicaSupervisor:
     port = free_port()
     replica = Replica(0, port, f"http://127.0.0.1:{port}", None)
-    supervisor = ReplicaSupervisor([replica], start, **{"start_timeout": 30, **timeouts})
+    supervisor = ReplicaSupervisor([replica], start,
+                                   **{"health_timeout": 10, "start_timeout": 30, **timeouts})
     supervisor.check()  # no process yet: the first look starts it
     return supervisor
 
