@@ -8,6 +8,14 @@ right after /health, bursts of concurrent chat requests, each timed to its slowe
         --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8
     python benchmark/bench_startup.py --model-path M.gguf --json out.json -- --dtype float32
 
+With `--soak N`, each start then serves N mixed chat requests (prompts of 1-60 words,
+8-64 tokens, a third streamed) at `--soak-concurrency` (48) right after the bursts, and the
+same N again once the first soak has had every batch bucket it needed built: the ratio of
+the two wall times is what compiling while serving costs. `--tiny-eagle3-tree` serves a tiny
+random Llama with a random EAGLE3 head (tree 3/4/8) instead of the demo model:
+
+    python benchmark/bench_startup.py --tiny-eagle3-tree --soak 400 --starts 1
+
 With `--programs`, no server starts: the programs an accelerator start builds are counted
 and traced and lowered for TPU and CUDA on this host (sgl_jax.testing.lowering's recorder), for
 the README's plain and EAGLE3 demo servers and for Llama-3.1-8B's layer structure with an
@@ -46,6 +54,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--bursts", default="",
                         help="comma-separated burst sizes sent after /health (32 tokens each)")
+    parser.add_argument("--soak", type=int, default=0,
+                        help="mixed chat requests sent after the bursts, then again warm")
+    parser.add_argument("--soak-concurrency", type=int, default=48)
+    parser.add_argument("--tiny-eagle3-tree", action="store_true",
+                        help="serve a tiny random Llama with a random EAGLE3 tree head")
     parser.add_argument("--programs", action="store_true",
                         help="count and lower an accelerator start's programs instead")
     parser.add_argument("--json", default=None, help="write the figures here")
@@ -53,7 +66,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def time_one_start(command: list[str], env: dict[str, str], port: int, timeout: float,
-                   bursts: list[int]) -> dict:
+                   bursts: list[int], soak: tuple[int, int] = (0, 0)) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -61,6 +74,7 @@ def time_one_start(command: list[str], env: dict[str, str], port: int, timeout: 
             ready = _wait_healthy(process, port, started + timeout) - started
             first_token = _first_streamed_token(port) - started
             slowest = {size: round(_slowest_of_burst(port, size), 2) for size in bursts}
+            soaks = [round(_soak(port, *soak), 1) for _ in range(2)] if soak[0] else []
         except BaseException:
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace")[-4000:])
@@ -68,8 +82,50 @@ def time_one_start(command: list[str], env: dict[str, str], port: int, timeout: 
         finally:
             process.terminate()
             process.wait(timeout=60)
-    return {"ready_s": round(ready, 2), "first_token_s": round(first_token, 2),
-            "burst_slowest_s": slowest}
+    figures = {"ready_s": round(ready, 2), "first_token_s": round(first_token, 2),
+               "burst_slowest_s": slowest}
+    if soaks:
+        figures.update(soak_s=soaks[0], soak_warm_s=soaks[1],
+                       soak_ratio=round(soaks[0] / soaks[1], 2))
+    return figures
+
+
+def _soak(port: int, count: int, concurrency: int) -> float:
+    """Seconds to answer `count` mixed chat requests, `concurrency` at a time (the same
+    requests every call: a fixed seed)."""
+    import random
+
+    rng = random.Random(0)
+    words = "the sea a ship sails north under grey clouds while gulls cry".split()
+    bodies = [{"model": "default", "temperature": 0, "max_tokens": rng.randint(8, 64),
+               "stream": rng.random() < 1 / 3,
+               "messages": [{"role": "user", "content": " ".join(
+                   rng.choice(words) for _ in range(rng.randint(1, 60)))}]}
+              for _ in range(count)]
+
+    def one(body: dict) -> None:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, bodies))
+    return time.perf_counter() - started
+
+
+def tiny_eagle3_tree(workdir: str) -> list[str]:
+    """Server flags for a tiny random Llama with a random EAGLE3 head, README tree flags."""
+    from sgl_jax.testing import write_tiny_checkpoint
+    from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
+
+    target = write_tiny_checkpoint(f"{workdir}/llama", "llama")
+    draft = write_tiny_eagle3_draft(f"{workdir}/eagle3",
+                                    json.loads((target / "config.json").read_text()))
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in README_EAGLE3.items()]
+    return ["--model-path", str(target), "--speculative-draft-model-path", str(draft), *flags]
 
 
 def _slowest_of_burst(port: int, size: int) -> float:
@@ -188,15 +244,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]] | dict:
     bursts = [int(size) for size in args.bursts.split(",") if size]
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "XDG_CACHE_HOME": cache}
+        if args.tiny_eagle3_tree:
+            command += tiny_eagle3_tree(cache)
         for index in range(args.starts):
-            figures = time_one_start(command, env, port, args.timeout, bursts)
+            figures = time_one_start(command, env, port, args.timeout, bursts,
+                                     (args.soak, args.soak_concurrency))
             figures["start"] = "first (cold caches)" if index == 0 else f"#{index + 1} (warm)"
             results.append(figures)
             waits = ", ".join(f"{size}: {s:.1f} s" for size, s in
                               figures["burst_slowest_s"].items())
+            soak = (f"; soak of {args.soak}: {figures['soak_s']:.1f} s, again warm "
+                    f"{figures['soak_warm_s']:.1f} s ({figures['soak_ratio']:.2f}x)"
+                    if args.soak else "")
             print(f"start {figures['start']}: ready {figures['ready_s']:.1f} s, first streamed "
                   f"token {figures['first_token_s']:.1f} s"
-                  + (f"; slowest answer of each burst {waits}" if waits else ""), flush=True)
+                  + (f"; slowest answer of each burst {waits}" if waits else "") + soak,
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command, "starts": results}, f, indent=2)

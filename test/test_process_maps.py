@@ -80,14 +80,15 @@ def test_the_forecast_projects_the_mean_cost_of_the_programs_so_far(caplog):
 
 def test_a_cpu_server_builds_a_larger_bucket_once_a_batch_needs_it(paths):
     """Warm-up on a CPU builds and times the smallest batch bucket only; the first batch of
-    six has bucket 8 built on the background builder (meanwhile the requests run as the
-    built bucket allows), and a batch that then runs in bucket 8 times it between rounds,
-    with padding rows that leave the running requests untouched: a draft that predicts
-    everything (the target itself) still gives exactly plain greedy decoding."""
+    six has bucket 8 built on the background builder, then bucket 2 (meanwhile the requests
+    run as the built buckets allow: one at a time, then padded to 8 even once only two are
+    left), and a batch that then runs in bucket 8 times it between rounds, with padding rows
+    that leave the running requests untouched: a draft that predicts everything (the target
+    itself) still gives exactly plain greedy decoding."""
     target, _ = paths
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, n).tolist() for n in (3, 20, 7, 12, 5, 9)]
-    buckets = dict(SMALL, precompile_bs_paddings=[1, 8], precompile_token_paddings=[16, 64],
+    buckets = dict(SMALL, precompile_bs_paddings=[1, 2, 8], precompile_token_paddings=[16, 64],
                    max_prefill_tokens=64)
     with Engine(model_path=str(target), skip_server_warmup=True, **buckets) as engine:
         plain = [o["output_ids"] for o in engine.generate(input_ids=prompts,
@@ -105,10 +106,11 @@ def test_a_cpu_server_builds_a_larger_bucket_once_a_batch_needs_it(paths):
         policy.choose = lambda *_, **__: runtime.spec_runner.shape
         outputs = [[o["output_ids"] for o in engine.generate(input_ids=prompts,
                                                              sampling_params=GREEDY)]]
-        assert runtime.builder.wait_idle(timeout=600) and runtime.spec_runner.bucket_built(8)
+        assert runtime.builder.wait_idle(timeout=600)
+        assert all(map(runtime.spec_runner.bucket_built, (2, 8)))
         outputs.append([o["output_ids"] for o in engine.generate(input_ids=prompts,
                                                                  sampling_params=GREEDY)])
-        assert {bucket for _, bucket in timed} == {1, 8}
+        assert {bucket for _, bucket in timed} >= {1, 8}
         rounds = engine.get_server_info()["spec_rounds_by_shape"]
     assert outputs == [plain, plain]
     assert rounds["3/1/4"] >= 3 and rounds["plain"] == 0

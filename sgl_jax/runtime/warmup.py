@@ -50,8 +50,8 @@ def warm_up(runner: ModelRunner, spec: SpecRunner | None, platform: str | None =
     _queue(builder, "speculative prefill", buckets.token_paddings[1:],
            functools.partial(spec_warmup.build_prefill, spec))
     if not cpu:  # a CPU builds a larger batch bucket once a batch needs it
-        _queue(builder, "speculative bucket", buckets.bs_paddings[1:],
-               functools.partial(spec_warmup.build_bucket, spec))
+        for size in buckets.bs_paddings[1:]:
+            spec_warmup.queue_bucket(spec, size)
         _queue(builder, "masked round", buckets.bs_paddings[1:],
                functools.partial(spec_warmup.build_masked, spec))
 

@@ -156,12 +156,13 @@ class PlainDecoding:
         return {}
 
 
-def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[Req]
-                         ) -> PendingStep:
-    """One token for every request, the batch built from row arrays (SlotTable); lengths
-    advance now, the token is read when the step is settled."""
+def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[Req],
+                         padded: int | None = None) -> PendingStep:
+    """One token for every request, the batch built from row arrays (SlotTable) and padded
+    to batch bucket `padded` (default: the smallest that fits); lengths advance now, the
+    token is read when the step is settled."""
     n = len(reqs)
-    shape = runner.buckets.decode_shape(n)
+    shape = runner.buckets.decode_shape(padded or n)
     slots = np.fromiter((r.slot for r in reqs), np.int32, n)
     num_sampled = np.fromiter((r.num_sampled for r in reqs), np.int32, n)
     batch = build_decode_batch(

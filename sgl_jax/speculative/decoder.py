@@ -66,6 +66,7 @@ class _RoundPlan:
     """What plan_decode chose for a round."""
 
     shape: TreeShape
+    bucket: int  # the padded batch size (SpecRunner.ready_padding)
     hints: Any  # a host-side drafter's proposals (RoundRows.hints)
     records: list  # each request's policy.Acceptance (None: no draft this round)
 
@@ -159,12 +160,15 @@ class SpecDecoder:
         }
 
     def _timed_bucket(self, batch_size: int) -> int:
-        """The padded size of a batch of `batch_size`, its round programs timed first (and
-        compiled, without a background builder) if warm-up left them."""
-        bucket = self.buckets.batch_padding(batch_size)
-        if self.policy.adaptive and bucket not in self.policy.timed_buckets:
-            spec_warmup.time_bucket(self.spec, bucket)
-            self.policy.add_round_seconds(self.spec.round_seconds)
+        """The padded size of a batch of `batch_size` (SpecRunner.ready_padding), its round
+        programs timed first where the policy has no timing yet (and compiled, without a
+        background builder; with one, only those built so far: untimed_shapes)."""
+        bucket = self.spec.ready_padding(batch_size)
+        if self.policy.adaptive:
+            untimed = spec_warmup.untimed_shapes(self.spec, bucket, self.policy.round_seconds)
+            if untimed:
+                spec_warmup.time_bucket(self.spec, bucket, untimed)
+                self.policy.add_round_seconds(self.spec.round_seconds)
         return bucket
 
     # ------------------------------------------------------------------ prefill
@@ -189,17 +193,18 @@ class SpecDecoder:
         bucket = self._timed_bucket(len(reqs))
         hints = self.proposer.hints(reqs, bucket)
         records = self._offered_records(reqs, hints)
-        shape = self.policy.choose(records, bucket, menu=self._constrained_menu(reqs))
+        shape = self.policy.choose(records, bucket, menu=self._constrained_menu(reqs, bucket))
         unread = in_flight.output if in_flight is not None and in_flight.kind == "decode" \
             else None
         settle_first = self._needs_settled(reqs, shape, unread, self._undrafted(reqs, shape))
-        return DecodePlan(settle_first, _RoundPlan(shape, hints, records))
+        return DecodePlan(settle_first, _RoundPlan(shape, bucket, hints, records))
 
     def launch_decode(self, reqs: list[Req], plan: DecodePlan) -> LaunchedRound:
         """Dispatch one round for `reqs` in the planned shape."""
-        shape, hints, records = plan.detail.shape, plan.detail.hints, plan.detail.records
+        shape, bucket = plan.detail.shape, plan.detail.bucket
+        hints, records = plan.detail.hints, plan.detail.records
         if plan.settle_first:  # the host has read more since: propose again
-            hints = self.proposer.hints(reqs, self.buckets.batch_padding(len(reqs)))
+            hints = self.proposer.hints(reqs, bucket)
             records = self._offered_records(reqs, hints)
         self._catch_up([req for req in reqs if self._pending(req) and (
             shape != PLAIN or self._pending(req) >= CATCH_UP_WIDTH)])
@@ -207,10 +212,10 @@ class SpecDecoder:
         start = time.perf_counter()
         undrafted = self._undrafted(reqs, shape)
         masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
-        output = (dispatch_decode_step(self.runner, self.slot_table, reqs) if undrafted
-                  else self._dispatch(reqs, shape, masked, hints))
+        output = (dispatch_decode_step(self.runner, self.slot_table, reqs, padded=bucket)
+                  if undrafted else self._dispatch(reqs, bucket, shape, masked, hints))
         return LaunchedRound(
-            reqs, shape, self.buckets.batch_padding(len(reqs)), records, masked,
+            reqs, shape, bucket, records, masked,
             shape == PLAIN and self.spec.defers_draft and not undrafted, output, start,
             compiled=self.spec.target.num_compilations != compilations)
 
@@ -271,10 +276,11 @@ class SpecDecoder:
             return [max_depth(req, steps) for req in launched.reqs]
         return tree_depths(output.tree_parents, len(launched.reqs))
 
-    def _dispatch(self, reqs: list[Req], shape: TreeShape, masked: bool, hints: Any
-                  ) -> PendingRound:
-        """A round of the speculative programs; lengths advance by the least it commits."""
-        n, padded = len(reqs), self.buckets.batch_padding(len(reqs))
+    def _dispatch(self, reqs: list[Req], padded: int, shape: TreeShape, masked: bool,
+                  hints: Any) -> PendingRound:
+        """A round of the speculative programs over batch bucket `padded`; lengths advance by
+        the least it commits."""
+        n = len(reqs)
         rows = self._round_rows(reqs, padded, hints)
         sampling, _ = self.slot_table.sampling_rows(
             reqs, rows.slots[:n], np.fromiter((r.num_sampled for r in reqs), np.int32, n),
@@ -360,7 +366,8 @@ class SpecDecoder:
         return [state.acceptance if state.drafting and req.params.max_draft_depth is None
                 else None for req, state in zip(reqs, states, strict=True)]
 
-    def _constrained_menu(self, reqs: list[Req]) -> tuple[TreeShape, ...] | None:
+    def _constrained_menu(self, reqs: list[Req], bucket: int
+                          ) -> tuple[TreeShape, ...] | None:
         """Shapes a batch with grammar-constrained requests may take (None: any). Masked
         trees need the matcher's view of every node, which min_new_tokens' EOS suppression
         below the root would contradict, so such a request keeps its batch on plain rounds
@@ -369,7 +376,7 @@ class SpecDecoder:
         if not constrained:
             return None
         if any(req.suppressing_eos for req in constrained) or not spec_warmup.masked_ready(
-                self.spec, self.buckets.batch_padding(len(reqs))):
+                self.spec, bucket):
             return (PLAIN,)  # (masked rounds not built yet: plain rounds meanwhile)
         return (PLAIN, self.spec.shape)
 

@@ -220,10 +220,6 @@ class SpeculationPolicy:
         self.finished_requests = {"with_draft": 0, "without_draft": 0}
         self.last: Choice | None = None
 
-    @property
-    def timed_buckets(self) -> set[int]:
-        return {bucket for _, bucket in self.round_seconds}
-
     def add_round_seconds(self, round_seconds: Mapping[tuple[TreeShape, int], float]) -> None:
         """Timings of buckets compiled after start-up (keys already known keep theirs)."""
         for key, seconds in round_seconds.items():
@@ -241,17 +237,23 @@ class SpeculationPolicy:
         speculate at all. Always, without an adaptive policy."""
         if not self.adaptive or self._typical_batch_speculates(bucket):
             return True
-        return (zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0
-                and bool(self._could_win(bucket, drafted_peers + 1, self.shapes, bucket)))
+        return (zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0 and bool(self._could_win(
+            bucket, drafted_peers + 1, self._timed(self.shapes, bucket), bucket)))
 
     def count_finished(self, drafted: bool) -> None:
         self.finished_requests["with_draft" if drafted else "without_draft"] += 1
 
     def _typical_batch_speculates(self, bucket: int) -> bool:
         typical = {kind: self.server.rates(kind, None) for kind in ("chain", "tree")}
+        shapes = self._timed(self.shapes, bucket)
         return bool(beating_plain(
-            {s: expected_length(s, typical[family(s)]) for s in self.shapes},
-            {s: self.seconds(s, bucket) for s in self.shapes}))
+            {s: expected_length(s, typical[family(s)]) for s in shapes},
+            {s: self.seconds(s, bucket) for s in shapes}))
+
+    def _timed(self, shapes: Sequence[TreeShape], bucket: int) -> tuple[TreeShape, ...]:
+        """Those of `shapes` timed in `bucket`: a shape whose program a CPU server is still
+        building in the background has no timing yet, and is not taken until it has."""
+        return tuple(s for s in shapes if (s, bucket) in self.round_seconds)
 
     def seconds(self, shape: TreeShape, bucket: int) -> float:
         return (self.round_seconds[shape, bucket] * self.load.get(bucket, 1.0)
@@ -262,12 +264,13 @@ class SpeculationPolicy:
         """The shape of the next round for requests' records (None: a request without a
         draft), among `menu` when given (plain always allowed): a batch holding a
         grammar-constrained request may take only plain rounds and the flags' shape, whose
-        trees the host masks."""
+        trees the host masks. Only shapes timed in `bucket` are taken (_timed)."""
         shapes = self.shapes if menu is None else tuple(
             s for s in self.shapes if s in menu or s == PLAIN)
         if not self.adaptive:
             return shapes[0] if shapes else PLAIN
-        if shapes == (PLAIN,) or all(r is None for r in requests):
+        shapes = self._timed(shapes, bucket)
+        if set(shapes) <= {PLAIN} or all(r is None for r in requests):
             return PLAIN  # nothing to measure either: no row has a draft
         lengths = self.expected_tokens(requests)
         seconds = {s: self.seconds(s, bucket) for s in shapes}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -69,23 +69,59 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     # prefill writes its root.
 
 
-def time_bucket(spec: SpecRunner, size: int) -> None:
-    """Compile and time the round programs of batch bucket `size` while serving: padding
-    rows only (they write nothing, so the requests' slots and caches stay as they were),
-    and a fixed number of runs (other nodes replay these rounds and must run the same
-    ones). The bucket's other programs are compiled with them, so no later batch of this
-    size compiles."""
-    _time_rounds(spec, _padding_rows(spec, size), runs=2, budget_s=0.0)
+def time_bucket(spec: SpecRunner, size: int, shapes: Sequence[TreeShape]) -> None:
+    """Time the round programs of `shapes` in batch bucket `size` while serving (compiling
+    those not built yet): padding rows only (they write nothing, so the requests' slots and
+    caches stay as they were), and a fixed number of runs (other nodes replay these rounds
+    and must run the same ones). The bucket's other base programs are run with them, so no
+    later batch of this size compiles them."""
+    _time_rounds(spec, _padding_rows(spec, size), shapes=shapes, runs=2, budget_s=0.0)
     _warm_undrafted_steps(spec, [size])
     _warm_catch_up(spec, [-1] * size)
 
 
+def untimed_shapes(spec: SpecRunner, size: int, timed: Collection[tuple[TreeShape, int]]
+                   ) -> list[TreeShape]:
+    """The shapes of batch bucket `size` the adaptive policy has no timing for (`timed`)
+    and may time now: with a background builder those built so far, else every one (timing
+    compiles them)."""
+    shapes = spec.shapes if spec.target.builder is None else spec.shapes_built(size)
+    return [shape for shape in shapes if (shape, size) not in timed]
+
+
 def batch_limit(spec: SpecRunner, wanted: int) -> int:
-    """The most requests a round may take with the programs built so far (see
-    model_runner.ready_batch_limit); the buckets `wanted` requests need go to the builder."""
-    return ready_batch_limit(spec.buckets.bs_paddings, wanted, spec.target.builder,
-                             spec.bucket_built, functools.partial(build_bucket, spec),
-                             "speculative bucket")
+    """The most requests a round may take with the programs built so far: the largest
+    usable bucket (SpecRunner.bucket_usable; a smaller batch pads to the smallest usable one
+    that fits it, SpecRunner.ready_padding). The bucket `wanted` requests need goes to the
+    builder ahead of the smaller ones missing (queue_bucket), so a burst waits for one
+    bucket's base programs, not for every bucket below it. Without a builder, or before
+    the smallest bucket is usable, any size."""
+    sizes, builder = spec.buckets.bs_paddings, spec.target.builder
+    if builder is None or not spec.bucket_usable(sizes[0]):
+        return sizes[-1]
+    needed = next((size for size in sizes if size >= wanted), sizes[-1])
+    for size in sizes:
+        if size <= needed and not spec.bucket_built(size):
+            queue_bucket(spec, size, first=size == needed)
+    return max(size for size in sizes if spec.bucket_usable(size))
+
+
+def queue_bucket(spec: SpecRunner, size: int, *, first: bool = False) -> None:
+    """Queue batch bucket `size` on the background builder: its base programs
+    (SpecRunner.bucket_usable), and after every bucket's base programs its other round
+    shapes; `first`: both ahead of every other bucket (the one a waiting batch needs). A
+    bucket queued before keeps its place."""
+    builder, index = spec.target.builder, spec.buckets.bs_paddings.index(size)
+    later = len(spec.buckets.bs_paddings)
+    builder.submit(("speculative bucket", size),
+                   lambda: _build_all(_base_builds(spec, size)), priority=-2 if first else index)
+    builder.submit(("speculative shapes", size), lambda: _build_all(_shape_builds(spec, size)),
+                   priority=-1 if first else later + index)
+
+
+def _build_all(builds: Sequence[Callable[[], object]]) -> None:
+    for build in builds:
+        build()
 
 
 def masked_ready(spec: SpecRunner, bucket: int) -> bool:
@@ -102,25 +138,38 @@ def masked_ready(spec: SpecRunner, bucket: int) -> bool:
 def build_bucket(spec: SpecRunner, size: int) -> None:
     """Build, never run, every program a round of batch bucket `size` may run but the
     grammar-masked pair (build_masked): from any thread, while the engine serves."""
-    for build in _bucket_builds(spec, size):
-        build()
+    _build_all(_bucket_builds(spec, size))
 
 
 def _bucket_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
-    """build_bucket's programs, one call each."""
+    """build_bucket's programs, one call each: the base ones first."""
+    return _base_builds(spec, size) + _shape_builds(spec, size)
+
+
+def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
+    """The programs that make batch bucket `size` usable (SpecRunner.bucket_usable)."""
+    builds = [_round_build(spec, shape, size) for shape in spec.base_shapes]
+    builds.append(functools.partial(spec.target.build_program, spec.buckets.decode_shape(size)))
+    if spec.defers_draft:
+        inputs = spec.catch_up_inputs(
+            [CatchUpRow(-1, [0], 0, [], np.zeros((0, spec.feature_width)))] * size, size)
+        draft = spec.draft_state
+        builds.append(functools.partial(spec.catch_ups.build, size, spec.drafter.params,
+                                        draft.kv, draft.slots, *inputs))
+    return builds
+
+
+def _shape_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
+    """The round programs of batch bucket `size` beyond its base shapes."""
+    return [_round_build(spec, shape, size) for shape in spec.shapes
+            if shape not in spec.base_shapes]
+
+
+def _round_build(spec: SpecRunner, shape: TreeShape, size: int) -> Callable[[], object]:
     rows = _padding_rows(spec, size)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
-    state = spec.state_args()
-    builds = [functools.partial(programs.build, size, *state, rows, sampling, np.bool_(False))
-              for programs in spec.rounds.values()]
-    if spec.defers_draft:
-        padded, inputs = spec.catch_up_inputs(
-            [CatchUpRow(-1, [0], 0, [], np.zeros((0, spec.feature_width)))] * size)
-        draft = spec.draft_state
-        builds += [functools.partial(spec.target.build_program, spec.buckets.decode_shape(size)),
-                   functools.partial(spec.catch_ups.build, padded, spec.drafter.params,
-                                     draft.kv, draft.slots, *inputs)]
-    return builds
+    return functools.partial(spec.rounds[shape].build, size, *spec.state_args(), rows,
+                             sampling, np.bool_(False))
 
 
 def build_masked(spec: SpecRunner, size: int) -> None:
@@ -149,7 +198,7 @@ def _warm_catch_up(spec: SpecRunner, slots: Sequence[int]) -> None:
     padding, which writes no root)."""
     if spec.defers_draft:
         spec.catch_up([CatchUpRow(slot, [0], 0, [], np.zeros((0, spec.feature_width)))
-                       for slot in slots])
+                       for slot in slots], padded=len(slots))
 
 
 def _warm_masked_round(spec: SpecRunner, rows: RoundRows) -> None:
@@ -160,16 +209,17 @@ def _warm_masked_round(spec: SpecRunner, rows: RoundRows) -> None:
 
 
 def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
+                 shapes: Sequence[TreeShape] | None = None,
                  after_each: Callable[[], None] = lambda: None, runs: int = 5,
                  budget_s: float = 1.0) -> None:
-    """round_seconds of every shape for `rows`' bucket: a compiling run, then the
-    fastest of `runs` (or of those that fit in `budget_s`), unless an earlier process with
-    the same programs (the executable store's fingerprint) kept its figure."""
+    """round_seconds of `shapes` (default: every one) for `rows`' bucket: a compiling run,
+    then the fastest of `runs` (or of those that fit in `budget_s`), unless an earlier
+    process with the same programs (the executable store's fingerprint) kept its figure."""
     size = len(rows.slots)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
     store = spec.target.store
     kept = store.read_json(TIMINGS) if store else {}
-    for shape in spec.shapes:
+    for shape in spec.shapes if shapes is None else shapes:
         def run(shape: TreeShape = shape) -> None:
             spec.round(rows, sampling, False, shape).result()
         run()

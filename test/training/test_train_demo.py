@@ -25,7 +25,7 @@ def test_training_beats_the_untrained_head(tmp_path):
     command = [sys.executable, "-m", "sgl_jax.train_eagle3", "--output-dir", str(tmp_path),
                "--num-conversations", "96", "--eval-conversations", "8", "--max-length", "128",
                "--draft-vocab-size", "2048", "--draft-config", str(tmp_path / "draft.json"),
-               "--ttt-length", "2", "--tokens-per-batch", "1024", "--lr", "2e-3",
+               "--ttt-length", "2", "--tokens-per-batch", "512", "--lr", "2e-3",
                "--epochs", "10", "--max-steps", "40", "--save-interval", "40"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,0 +1,69 @@
+"""Which batch bucket a speculative round pads to, and which buckets a burst has built, while
+a CPU server builds its larger buckets in the background: the bucket a burst needs is built
+first, and a batch pads to the smallest usable bucket that fits it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_jax.model_executor.forward_batch import Buckets
+from sgl_jax.speculative import spec_warmup
+from sgl_jax.speculative.spec_runner import SpecRunner
+
+SIZES = (1, 2, 4, 8)
+
+
+class RecordingBuilder:
+    def __init__(self):
+        self.jobs: list[tuple[int, str, int]] = []  # (priority, job, bucket)
+
+    def submit(self, job_id, build, priority):
+        self.jobs.append((priority, *job_id))
+
+    def build_order(self) -> list[tuple[str, int]]:
+        return [(job.split()[1], bucket) for _, job, bucket in sorted(self.jobs)]
+
+
+def fake_spec(usable: set[int], builder: RecordingBuilder | None, built: set[int] = frozenset()
+              ) -> SimpleNamespace:
+    """A SpecRunner whose buckets `usable` may serve, `built` of them with every shape."""
+    buckets = Buckets((64,), SIZES, context_len=128, page_size=16)
+    return SimpleNamespace(buckets=buckets, target=SimpleNamespace(builder=builder),
+                           bucket_usable=lambda size: size in usable,
+                           bucket_built=lambda size: size in built)
+
+
+@pytest.mark.parametrize("usable, wanted, limit, order", [
+    # the burst's bucket first (its base programs, then its other shapes), then those below
+    ({1}, 6, 1, [("bucket", 8), ("shapes", 8), ("bucket", 2), ("bucket", 4),
+                 ("shapes", 2), ("shapes", 4)]),
+    ({1, 8}, 3, 8, [("bucket", 4), ("shapes", 4), ("bucket", 2),
+                    ("shapes", 2)]),  # 3 pad to 8 meanwhile: no wait for 4
+    ({1, 2}, 2, 2, []),
+    (set(), 8, 8, []),  # not even the smallest: everything compiles when due
+])
+def test_the_needed_bucket_is_built_first(usable, wanted, limit, order):
+    builder = RecordingBuilder()
+    assert spec_warmup.batch_limit(fake_spec(usable, builder, usable), wanted) == limit
+    assert builder.build_order() == order
+    assert spec_warmup.batch_limit(fake_spec(usable, None, usable), wanted) == 8
+
+
+def test_a_usable_bucket_still_gets_its_other_shapes():
+    builder = RecordingBuilder()
+    assert spec_warmup.batch_limit(fake_spec({1, 2}, builder, built={1}), 2) == 2
+    assert builder.build_order() == [("bucket", 2), ("shapes", 2)]
+
+
+@pytest.mark.parametrize("built, rows, padded", [
+    ({1, 8}, 3, 8),  # 4 is still building: the next usable bucket up
+    ({1, 4, 8}, 3, 4),
+    ({1, 8}, 1, 1),
+    ({1}, 3, 4),  # nothing built fits: the bucket that fits (built when due)
+])
+def test_a_batch_pads_to_the_smallest_usable_bucket(built, rows, padded):
+    assert SpecRunner.ready_padding(fake_spec(built, RecordingBuilder()), rows) == padded
+    assert SpecRunner.ready_padding(fake_spec(built, None), rows) == Buckets(
+        (64,), SIZES, 128, 16).batch_padding(rows)
