@@ -59,7 +59,8 @@ def test_dp_size_without_the_router_names_the_extra(caplog, monkeypatch):
 def test_replicas_get_the_flags_but_the_launchers_and_their_nodes_own_gpus(monkeypatch):
     argv = ["--model-path", "m", "--dp-size", "2", "--port=30000", "--tp", "2", "--host",
             "0.0.0.0", "--router-policy=random", "--nnodes", "2", "--node-rank=1",
-            "--dist-init-addr", "10.0.0.1:5000", "--dtype", "float32"]
+            "--dist-init-addr", "10.0.0.1:5000", "--dtype", "float32",
+            "--router-request-timeout-secs", "60", "--router-cb-timeout-duration-secs=5"]
     assert router.replica_argv(argv) == ["--model-path", "m", "--tp", "2", "--dtype",
                                          "float32"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
@@ -121,3 +122,16 @@ def test_the_noise_filters_keep_every_other_record(caplog):
     logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'cuda': x")
     assert [r.getMessage() for r in caplog.records] == [
         "a real transformers warning", "Unable to initialize backend 'cuda': x"]
+
+
+def test_the_routers_settings_reach_it_under_its_own_names():
+    args = ServerArgs.from_cli(["--dp-size", "2", "--router-request-timeout-secs", "60",
+                                "--router-retry-max-retries", "2"])
+    command = router.router_command(args, ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    settings = dict(zip(command[::1], command[1:], strict=False))
+    assert settings["--request-timeout-secs"] == "60"
+    assert settings["--retry-max-retries"] == "2"
+    assert settings["--cb-timeout-duration-secs"] == "10"  # ours, not the router's 60
+    assert settings["--health-failure-threshold"] == "3"
+    with pytest.raises(ValueError, match="router_request_timeout_secs must be >= 1"):
+        ServerArgs(router_request_timeout_secs=0)

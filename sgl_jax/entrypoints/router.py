@@ -39,10 +39,15 @@ from sgl_jax.server_args import ServerArgs
 logger = logging.getLogger("sgl_jax.router")
 
 ROUTER_EXTRA = 'pip install "sgl-jax[router]"'
+# The router's own flags the launcher passes on, as the router names them (the launcher's
+# are --router-NAME, as sglang_router.launch_server names them).
+ROUTER_SETTINGS = ("request-timeout-secs", "retry-max-retries", "health-failure-threshold",
+                   "health-check-timeout-secs", "cb-timeout-duration-secs")
 # Flags the launcher answers itself; each replica (one node's) gets the rest unchanged.
 _LAUNCHER_FLAGS = {"--dp-size": True, "--dp": True, "--router-policy": True, "--port": True,
                    "--host": True, "--nnodes": True, "--node-rank": True,
-                   "--dist-init-addr": True, "--replica-health-timeout": True}  # takes a value
+                   "--dist-init-addr": True, "--replica-health-timeout": True,
+                   **{f"--router-{name}": True for name in ROUTER_SETTINGS}}  # takes a value
 REPLICA_START_TIMEOUT_S = 1800  # a large model's load and warm-up
 # The router checks each replica this often, so a dead one leaves the rotation in seconds.
 HEALTH_CHECK_INTERVAL_S = 2
@@ -225,6 +230,8 @@ def router_command(args: ServerArgs, urls: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
             "--policy", args.router_policy, "--host", args.host, "--port", str(args.port),
             "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S),
+            *(flag for name in ROUTER_SETTINGS for flag in (
+                f"--{name}", str(getattr(args, "router_" + name.replace("-", "_"))))),
             # its metrics port is fixed otherwise, and a second router on the host fails
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", "warn" if args.log_level in ("warning", "error") else "info"]

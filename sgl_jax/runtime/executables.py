@@ -25,6 +25,9 @@ HOST_ONLY_SETTINGS = frozenset((
     "max_total_tokens", "mem_fraction_static", "disable_radix_cache", "max_prefill_tokens",
     "chunked_prefill_size", "skip_server_warmup", "compilation_cache_dir",
     "disable_compilation_cache", "disable_overlap_schedule", "dp_size", "router_policy",
+    "replica_health_timeout", "router_request_timeout_secs", "router_retry_max_retries",
+    "router_health_failure_threshold", "router_health_check_timeout_secs",
+    "router_cb_timeout_duration_secs",
     "host", "port", "api_key", "served_model_name", "chat_template", "reasoning_parser",
     "tool_call_parser", "sampling_defaults", "enable_metrics", "random_seed",
     "decode_log_interval", "log_level"))

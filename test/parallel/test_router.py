@@ -191,11 +191,21 @@ def ended_cleanly(url: str, text: str, fields: dict, streaming: threading.Semaph
             streaming.release()  # never block the test on a request that failed to start
 
 
+HEALTH_TIMEOUT_S = 3
+# docs/parallel.md's bound on a request that meets a frozen replica: the health timeout, the
+# launcher's 2 s check, the kill and the router's retry (10 s), plus the answer's own time
+# (under this test's load on 2 cores, up to 10 s).
+FROZEN_BOUND_S = HEALTH_TIMEOUT_S + 10 + 10
+
+
 def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_path):
     """Also the launcher's supervision: a killed replica and a frozen one are each started
-    again on their port, and the router sends them their share again."""
+    again on their port, and the router sends them their share again. Requests sent while a
+    replica freezes all end within the documented bound: those not streaming yet answered by
+    the other replica, streams answered or ended with an error (after a kill, what was in
+    flight on the killed replica may end with an error too); no page stays in use."""
     flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--dp-size", "2",
-             "--router-policy", "round_robin", "--replica-health-timeout", "3"]
+             "--router-policy", "round_robin", "--replica-health-timeout", str(HEALTH_TIMEOUT_S)]
     with launch_server(flags, timeout_s=600) as launcher:
         answers = [chat(launcher.base_url, f"question {i}") for i in range(4)]
         assert all(answer.choices for answer in answers)
@@ -203,12 +213,62 @@ def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_pa
         assert len(ports) == 2 and all(healthy(f"http://127.0.0.1:{p}") for p in ports)
         replicas = [f"http://127.0.0.1:{port}" for port in ports]
         for rank, fault in ((0, signal.SIGKILL), (1, signal.SIGSTOP)):
-            os.kill(replica_processes(launcher.log(), rank)[-1], fault)
-            wait_until(lambda r=rank: len(replica_processes(launcher.log(), r)) == 2
-                       and healthy(replicas[r]), 120)
+            with RequestStream(launcher.base_url) as load:
+                time.sleep(2)  # requests on both replicas
+                os.kill(replica_processes(launcher.log(), rank)[-1], fault)
+                # until the launcher has started it again (and a few requests later)
+                wait_until(lambda r=rank: len(replica_processes(launcher.log(), r)) == 2, 120)
+                time.sleep(2)
+            assert all(seconds <= FROZEN_BOUND_S for seconds, _, _ in load.ended), load.ended
+            assert {outcome for _, _, outcome in load.ended} <= {"answered", "error"}
+            if fault == signal.SIGSTOP:  # it never answered: retried on the other replica
+                assert all(outcome == "answered" for _, streamed, outcome in load.ended
+                           if not streamed), load.ended
+            wait_until(lambda r=rank: healthy(replicas[r]), 120)
             # The router takes it back after two good health checks (2 s apart).
             wait_until(lambda r=rank: serves_through(launcher.base_url, replicas[r]), 60)
+        for url in replicas:
+            wait_until(lambda u=url: httpx.get(f"{u}/get_server_info").json()[
+                "kv_pages_in_use"] == 0, 60)
     assert not any(healthy(url) for url in replicas)  # stopped with it
+
+
+class RequestStream:
+    """Two clients sending 32-token chats through the router back to back, one of them
+    streamed, until the block ends; `ended`: (seconds, streamed, 'answered' | 'error')."""
+
+    def __init__(self, url: str):
+        self.url, self.ended, self._stop = url, [], threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i, i % 2 == 1))
+                         for i in range(2)]
+
+    def __enter__(self) -> "RequestStream":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
+
+    def _client(self, index: int, streamed: bool) -> None:
+        fields = {"max_tokens": 32, "extra_body": {"ignore_eos": True}}
+        done = threading.Semaphore(0)
+        count = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            text = f"client {index} request {count}"
+            if streamed:
+                outcome = ended_cleanly(self.url, text, fields, done)
+            else:
+                try:
+                    chat(self.url, text, **fields)
+                    outcome = "answered"
+                except (openai.APIError, httpx.HTTPError):
+                    outcome = "error"
+            self.ended.append((time.monotonic() - started, streamed, outcome))
+            count += 1
 
 
 def serves_through(router_url: str, replica_url: str) -> bool:
