@@ -278,7 +278,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         for i in range(batch)]
 
     def run_catch_up():
-        spec.catch_up(catch_up_rows)
+        spec.catch_up(catch_up_rows, spec.buckets.batch_padding(batch))
         return draft_state.slots  # what it writes: blocking on it waits for the catch-up
 
     deferred = shape.num_draft_tokens == 1 and spec.defers_draft

@@ -95,16 +95,12 @@ class ServerArgs:
     dp_size: int = 1  # replicas of the server behind SGLang's router (the launcher's job)
     router_policy: str = "cache_aware"
     replica_health_timeout: float = 10.0  # s without /health before a replica is restarted
-    # SGLang's router in front of the replicas (its flags, as sglang_router.launch_server
-    # names them): a request's whole time, its retries on another replica, and the health
-    # checks that take a replica out of rotation.
+    # SGLang's router (its flags as sglang_router.launch_server names them); the breaker's
+    # timeout is ours: the router's 60 s left a restarted replica idle for a minute.
     router_request_timeout_secs: int = 1800
     router_retry_max_retries: int = 5
     router_health_failure_threshold: int = 3
     router_health_check_timeout_secs: int = 5
-    # A replica's failed requests open the router's circuit breaker for it; back from a
-    # restart, it gets requests again this long after (the router's default, 60 s, left a
-    # restarted replica idle for a minute).
     router_cb_timeout_duration_secs: int = 10
     # Speculative decoding
     speculative_algorithm: str | None = None
@@ -201,13 +197,12 @@ class ServerArgs:
                              f"{self.mem_fraction_static}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
-        for name in ("router_request_timeout_secs", "router_health_failure_threshold",
-                     "router_health_check_timeout_secs", "router_cb_timeout_duration_secs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.router_retry_max_retries < 0:
-            raise ValueError(f"router_retry_max_retries must be >= 0, got "
-                             f"{self.router_retry_max_retries}")
+        for name in ("router_request_timeout_secs", "router_retry_max_retries",
+                     "router_health_failure_threshold", "router_health_check_timeout_secs",
+                     "router_cb_timeout_duration_secs"):
+            least = 0 if name == "router_retry_max_retries" else 1
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not self.replica_health_timeout > 0:
             raise ValueError(f"replica_health_timeout must be > 0 s, got "
                              f"{self.replica_health_timeout}")
@@ -496,21 +491,17 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
                        help="with --dp-size: seconds a replica may go without answering "
                             "/health (checked every 2 s) before the launcher kills it and "
                             "starts it again")
-    group.add_argument("--router-request-timeout-secs", type=int, default=1800,
-                       help="with --dp-size: the router ends a request that takes longer")
-    group.add_argument("--router-retry-max-retries", type=int, default=5,
-                       help="with --dp-size: times the router sends a request that failed "
-                            "before its answer began to another replica")
-    group.add_argument("--router-health-failure-threshold", type=int, default=3,
-                       help="with --dp-size: failed health checks (every 2 s) before the "
-                            "router takes a replica out of rotation")
-    group.add_argument("--router-health-check-timeout-secs", type=int, default=5,
-                       help="with --dp-size: seconds the router waits for a replica's "
-                            "/health before counting the check failed")
-    group.add_argument("--router-cb-timeout-duration-secs", type=int, default=10,
-                       help="with --dp-size: seconds the router's circuit breaker keeps a "
-                            "replica whose requests failed out of rotation before trying it "
-                            "again")
+    for flag, default, what in (
+            ("request-timeout-secs", 1800, "the router ends a request that takes longer"),
+            ("retry-max-retries", 5, "retries of a request that failed before its answer "
+                                     "began, on another replica"),
+            ("health-failure-threshold", 3, "failed health checks (every 2 s) before the "
+                                            "router takes a replica out of rotation"),
+            ("health-check-timeout-secs", 5, "seconds a health check waits for /health"),
+            ("cb-timeout-duration-secs", 10, "seconds the router's circuit breaker keeps a "
+                                             "replica whose requests failed out of rotation")):
+        group.add_argument(f"--router-{flag}", type=int, default=default,
+                           help=f"with --dp-size: {what} (SGLang's router flag)")
     group.add_argument("--dist-init-addr", default=None,
                        help="HOST:PORT of rank 0, where the nodes meet (needed with "
                             "--nnodes > 1); PORT + 1 carries the scheduled steps")

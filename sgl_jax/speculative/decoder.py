@@ -66,7 +66,7 @@ class _RoundPlan:
     """What plan_decode chose for a round."""
 
     shape: TreeShape
-    bucket: int  # the padded batch size (SpecRunner.ready_padding)
+    bucket: int  # the padded batch size (spec_warmup.ready_padding)
     hints: Any  # a host-side drafter's proposals (RoundRows.hints)
     records: list  # each request's policy.Acceptance (None: no draft this round)
 
@@ -160,10 +160,10 @@ class SpecDecoder:
         }
 
     def _timed_bucket(self, batch_size: int) -> int:
-        """The padded size of a batch of `batch_size` (SpecRunner.ready_padding), its round
+        """The padded size of a batch of `batch_size` (spec_warmup.ready_padding), its round
         programs timed first where the policy has no timing yet (and compiled, without a
         background builder; with one, only those built so far: untimed_shapes)."""
-        bucket = self.spec.ready_padding(batch_size)
+        bucket = spec_warmup.ready_padding(self.spec, batch_size)
         if self.policy.adaptive:
             untimed = spec_warmup.untimed_shapes(self.spec, bucket, self.policy.round_seconds)
             if untimed:
@@ -351,7 +351,7 @@ class SpecDecoder:
                                    req.token_slice(draft_len + 1, req.kv_len + 1),
                                    np.stack(state.pending)))
             state.pending.clear()
-        self.spec.catch_up(rows)
+        self.spec.catch_up(rows, spec_warmup.ready_padding(self.spec, len(rows)))
 
     def _offered_records(self, reqs: list[Req], hints: Any) -> list:
         """_records, None too for a request the host-side drafter has nothing for."""

@@ -68,7 +68,6 @@ from sgl_jax.model_executor.programs import Programs
 from sgl_jax.parallel.multihost import device_call
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.drafter import Drafter, root_only_tree
-from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.speculative.round import (
     CatchUpRow,
     DraftDeviceState,
@@ -181,43 +180,6 @@ class SpecRunner:
         return (self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
                 draft.slots, state.last_tokens)
 
-    @property
-    def base_shapes(self) -> tuple[TreeShape, ...]:
-        """The round shapes a batch bucket needs before a batch may use it: plain rounds, and
-        the flags' shape when it is the only drafted one (no adaptive menu). With a menu the
-        policy takes each drafted shape once it is built (SpecRunner.shapes_built)."""
-        drafted = [shape for shape in self.shapes if shape != PLAIN]
-        return (PLAIN, *drafted) if len(drafted) == 1 else (PLAIN,)
-
-    def bucket_usable(self, size: int) -> bool:
-        """Whether a batch may run in batch bucket `size` now: its base shapes' round
-        programs, the target's decode step (rounds where no request drafts) and, for a
-        drafter that plain rounds leave behind, the catch-up are built."""
-        deferred = not self.defers_draft or size in self.catch_ups
-        return (deferred and self.target.has_program(self.buckets.decode_shape(size))
-                and all(size in self.rounds[shape] for shape in self.base_shapes))
-
-    def shapes_built(self, size: int) -> tuple[TreeShape, ...]:
-        """The round shapes whose programs for batch bucket `size` are built."""
-        return tuple(shape for shape in self.shapes if size in self.rounds[shape])
-
-    def bucket_built(self, size: int) -> bool:
-        """Whether every program a round of batch bucket `size` may run is built (the
-        grammar-masked pair apart: masked_built)."""
-        return self.bucket_usable(size) and len(self.shapes_built(size)) == len(self.shapes)
-
-    def ready_padding(self, num_rows: int) -> int:
-        """The padded batch size of a round or catch-up of `num_rows` rows: with a background
-        builder, the smallest bucket that fits them and is usable (a round never waits for a
-        compile while the bucket it would fit best is still building); else, or while none
-        that fits is built, the smallest that fits."""
-        fits = [size for size in self.buckets.bs_paddings if size >= num_rows]
-        if self.target.builder is not None:
-            built = [size for size in fits if self.bucket_usable(size)]
-            if built:
-                return built[0]
-        return self.buckets.batch_padding(num_rows)
-
     def masked_built(self, size: int) -> bool:
         return size in self.tree_drafts and size in self.masked_verifies
 
@@ -297,11 +259,10 @@ class SpecRunner:
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
     @device_call
-    def catch_up(self, rows: Sequence[CatchUpRow], padded: int | None = None) -> None:
-        """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH); the
-        draft's output at each row's last one becomes its slot's root. `padded`: the batch
-        bucket (default: ready_padding's)."""
-        padded = padded or self.ready_padding(len(rows))
+    def catch_up(self, rows: Sequence[CatchUpRow], padded: int) -> None:
+        """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH), padded
+        to batch bucket `padded`; the draft's output at each row's last one becomes its
+        slot's root."""
         inputs = self.catch_up_inputs(rows, padded)
         draft = self.draft_state
         draft.kv, draft.slots = self.catch_ups(padded, self.drafter.params, draft.kv,

@@ -22,6 +22,7 @@ from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
 from sgl_jax.speculative.spec_runner import SpecRunner
 
@@ -69,6 +70,50 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     # prefill writes its root.
 
 
+# ---------------------------------------------------------------------- what a bucket may run
+
+
+def base_shapes(spec: SpecRunner) -> tuple[TreeShape, ...]:
+    """The round shapes a batch bucket needs before a batch may use it: plain rounds, and the
+    flags' shape when it is the only drafted one (no adaptive menu). With a menu the policy
+    takes each drafted shape once it is built and timed (shapes_built)."""
+    drafted = [shape for shape in spec.shapes if shape != PLAIN]
+    return (PLAIN, *drafted) if len(drafted) == 1 else (PLAIN,)
+
+
+def bucket_usable(spec: SpecRunner, size: int) -> bool:
+    """Whether a batch may run in batch bucket `size` now: its base shapes' round programs,
+    the target's decode step (rounds where no request drafts) and, for a drafter that plain
+    rounds leave behind, the catch-up are built."""
+    deferred = not spec.defers_draft or size in spec.catch_ups
+    return (deferred and spec.target.has_program(spec.buckets.decode_shape(size))
+            and all(size in spec.rounds[shape] for shape in base_shapes(spec)))
+
+
+def shapes_built(spec: SpecRunner, size: int) -> tuple[TreeShape, ...]:
+    """The round shapes whose programs for batch bucket `size` are built."""
+    return tuple(shape for shape in spec.shapes if size in spec.rounds[shape])
+
+
+def bucket_built(spec: SpecRunner, size: int) -> bool:
+    """Whether every program a round of batch bucket `size` may run is built (the
+    grammar-masked pair apart: SpecRunner.masked_built)."""
+    return bucket_usable(spec, size) and len(shapes_built(spec, size)) == len(spec.shapes)
+
+
+def ready_padding(spec: SpecRunner, num_rows: int) -> int:
+    """The padded batch size of a round or catch-up of `num_rows` rows: with a background
+    builder, the smallest bucket that fits them and is usable (a round never waits for a
+    compile while the bucket it would fit best is still building); else, or while none that
+    fits is usable, the smallest that fits."""
+    fits = [size for size in spec.buckets.bs_paddings if size >= num_rows]
+    if spec.target.builder is not None:
+        usable = [size for size in fits if bucket_usable(spec, size)]
+        if usable:
+            return usable[0]
+    return spec.buckets.batch_padding(num_rows)
+
+
 def time_bucket(spec: SpecRunner, size: int, shapes: Sequence[TreeShape]) -> None:
     """Time the round programs of `shapes` in batch bucket `size` while serving (compiling
     those not built yet): padding rows only (they write nothing, so the requests' slots and
@@ -85,7 +130,7 @@ def untimed_shapes(spec: SpecRunner, size: int, timed: Collection[tuple[TreeShap
     """The shapes of batch bucket `size` the adaptive policy has no timing for (`timed`)
     and may time now: with a background builder those built so far, else every one (timing
     compiles them)."""
-    shapes = spec.shapes if spec.target.builder is None else spec.shapes_built(size)
+    shapes = spec.shapes if spec.target.builder is None else shapes_built(spec, size)
     return [shape for shape in shapes if (shape, size) not in timed]
 
 
@@ -97,13 +142,13 @@ def batch_limit(spec: SpecRunner, wanted: int) -> int:
     bucket's base programs, not for every bucket below it. Without a builder, or before
     the smallest bucket is usable, any size."""
     sizes, builder = spec.buckets.bs_paddings, spec.target.builder
-    if builder is None or not spec.bucket_usable(sizes[0]):
+    if builder is None or not bucket_usable(spec, sizes[0]):
         return sizes[-1]
     needed = next((size for size in sizes if size >= wanted), sizes[-1])
     for size in sizes:
-        if size <= needed and not spec.bucket_built(size):
+        if size <= needed and not bucket_built(spec, size):
             queue_bucket(spec, size, first=size == needed)
-    return max(size for size in sizes if spec.bucket_usable(size))
+    return max(size for size in sizes if bucket_usable(spec, size))
 
 
 def queue_bucket(spec: SpecRunner, size: int, *, first: bool = False) -> None:
@@ -148,7 +193,7 @@ def _bucket_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
 
 def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
     """The programs that make batch bucket `size` usable (SpecRunner.bucket_usable)."""
-    builds = [_round_build(spec, shape, size) for shape in spec.base_shapes]
+    builds = [_round_build(spec, shape, size) for shape in base_shapes(spec)]
     builds.append(functools.partial(spec.target.build_program, spec.buckets.decode_shape(size)))
     if spec.defers_draft:
         inputs = spec.catch_up_inputs(
@@ -162,7 +207,7 @@ def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
 def _shape_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
     """The round programs of batch bucket `size` beyond its base shapes."""
     return [_round_build(spec, shape, size) for shape in spec.shapes
-            if shape not in spec.base_shapes]
+            if shape not in base_shapes(spec)]
 
 
 def _round_build(spec: SpecRunner, shape: TreeShape, size: int) -> Callable[[], object]:

@@ -155,8 +155,8 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
                 scheduler.decoding.policy.admits_draft = lambda *_, **__: True
             widths = []
             catch_up = spec.catch_up
-            spec.catch_up = lambda rows: (widths.extend(len(r.next_tokens) for r in rows),
-                                          catch_up(rows))[1]
+            spec.catch_up = lambda rows, padded: (
+                widths.extend(len(r.next_tokens) for r in rows), catch_up(rows, padded))[1]
             outputs = [o["output_ids"] for o in engine.generate(
                 input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
             keys = [cached_draft_keys(engine, p + o) for p, o in zip(prompts(), outputs,

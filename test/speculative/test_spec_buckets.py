@@ -10,7 +10,6 @@ import pytest
 
 from sgl_jax.model_executor.forward_batch import Buckets
 from sgl_jax.speculative import spec_warmup
-from sgl_jax.speculative.spec_runner import SpecRunner
 
 SIZES = (1, 2, 4, 8)
 
@@ -26,13 +25,13 @@ class RecordingBuilder:
         return [(job.split()[1], bucket) for _, job, bucket in sorted(self.jobs)]
 
 
-def fake_spec(usable: set[int], builder: RecordingBuilder | None, built: set[int] = frozenset()
-              ) -> SimpleNamespace:
+def fake_spec(usable: set[int], builder: RecordingBuilder | None, built: set[int] = frozenset(),
+              monkeypatch=None) -> SimpleNamespace:
     """A SpecRunner whose buckets `usable` may serve, `built` of them with every shape."""
+    monkeypatch.setattr(spec_warmup, "bucket_usable", lambda spec, size: size in usable)
+    monkeypatch.setattr(spec_warmup, "bucket_built", lambda spec, size: size in built)
     buckets = Buckets((64,), SIZES, context_len=128, page_size=16)
-    return SimpleNamespace(buckets=buckets, target=SimpleNamespace(builder=builder),
-                           bucket_usable=lambda size: size in usable,
-                           bucket_built=lambda size: size in built)
+    return SimpleNamespace(buckets=buckets, target=SimpleNamespace(builder=builder))
 
 
 @pytest.mark.parametrize("usable, wanted, limit, order", [
@@ -44,16 +43,17 @@ def fake_spec(usable: set[int], builder: RecordingBuilder | None, built: set[int
     ({1, 2}, 2, 2, []),
     (set(), 8, 8, []),  # not even the smallest: everything compiles when due
 ])
-def test_the_needed_bucket_is_built_first(usable, wanted, limit, order):
+def test_the_needed_bucket_is_built_first(usable, wanted, limit, order, monkeypatch):
     builder = RecordingBuilder()
-    assert spec_warmup.batch_limit(fake_spec(usable, builder, usable), wanted) == limit
+    spec = fake_spec(usable, builder, usable, monkeypatch)
+    assert spec_warmup.batch_limit(spec, wanted) == limit
     assert builder.build_order() == order
-    assert spec_warmup.batch_limit(fake_spec(usable, None, usable), wanted) == 8
+    assert spec_warmup.batch_limit(fake_spec(usable, None, usable, monkeypatch), wanted) == 8
 
 
-def test_a_usable_bucket_still_gets_its_other_shapes():
+def test_a_usable_bucket_still_gets_its_other_shapes(monkeypatch):
     builder = RecordingBuilder()
-    assert spec_warmup.batch_limit(fake_spec({1, 2}, builder, built={1}), 2) == 2
+    assert spec_warmup.batch_limit(fake_spec({1, 2}, builder, {1}, monkeypatch), 2) == 2
     assert builder.build_order() == [("bucket", 2), ("shapes", 2)]
 
 
@@ -63,7 +63,9 @@ def test_a_usable_bucket_still_gets_its_other_shapes():
     ({1, 8}, 1, 1),
     ({1}, 3, 4),  # nothing built fits: the bucket that fits (built when due)
 ])
-def test_a_batch_pads_to_the_smallest_usable_bucket(built, rows, padded):
-    assert SpecRunner.ready_padding(fake_spec(built, RecordingBuilder()), rows) == padded
-    assert SpecRunner.ready_padding(fake_spec(built, None), rows) == Buckets(
+def test_a_batch_pads_to_the_smallest_usable_bucket(built, rows, padded, monkeypatch):
+    spec = fake_spec(built, RecordingBuilder(), monkeypatch=monkeypatch)
+    assert spec_warmup.ready_padding(spec, rows) == padded
+    without_builder = fake_spec(built, None, monkeypatch=monkeypatch)
+    assert spec_warmup.ready_padding(without_builder, rows) == Buckets(
         (64,), SIZES, 128, 16).batch_padding(rows)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
+from sgl_jax.speculative import spec_warmup
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.dflash import write_tiny_dflash_draft
 from sgl_jax.testing.eagle3 import (
@@ -289,9 +290,9 @@ def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoin
 
         assert answers() == references["qwen3"][:2]
         assert batch_sizes and max(batch_sizes) == 1, batch_sizes
-        assert not spec.bucket_built(2)
+        assert not spec_warmup.bucket_built(spec, 2)
         held.set()
-        assert runtime.builder.wait_idle(timeout=600) and spec.bucket_built(2)
+        assert runtime.builder.wait_idle(timeout=600) and spec_warmup.bucket_built(spec, 2)
         batch_sizes.clear()
         compiled = engine.get_server_info()["num_compilations"]
         assert answers() == references["qwen3"][:2]
