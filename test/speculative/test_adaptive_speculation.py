@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.policy import PLAIN
+from sgl_jax.speculative.policy import PLAIN, SPECULATION_MARGIN
 from sgl_jax.speculative.round import CATCH_UP_WIDTH
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import cached_draft_keys, write_tiny_eagle3_draft
@@ -122,8 +122,12 @@ def test_a_draft_that_predicts_everything_stays_lossless_at_measured_costs(paths
     observed = []
     outputs, one, info = run_adaptive(paths, "STANDALONE", "self", observed=observed)
     assert outputs == reference and one == reference[0]
-    last = info["spec_last_choice"]
-    assert last["shape"] == max(last["tokens_per_s"], key=last["tokens_per_s"].get)
+    last, rates = info["spec_last_choice"], info["spec_last_choice"]["tokens_per_s"]
+    best = max(rates, key=rates.get)
+    # The policy's rule: the fastest shape, unless it beats plain by less than the margin
+    # (then plain), or the round probes the other side.
+    assert last["probe"] or last["shape"] == best or (
+        last["shape"] == "plain" and rates[best] <= SPECULATION_MARGIN * rates["plain"]), last
     assert len(observed) > 20 and max(observed) < SLOW_PREFILL_S / 2, sorted(observed)[-5:]
 
 
