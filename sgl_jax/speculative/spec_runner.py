@@ -271,7 +271,7 @@ class SpecRunner:
     def catch_up_inputs(self, rows: Sequence[CatchUpRow], padded: int) -> tuple:
         """The host arrays of a catch-up of `rows` padded to batch bucket `padded`."""
         return catch_up_arrays(rows, padded, self.target.buckets.pages_per_seq,
-                                       self.feature_width, self.target.model.dtype)
+                               self.feature_width, self.target.model.dtype)
 
     # ------------------------------------------------------------------ jitted bodies
 

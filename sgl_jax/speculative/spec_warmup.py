@@ -136,8 +136,8 @@ def untimed_shapes(spec: SpecRunner, size: int, timed: Collection[tuple[TreeShap
 
 def batch_limit(spec: SpecRunner, wanted: int) -> int:
     """The most requests a round may take with the programs built so far: the largest
-    usable bucket (SpecRunner.bucket_usable; a smaller batch pads to the smallest usable one
-    that fits it, SpecRunner.ready_padding). The bucket `wanted` requests need goes to the
+    usable bucket (bucket_usable; a smaller batch pads to the smallest usable one that fits
+    it, ready_padding). The bucket `wanted` requests need goes to the
     builder ahead of the smaller ones missing (queue_bucket), so a burst waits for one
     bucket's base programs, not for every bucket below it. Without a builder, or before
     the smallest bucket is usable, any size."""
@@ -153,7 +153,7 @@ def batch_limit(spec: SpecRunner, wanted: int) -> int:
 
 def queue_bucket(spec: SpecRunner, size: int, *, first: bool = False) -> None:
     """Queue batch bucket `size` on the background builder: its base programs
-    (SpecRunner.bucket_usable), and after every bucket's base programs its other round
+    (bucket_usable), and after every bucket's base programs its other round
     shapes; `first`: both ahead of every other bucket (the one a waiting batch needs). A
     bucket queued before keeps its place."""
     builder, index = spec.target.builder, spec.buckets.bs_paddings.index(size)
@@ -192,8 +192,8 @@ def _bucket_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
 
 
 def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
-    """The programs that make batch bucket `size` usable (SpecRunner.bucket_usable)."""
-    builds = [_round_build(spec, shape, size) for shape in base_shapes(spec)]
+    """The programs that make batch bucket `size` usable (bucket_usable)."""
+    builds = _round_builds(spec, base_shapes(spec), size)
     builds.append(functools.partial(spec.target.build_program, spec.buckets.decode_shape(size)))
     if spec.defers_draft:
         inputs = spec.catch_up_inputs(
@@ -206,15 +206,17 @@ def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
 
 def _shape_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
     """The round programs of batch bucket `size` beyond its base shapes."""
-    return [_round_build(spec, shape, size) for shape in spec.shapes
-            if shape not in base_shapes(spec)]
+    base = base_shapes(spec)
+    return _round_builds(spec, [shape for shape in spec.shapes if shape not in base], size)
 
 
-def _round_build(spec: SpecRunner, shape: TreeShape, size: int) -> Callable[[], object]:
+def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
+                  ) -> list[Callable[[], object]]:
+    """The round programs of `shapes` in batch bucket `size`, one call each (padding rows)."""
     rows = _padding_rows(spec, size)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
-    return functools.partial(spec.rounds[shape].build, size, *spec.state_args(), rows,
-                             sampling, np.bool_(False))
+    return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(), rows,
+                              sampling, np.bool_(False)) for shape in shapes]
 
 
 def build_masked(spec: SpecRunner, size: int) -> None:
