@@ -164,6 +164,8 @@ class Row:
     algorithm: str | None = None  # the drafter (None: rows written before it was recorded)
     # rounds that verified a draft / all rounds (plain ones included), from rounds_by_shape
     speculated_round_share: float | None = None
+    # the policy's timed round cost per shape in the row's batch bucket (spec_round_ms)
+    round_ms: dict[str, float] = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -656,10 +658,19 @@ def run(args: argparse.Namespace) -> list[Row]:
                                         counts_since(engine, before,
                                                      "spec_finished_requests"),
                                         [r / p for r, p in zip(runs, base_runs, strict=True)],
-                                        algorithm, speculated_share(rounds)))
+                                        algorithm, speculated_share(rounds),
+                                        bucket_round_ms(engine.get_server_info(), b)))
                         print_row(rows[-1])
                         save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
+
+
+def bucket_round_ms(info: dict, batch_size: int) -> dict[str, float]:
+    """The policy's round cost per shape in the smallest timed bucket that holds
+    `batch_size` requests ({} without an adaptive policy's timings)."""
+    table = info.get("spec_round_ms") or {}
+    fitting = sorted(int(bucket) for bucket in table if int(bucket) >= batch_size)
+    return table[str(fitting[0])] if fitting else {}
 
 
 def save_rows(args: argparse.Namespace, rows: list[Row]) -> None:
@@ -684,6 +695,8 @@ def print_row(row: Row) -> None:
           + (f"  without a draft {row.finished_requests['without_draft']}"
              f"/{sum(row.finished_requests.values())} requests"
              if row.finished_requests.get("without_draft") else "")
+          + ("  round ms " + ", ".join(f"{k} {v:.2f}" for k, v in row.round_ms.items())
+             if len(row.round_ms) > 1 else "")
           + (f"  passes {min(row.repeat_speedups):.2f}-{max(row.repeat_speedups):.2f}x"
              if len(row.repeat_speedups) > 1 else ""),
           flush=True)

@@ -56,6 +56,10 @@
 #              baseline), then the quality of each on the demo model (KL over held-out
 #              ShareGPT)
 # Random checkpoints are written once under $CKPT_DIR (default /tmp/sgl_jax_ckpt).
+# A machine without a package index gets the demo model and the datasets from
+# `python benchmark/gpu_carry.py` (run here first): the demo GGUF comes in three parts, one a
+# call, each call carrying `.gpu/site .gpu/meta .gpu/on.sh .gpu/partNN` and starting with
+# `. .gpu/on.sh`; the demo parts run once all three have come (calls back to back).
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift

@@ -92,7 +92,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        self.model_dir = _metadata_dir(path)
+        self.model_dir = metadata_dir(path)
         if not (self.model_dir / _TENSOR_TABLE).is_file():
             _GGUFMetadata(path).write(self.model_dir)
         self.config = json.loads((self.model_dir / "config.json").read_text())
@@ -315,7 +315,7 @@ def llama3_rope_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -
     return 1.0 / ((1 - smooth) / scaling["factor"] + smooth)
 
 
-def _metadata_dir(path: Path) -> Path:
+def metadata_dir(path: Path) -> Path:
     """Where the converted metadata of this exact file (path, size, mtime) is cached."""
     stat = path.stat()
     identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_METADATA_FORMAT}"

@@ -362,4 +362,14 @@ class SpeculationPolicy:
                 "probe": last.probe, "accept_length": last.accept_lengths,
                 "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
             "spec_probe_interval": self.probe_interval,
+            "spec_round_ms": self.round_ms(),
         }
+
+    def round_ms(self) -> dict[str, dict[str, float]]:
+        """The timed round cost of each shape by batch bucket, {"8": {"3/4/8": 7.1, ...}}:
+        what the choice and the admission rule weigh a shape's tokens against."""
+        table: dict[str, dict[str, float]] = {}
+        for (shape, bucket), seconds in sorted(self.round_seconds.items(),
+                                                key=lambda item: item[0][1]):
+            table.setdefault(str(bucket), {})[shape_name(shape)] = round(1000 * seconds, 3)
+        return table

@@ -64,6 +64,8 @@ def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     # the two timed passes, every output compared with plain decoding's
     assert sum(row["finished_requests"].values()) == 6
     assert len(row["repeat_speedups"]) == 2 and all(x > 0 for x in row["repeat_speedups"])
+    assert set(row["round_ms"]) == set(row["rounds_by_shape"])  # the policy's bucket-2 costs
+    assert all(ms > 0 for ms in row["round_ms"].values())
 
 
 def test_random_word_requests_draw_whole_words_from_the_vocabulary(tmp_path):

@@ -267,6 +267,10 @@ def test_info_reports_the_last_choice_and_its_reasons():
     assert last["tokens_per_s"]["3/4/8"] == pytest.approx(last["accept_length"]["3/4/8"] / 0.25)
     assert last["accept_length"]["plain"] == 1.0
     assert info["spec_believed_accept_rates"]["chain"] == [P.INITIAL_RATE] * 3
+    assert info["spec_round_ms"] == {str(bucket): {P.shape_name(shape): pytest.approx(1000 * s)
+                                                   for (shape, b), s in SMALL_AND_LARGE.items()
+                                                   if b == bucket}
+                                     for bucket in {b for _, b in SMALL_AND_LARGE}}
 
 
 def typical_batch_speculates(policy, bucket):
