@@ -72,10 +72,6 @@ class DFlashConfig:
         return tuple(layer + 1 for layer in self.target_layer_ids)
 
 
-def is_dflash_draft(hf: dict[str, Any]) -> bool:
-    return ARCHITECTURE in (hf.get("architectures") or ())
-
-
 def config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
     def field(name: str, default: Any = None) -> Any:
         value = (hf.get("dflash_config") or {}).get(name, hf.get(name, default))

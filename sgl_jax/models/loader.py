@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from sgl_jax.layers.quantization import QuantizedWeight, quantize_param
 from sgl_jax.layers.weights import WeightSpec
-from sgl_jax.models import dflash, llama_eagle, llama_eagle3, qwen3_next_mtp
+from sgl_jax.models import dflash, dspark, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig, check_tensor_parallel
 from sgl_jax.models.dflash import DFlashConfig
 from sgl_jax.models.gguf import GGUFCheckpoint, find_gguf_file
@@ -208,20 +208,38 @@ def load_dflash_draft(
     tp: TensorParallel | None = None, quantization: str | None = None,
 ) -> LoadedDraft:
     """A DFlash draft head in the z-lab / SpecForge layout (see models/dflash.py)."""
+    return _load_block_draft(dflash, "DFlash", model_path, dtype=dtype, revision=revision,
+                             progress=progress, tp=tp, quantization=quantization)
+
+
+def load_dspark_draft(
+    model_path: str, *, dtype: str = "auto", revision: str | None = None, progress: bool = True,
+    tp: TensorParallel | None = None, quantization: str | None = None,
+) -> LoadedDraft:
+    """A DSpark draft head in DeepSpec's layout (see models/dspark.py)."""
+    return _load_block_draft(dspark, "DSpark", model_path, dtype=dtype, revision=revision,
+                             progress=progress, tp=tp, quantization=quantization)
+
+
+def _load_block_draft(module: Any, kind: str, model_path: str, *, dtype: str,
+                      revision: str | None, progress: bool, tp: TensorParallel | None,
+                      quantization: str | None) -> LoadedDraft:
+    """A head of a DFlash backbone: `module` (models.dflash or models.dspark) reads its
+    config and names its tensors."""
     model_dir = resolve_model_dir(model_path, revision)
     hf_config = read_hf_config(model_dir)
-    if not dflash.is_dflash_draft(hf_config):
+    if module.ARCHITECTURE not in (hf_config.get("architectures") or ()):
         raise CheckpointError(
-            f"{model_path!r} is not a DFlash draft: its config.json says architectures="
-            f"{hf_config.get('architectures')} (expected {dflash.ARCHITECTURE})")
-    config = dflash.config_from_hf(hf_config)
+            f"{model_path!r} is not a {kind} draft: its config.json says architectures="
+            f"{hf_config.get('architectures')} (expected {module.ARCHITECTURE})")
+    config = module.config_from_hf(hf_config)
+    layer = config.layer if isinstance(config, DFlashConfig) else config.backbone.layer
     source = SafetensorsSource(model_dir)
-    specs = dflash.hf_weight_specs(config, source.names())
-    jax_dtype = resolve_dtype(dtype, config.layer.checkpoint_dtype)
-    what = f"the DFlash draft in {model_path!r}"
-    params = load_params(source, specs, jax_dtype, progress=progress, tp=tp,
-                         config=config.layer, what=what,
-                         weights=weight_format(hf_config, quantization, what))
+    specs = module.hf_weight_specs(config, source.names())
+    jax_dtype = resolve_dtype(dtype, layer.checkpoint_dtype)
+    what = f"the {kind} draft in {model_path!r}"
+    params = load_params(source, specs, jax_dtype, progress=progress, tp=tp, config=layer,
+                         what=what, weights=weight_format(hf_config, quantization, what))
     return LoadedDraft(config, params, model_dir, jax_dtype)
 
 

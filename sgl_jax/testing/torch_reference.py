@@ -43,3 +43,45 @@ def causal_self_attention(w: dict[str, torch.Tensor], prefix: str, a: torch.Tens
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * hd)
     return attn @ w[prefix + "self_attn.o_proj.weight"].T
+
+
+def dflash_block_hidden(w: dict[str, torch.Tensor], cfg: dict, features: torch.Tensor,
+                        block_ids: torch.Tensor, embed: torch.Tensor, *,
+                        windows: bool = True) -> torch.Tensor:
+    """A DFlash backbone's final-normed block output [B, H]: the block `block_ids` at
+    positions C..C+B-1 over the context of `features` [C, L*H] at positions 0..C-1, each
+    query seeing all of the context and, non-causally, the whole block (a sliding layer of
+    window W: only keys less than W positions behind it). windows=False ignores the
+    config's sliding windows (to show that they cut something)."""
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    n_ctx, n_blk = features.shape[0], len(block_ids)
+    ctx_pos, blk_pos = torch.arange(n_ctx), n_ctx + torch.arange(n_blk)
+    c = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [B, C + B]
+    x = embed[block_ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        visible = torch.ones_like(behind, dtype=torch.bool)  # all context, all block
+        if windows and cfg["layer_types"][i] == "sliding_attention":
+            visible = behind < cfg["sliding_window"]
+        a = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+
+        def heads_of(t, proj, count, p=p):
+            return (t @ w[p + f"self_attn.{proj}_proj.weight"].T).view(t.shape[0], count, hd)
+
+        q = rope(rms_norm(heads_of(a, "q", heads), w[p + "self_attn.q_norm.weight"], eps),
+                 blk_pos, theta)
+        k = torch.cat([rope(rms_norm(heads_of(src, "k", kv_heads),
+                                     w[p + "self_attn.k_norm.weight"], eps), pos, theta)
+                       for src, pos in ((c, ctx_pos), (a, blk_pos))])
+        v = torch.cat([heads_of(c, "v", kv_heads), heads_of(a, "v", kv_heads)])
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, heads * hd)
+        x = x + out @ w[p + "self_attn.o_proj.weight"].T
+        m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms_norm(x, w["norm.weight"], eps)

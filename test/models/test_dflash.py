@@ -20,7 +20,7 @@ from sgl_jax.models import dflash
 from sgl_jax.models.loader import CheckpointError, load_dflash_draft
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import write_tiny_dflash_draft
-from sgl_jax.testing.torch_reference import rms_norm, rope, torch_tensors
+from sgl_jax.testing.torch_reference import dflash_block_hidden, torch_tensors
 
 PAGE_SIZE = 4
 CONTEXT, BLOCK = 13, 8
@@ -33,43 +33,6 @@ SLIDING = (["sliding_attention", "full_attention"], 5)
 def target_config(tmp_path_factory):
     target = write_tiny_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
     return json.loads((target / "config.json").read_text())
-
-
-def reference_block_logits(w, cfg, features, block_ids, embed, lm_head, *, windows=True):
-    """Logits [B-1, V] of block positions 1..B-1, context at positions 0..C-1 before it.
-    windows=False ignores the config's sliding windows (to show that they cut something)."""
-    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    n_ctx, n_blk = features.shape[0], len(block_ids)
-    ctx_pos, blk_pos = torch.arange(n_ctx), n_ctx + torch.arange(n_blk)
-    c = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [B, C + B]
-    x = embed[block_ids]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}."
-        visible = torch.ones_like(behind, dtype=torch.bool)  # all context, all block
-        if windows and cfg["layer_types"][i] == "sliding_attention":
-            visible = behind < cfg["sliding_window"]
-        a = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-
-        def heads_of(t, proj, count, p=p):
-            return (t @ w[p + f"self_attn.{proj}_proj.weight"].T).view(t.shape[0], count, hd)
-
-        q = rope(rms_norm(heads_of(a, "q", heads), w[p + "self_attn.q_norm.weight"], eps),
-                 blk_pos, theta)
-        k = torch.cat([rope(rms_norm(heads_of(src, "k", kv_heads),
-                                     w[p + "self_attn.k_norm.weight"], eps), pos, theta)
-                       for src, pos in ((c, ctx_pos), (a, blk_pos))])
-        v = torch.cat([heads_of(c, "v", kv_heads), heads_of(a, "v", kv_heads)])
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, heads * hd)
-        x = x + out @ w[p + "self_attn.o_proj.weight"].T
-        m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return rms_norm(x, w["norm.weight"], eps)[1:] @ lm_head.T
 
 
 @pytest.mark.parametrize("layer_types,sliding_window", [(None, None), SLIDING],
@@ -109,8 +72,9 @@ def test_block_logits_match_the_reference(target_config, tmp_path, layer_types,
     w = torch_tensors(path / "model.safetensors")
     inputs = [torch.from_numpy(a) for a in (features, block_ids, embed, lm_head)]
     with torch.no_grad():
-        expected = reference_block_logits(w, cfg, *inputs).numpy()
-        unwindowed = reference_block_logits(w, cfg, *inputs, windows=False).numpy()
+        expected = (dflash_block_hidden(w, cfg, *inputs[:3])[1:] @ inputs[3].T).numpy()
+        unwindowed = (dflash_block_hidden(w, cfg, *inputs[:3], windows=False)[1:]
+                      @ inputs[3].T).numpy()
     np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=2e-4)
     if sliding_window is not None:  # so an ignored window could not pass
         assert np.abs(expected - unwindowed).max() > 1e-2

@@ -43,8 +43,7 @@ def cases(root: Path) -> dict:
                                         block=(16, 16))
     eagle3_round = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3),
                         **TREE)
-    return {
-        "plain": (llama, {}),
+    return {  # a plain bf16 engine's programs: EAGLE3's target step, the fp8 case's others
         "EAGLE3": (llama, eagle3_round),
         "NEXTN": (qwen3_next, dict(speculative_algorithm="NEXTN", **TREE)),
         # Per-row int8 weights (the draft's too) with int8 inputs split by device, FP8 pages.

@@ -1,0 +1,125 @@
+"""A DSpark head against a PyTorch reference of its heads written here, over the DFlash
+backbone's reference (torch_reference.dflash_block_hidden): every block slot drafts, anchor
+first (slot k the token after position s + k); z_k = lm_head(h_k) plus the Markov term of the
+token before the slot (vanilla: W2 W1[x]; gated: W2 (sigmoid(G [h; e] + g) * e); rnn: a gated
+state along the block), the confidence logit w . [h_k; e_k] + b. Config errors are refused."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from sgl_jax.layers.attention import get_attention_backend
+from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
+from sgl_jax.models import dflash, dspark
+from sgl_jax.models.loader import CheckpointError, load_dspark_draft
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.dflash import write_tiny_dflash_draft
+from sgl_jax.testing.dspark import write_tiny_dspark_draft
+from sgl_jax.testing.torch_reference import dflash_block_hidden, torch_tensors
+
+PAGE_SIZE = 4
+CONTEXT, BLOCK = 13, 8
+
+
+@pytest.fixture(scope="module")
+def target_config(tmp_path_factory):
+    target = write_tiny_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
+    return json.loads((target / "config.json").read_text())
+
+
+def reference_heads(w, cfg, hidden, previous):
+    """Draft logits [B, V] and confidence logits [B] of a block's outputs hidden [B, H], the
+    token before each slot `previous` [B]."""
+    kind = cfg.get("markov_head_type") if cfg["markov_rank"] else None
+    m = "markov_head."
+    state = torch.zeros(cfg["markov_rank"])
+    logits, features = [], []
+    for h, prev in zip(hidden, previous, strict=True):
+        z = w["lm_head.weight"] @ h
+        e = w[m + "markov_w1.weight"][prev] if kind else torch.zeros(0)
+        if kind == "vanilla":
+            z = z + w[m + "markov_w2.weight"] @ e
+        elif kind == "gated":
+            gate = torch.sigmoid(w[m + "gate_proj.weight"] @ torch.cat([h, e])
+                                 + w[m + "gate_proj.bias"])
+            z = z + w[m + "markov_w2.weight"] @ (gate * e)
+        elif kind == "rnn":
+            joint = w[m + "joint_proj.weight"] @ torch.cat([state, e, h]) + w[m + "joint_proj.bias"]
+            gate, candidate, output = joint.chunk(3)
+            state = torch.sigmoid(gate) * state + (1 - torch.sigmoid(gate)) * torch.tanh(candidate)
+            z = z + w[m + "markov_w2.weight"] @ torch.tanh(output)
+        logits.append(z)
+        features.append(torch.cat([h, e]) if cfg.get("confidence_head_with_markov") else h)
+    confidence = torch.stack(features) @ w["confidence_head.proj.weight"][0]
+    return torch.stack(logits), confidence + w["confidence_head.proj.bias"][0]
+
+
+def block_hidden(draft, features, block_ids):
+    """Our backbone's block output [B, H] over the context in a paged cache."""
+    config = draft.config.backbone
+    cache = allocate_kv_cache(config.layer, num_pages=16, page_size=PAGE_SIZE,
+                              dtype=jnp.float32)
+    page_table = jnp.arange(1, 9, dtype=jnp.int32)[None]
+    positions = jnp.arange(CONTEXT, dtype=jnp.int32)
+    cache = dflash.context_kv(draft.params, cache, jnp.asarray(features), positions,
+                              kv_slots(page_table, positions[None], PAGE_SIZE)[0], config=config)
+    metadata = window_metadata(page_table, jnp.array([CONTEXT]), jnp.array([BLOCK]), BLOCK,
+                               PAGE_SIZE, dflash.full_block_mask(1, BLOCK))
+    out, _ = dflash.block_forward(draft.params, cache, jnp.asarray(block_ids),
+                                  CONTEXT + jnp.arange(BLOCK), metadata, config=config,
+                                  attention=get_attention_backend("native"),
+                                  embed=draft.params["embed"])
+    return out
+
+
+@pytest.mark.parametrize("markov_head", ["vanilla", "gated", "rnn", None])
+def test_block_logits_and_confidences_match_the_reference(target_config, tmp_path,
+                                                          markov_head):
+    path = write_tiny_dspark_draft(tmp_path / "dspark", target_config, markov_head=markov_head,
+                                   block_size=BLOCK)
+    draft = load_dspark_draft(str(path), dtype="float32", progress=False)
+    cfg = json.loads((path / "config.json").read_text())
+    rng = np.random.default_rng(4)
+    vocab = cfg["vocab_size"]
+    features = rng.standard_normal((CONTEXT, 2 * cfg["hidden_size"])).astype(np.float32)
+    anchor = int(rng.integers(vocab))
+    block_ids = np.array([anchor] + [cfg["mask_token_id"]] * (BLOCK - 1))
+    drafted = rng.integers(vocab, size=BLOCK - 1)
+    previous = np.concatenate([[anchor], drafted])  # slot 0 follows the anchor itself
+
+    hidden = block_hidden(draft, features, block_ids)
+    logits, confidence = dspark.teacher_forced_logits(
+        draft.params, draft.config, hidden[None], jnp.asarray(previous)[None])
+    assert logits.shape == (1, BLOCK, vocab)  # a block of B drafts B tokens
+
+    w = torch_tensors(path / "model.safetensors")
+    with torch.no_grad():
+        reference_hidden = dflash_block_hidden(
+            w, cfg, torch.from_numpy(features), torch.from_numpy(block_ids),
+            w["embed_tokens.weight"])
+        expected, expected_confidence = reference_heads(w, cfg, reference_hidden,
+                                                        torch.from_numpy(previous))
+    np.testing.assert_allclose(np.asarray(logits[0]), expected.numpy(), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(confidence[0]), expected_confidence.numpy(),
+                               atol=2e-4, rtol=2e-4)
+    base = reference_hidden @ w["lm_head.weight"].T
+    markov_term = np.abs(expected.numpy() - base.numpy()).max()
+    assert (markov_term > 1e-2) == (markov_head is not None)  # an ignored term cannot pass
+
+
+def test_bad_heads_are_refused(target_config, tmp_path):
+    with pytest.raises(CheckpointError, match="not a DSpark draft"):
+        load_dspark_draft(str(write_tiny_dflash_draft(tmp_path / "dflash", target_config)))
+    path = write_tiny_dspark_draft(tmp_path / "d", target_config)
+    hf = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="markov_head_type 'lstm' is not one of vanilla"):
+        dspark.config_from_hf({**hf, "markov_head_type": "lstm"})
+    with pytest.raises(ValueError, match="confidence_head_with_markov needs a Markov head"):
+        dspark.config_from_hf({**hf, "markov_rank": 0})
+    del hf["mask_token_id"]
+    with pytest.raises(ValueError, match="needs mask_token_id"):
+        dspark.config_from_hf(hf)
