@@ -19,14 +19,14 @@ from sgl_jax.speculative.suffix_config import SuffixConfig
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.
 ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
-SPECULATIVE_ALGORITHMS = ("DFLASH", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("DFLASH", "DSPARK", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
 # Drafters whose default shape is not the 3-step chain: (steps, draft tokens). NGRAM's text
 # lookups cost nothing per step; a DFlash head drafts its whole block (the published heads'
-# 16 tokens: 15 steps and the root) in one forward.
-SHAPE_DEFAULTS = {"NGRAM": (7, 8), "DFLASH": (15, None)}  # None: a chain of the steps
+# 16 tokens: 15 steps and the root) in one forward, a DSpark head all of its (DeepSpec's 7).
+SHAPE_DEFAULTS = {"NGRAM": (7, 8), "DFLASH": (15, None), "DSPARK": (7, None)}  # None: a chain
 # Drafters whose chain width, given alone, sets the depth (SGLang's DFlash block size is its
 # --speculative-num-draft-tokens): a chain of W tokens drafts W - 1.
-WIDTH_SETS_CHAIN_DEPTH = ("DFLASH", "NEXTN")
+WIDTH_SETS_CHAIN_DEPTH = ("DFLASH", "DSPARK", "NEXTN")
 MAX_NGRAM_DRAFT_TOKENS = 64
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -520,9 +520,9 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
                        help="the draft's weight format; default: as --quantization; unquant "
                             "keeps the draft in the model dtype")
     group.add_argument("--speculative-num-steps", type=int, default=None,
-                       help="draft depth per round (default 3; NGRAM 7, DFLASH 15; for a "
-                            "DFLASH or NEXTN chain given only --speculative-num-draft-tokens "
-                            "W, W - 1)")
+                       help="draft depth per round (default 3; NGRAM and DSPARK 7, DFLASH "
+                            "15; for a DFLASH, DSPARK or NEXTN chain given only "
+                            "--speculative-num-draft-tokens W, W - 1)")
     group.add_argument("--speculative-eagle-topk", type=int, default=None,
                        help="branching per draft step; 1 = a chain (default 1)")
     group.add_argument("--speculative-num-draft-tokens", type=int, default=None,

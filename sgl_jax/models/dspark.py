@@ -91,9 +91,11 @@ def hf_weight_specs(config: DSparkConfig, names: Collection[str] = ()
     return specs
 
 
-def base_logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden f[N, H] (final-normed backbone output) -> f32[N, V] through the head's lm_head."""
-    return matmul_rows(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+def base_logits(params: Params, config: DSparkConfig, hidden: jax.Array) -> jax.Array:
+    """hidden f[N, H] (final-normed backbone output) -> f32[N, V] through the head's lm_head
+    (rows padded in for sharding cut off)."""
+    logits = matmul_rows(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits[:, : config.vocab_size]
 
 
 def initial_state(config: DSparkConfig, rows: int) -> jax.Array:
@@ -123,7 +125,7 @@ def markov_step(
         keep = jax.nn.sigmoid(gate)
         state = keep * state + (1 - keep) * jnp.tanh(candidate)
         e = jnp.tanh(output)
-    return e @ p["w2"].astype(jnp.float32).T, state
+    return (e @ p["w2"].astype(jnp.float32).T)[:, : config.vocab_size], state
 
 
 def confidence_logits(
@@ -151,7 +153,7 @@ def teacher_forced_logits(
     tokens before the slots are known (training, and the logits of drafted tokens): the
     rnn head's state runs along each block."""
     num_blocks, block, width = hidden.shape
-    base = base_logits(params, hidden.reshape(-1, width)).reshape(num_blocks, block, -1)
+    base = base_logits(params, config, hidden.reshape(-1, width)).reshape(num_blocks, block, -1)
 
     def step(state, slot):
         h, prev = slot
@@ -166,6 +168,29 @@ def teacher_forced_logits(
     confidence = confidence_logits(params, config, hidden.reshape(-1, width),
                                    previous.reshape(-1)).reshape(num_blocks, block)
     return logits, confidence
+
+
+def greedy_chain(
+    params: Params,
+    config: DSparkConfig,
+    hidden: jax.Array,  # f[NB, S, H]: each block's first S slots
+    anchors: jax.Array,  # i32[NB]: each block's last verified token
+) -> jax.Array:
+    """i32[NB, S]: each slot's argmax of z_k = lm_head(h_k) + b_k, the Markov term of the
+    token drafted before it (the anchor before slot 0)."""
+    num_blocks, steps, width = hidden.shape
+    base = base_logits(params, config, hidden.reshape(-1, width)).reshape(num_blocks, steps, -1)
+
+    def step(carry, slot):
+        previous, state = carry
+        logits, h = slot
+        bias, state = markov_step(params, config, h, previous, state)
+        token = jnp.argmax(logits + bias, axis=-1).astype(jnp.int32)
+        return (token, state), token
+
+    _, tokens = jax.lax.scan(step, (anchors, initial_state(config, num_blocks)),
+                             (base.swapaxes(0, 1), hidden.swapaxes(0, 1)))
+    return tokens.swapaxes(0, 1)
 
 
 def _affine(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:

@@ -68,7 +68,21 @@ class DFlashDrafter:
         the drafts are."""
         roots = inputs.root_tokens
         batch, steps = roots.shape[0], shape.num_steps
-        width = self.config.block_size
+        hidden, kv = self.block(params, kv, inputs, page_table)
+        drafted = hidden[:, 1 : steps + 1]
+        logits = target_head_logits(params["lm_head"], drafted.reshape(batch * steps, -1),
+                                    self.vocab_size)
+        logprobs = jax.nn.log_softmax(logits.reshape(batch, steps, -1), axis=-1)
+        return position_topk_tree(roots, logprobs, topk=shape.topk,
+                                  num_draft_tokens=shape.num_draft_tokens), kv
+
+    def block(self, params, kv: list[LayerKV], inputs, page_table: jax.Array
+              ) -> tuple[jax.Array, list[LayerKV]]:
+        """Each row's block [root, MASK x (B-1)] at its root's position over its cache: the
+        final-normed outputs f[rows, B, H] and the cache, the block's keys written past the
+        context."""
+        roots = inputs.root_tokens
+        batch, width = roots.shape[0], self.config.block_size
         block = jnp.full((batch, width), self.config.mask_token_id, jnp.int32).at[:, 0].set(roots)
         positions = inputs.kv_lens[:, None] + jnp.arange(width)
         metadata = window_metadata(page_table, inputs.kv_lens,
@@ -77,12 +91,7 @@ class DFlashDrafter:
         hidden, kv = dflash.block_forward(
             params["dflash"], kv, block.reshape(-1), positions.reshape(-1), metadata,
             config=self.config, attention=self.attention, embed=params["embed"])
-        drafted = hidden.reshape(batch, width, -1)[:, 1 : steps + 1]
-        logits = target_head_logits(params["lm_head"], drafted.reshape(batch * steps, -1),
-                                    self.vocab_size)
-        logprobs = jax.nn.log_softmax(logits.reshape(batch, steps, -1), axis=-1)
-        return position_topk_tree(roots, logprobs, topk=shape.topk,
-                                  num_draft_tokens=shape.num_draft_tokens), kv
+        return hidden.reshape(batch, width, -1), kv
 
     def advance(self, params, kv, tree, verified, inputs, page_table, state_slots):
         """The context of the accepted path (the root and each accepted token)."""

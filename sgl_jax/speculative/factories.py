@@ -21,6 +21,7 @@ from sgl_jax.models.loader import (
     LoadedDraft,
     LoadedModel,
     load_dflash_draft,
+    load_dspark_draft,
     load_eagle3_draft,
     load_eagle_draft,
     load_model,
@@ -30,6 +31,7 @@ from sgl_jax.speculative.config import SpeculativeConfig, TreeShape
 from sgl_jax.speculative.dflash_drafter import DFlashDrafter
 from sgl_jax.speculative.drafter import Drafter, NoProposer, Proposer
 from sgl_jax.speculative.drafts import Eagle3Draft, EagleDraft, NextnDraft
+from sgl_jax.speculative.dspark_drafter import DSparkDrafter
 from sgl_jax.speculative.head_drafter import HeadDrafter
 from sgl_jax.speculative.ngram import NgramDrafter, NgramProposer
 from sgl_jax.speculative.policy import PLAIN, candidate_shapes
@@ -131,6 +133,24 @@ def dflash(spec: SpeculativeConfig, target: LoadedModel, context: DraftContext
                                       page_size=context.page_size), NoProposer())
 
 
+def dspark(spec: SpeculativeConfig, target: LoadedModel, context: DraftContext
+           ) -> DrafterSetup:
+    loaded = load_dspark_draft(spec.draft_model_path, **_formats(spec, target))
+    config = loaded.config
+    _check_dflash_fits(config.backbone, spec, target, kind="DSpark",
+                       deepest=config.backbone.block_size)
+    if config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the DSpark head drafts over a vocabulary of {config.vocab_size} "
+                         f"tokens, the target has {target.config.vocab_size}: is it the head "
+                         "for another model?")
+    if spec.eagle_topk != 1:
+        raise NotImplementedError(
+            "DSPARK drafts chains here: its trees (each node's Markov term from its parent's "
+            "token) are not implemented yet; leave --speculative-eagle-topk at 1")
+    return DrafterSetup(DSparkDrafter(loaded, target, context.attention,
+                                      page_size=context.page_size), NoProposer())
+
+
 def standalone(spec: SpeculativeConfig, target: LoadedModel, context: DraftContext
                ) -> DrafterSetup:
     loaded = load_model(spec.draft_model_path, **_formats(spec, target))
@@ -156,7 +176,8 @@ def ngram(spec: SpeculativeConfig, target: LoadedModel, context: DraftContext) -
 
 
 FACTORIES: dict[str, Factory] = {"EAGLE3": eagle3, "EAGLE": eagle, "NEXTN": nextn,
-                                 "DFLASH": dflash, "STANDALONE": standalone, "NGRAM": ngram}
+                                 "DFLASH": dflash, "DSPARK": dspark, "STANDALONE": standalone,
+                                 "NGRAM": ngram}
 
 
 # ---------------------------------------------------------------------- fit checks
@@ -181,8 +202,8 @@ def _check_eagle3_fits(draft: LoadedDraft, target: LoadedModel) -> None:
             f"{target.config.hidden_size}")
 
 
-def _check_dflash_fits(config: DFlashConfig, spec: SpeculativeConfig, target: LoadedModel
-                       ) -> None:
+def _check_dflash_fits(config: DFlashConfig, spec: SpeculativeConfig, target: LoadedModel,
+                       *, kind: str = "DFlash", deepest: int | None = None) -> None:
     """A head for this target (its widths, its layers) whose block holds the flags' chain.
     Any target layer may feed it, a hybrid target's linear-attention layers included: what
     is captured is the residual stream after the layer, one vector per token, which verify
@@ -191,19 +212,20 @@ def _check_dflash_fits(config: DFlashConfig, spec: SpeculativeConfig, target: Lo
     if (layer.hidden_size, config.num_target_layers) != (target_config.hidden_size,
                                                          target_config.num_layers):
         raise ValueError(
-            f"the DFlash head is for a target of hidden size {layer.hidden_size} with "
+            f"the {kind} head is for a target of hidden size {layer.hidden_size} with "
             f"{config.num_target_layers} layers; this target has {target_config.hidden_size} "
             f"and {target_config.num_layers}: is it the head for another model?")
     outside = [i for i in config.target_layer_ids if not 0 <= i < target_config.num_layers]
     if outside:
-        raise ValueError(f"the DFlash head's target_layer_ids {list(config.target_layer_ids)} "
+        raise ValueError(f"the {kind} head's target_layer_ids {list(config.target_layer_ids)} "
                          f"name layers {outside} that the target does not have (its layers "
                          f"are 0 to {target_config.num_layers - 1})")
     if not 0 <= config.mask_token_id < target_config.vocab_size:
-        raise ValueError(f"the DFlash head's mask token {config.mask_token_id} is outside the "
+        raise ValueError(f"the {kind} head's mask token {config.mask_token_id} is outside the "
                          f"target's vocabulary of {target_config.vocab_size}")
-    if spec.num_steps > config.block_size - 1:
+    deepest = config.block_size - 1 if deepest is None else deepest  # DSpark: anchor first
+    if spec.num_steps > deepest:
         raise ValueError(
-            f"DFLASH drafts at most block_size - 1 = {config.block_size - 1} tokens deep (the "
-            f"head's block of {config.block_size}): --speculative-num-steps must be at most "
-            f"{config.block_size - 1}, got {spec.num_steps}")
+            f"{kind.upper()} drafts at most {deepest} tokens deep (the head's block of "
+            f"{config.block_size}): --speculative-num-steps must be at most {deepest}, got "
+            f"{spec.num_steps}")

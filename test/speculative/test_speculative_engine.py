@@ -1,5 +1,5 @@
 """Speculative decoding through the Engine: greedy output equals plain decoding token for
-token (Llama, Qwen2, Qwen3; EAGLE3, EAGLE, STANDALONE and DFLASH drafts; chain and tree;
+token (Llama, Qwen2, Qwen3; EAGLE3, EAGLE, STANDALONE, DFLASH and DSPARK drafts; chain and tree;
 batch 1 and 8; page sizes 1 and 16), a target used
 as its own draft accepts every token, and stops inside an accepted run are honoured."""
 
@@ -14,6 +14,7 @@ from sgl_jax import Engine
 from sgl_jax.speculative import spec_warmup
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.dflash import write_tiny_dflash_draft
+from sgl_jax.testing.dspark import write_tiny_dspark_draft
 from sgl_jax.testing.eagle3 import (
     cached_draft_keys,
     write_tiny_eagle3_draft,
@@ -51,6 +52,8 @@ def checkpoints(tmp_path_factory):
             "eagle": write_tiny_eagle_draft(root / f"{preset}-eagle", config),
             "noisy": write_noisy_copy(target, root / f"{preset}-noisy", relative_noise=0.03),
             "dflash": write_tiny_dflash_draft(root / f"{preset}-dflash", config),
+            "dspark": write_tiny_dspark_draft(root / f"{preset}-dspark", config,
+                                              markov_head="rnn"),
         }
     return out
 
@@ -87,6 +90,7 @@ CASES = [
     ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
     ("qwen3", "STANDALONE", "noisy", TREE, 1),
     ("qwen3", "DFLASH", "dflash", TREE, 16),  # a random head: per-position top-k trees
+    ("llama", "DSPARK", "dspark", CHAIN, 16),  # anchor first, each slot after its Markov term
 ]
 
 
