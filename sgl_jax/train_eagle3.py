@@ -1,10 +1,11 @@
-"""Train an EAGLE3 or DFlash draft head for a target model: `python -m sgl_jax.train_eagle3
---help`.
+"""Train an EAGLE3, DFlash or DSpark draft head for a target model: `python -m
+sgl_jax.train_eagle3 --help`.
 
     python -m sgl_jax.train_eagle3 --output-dir heads/demo            # the demo model, ShareGPT
     python -m sgl_jax.train_eagle3 --target-model-path ./Llama-3.1-8B-Instruct \
         --data ./conversations.jsonl --regenerate --tp-size 8 --output-dir heads/llama
     python -m sgl_jax.train_eagle3 --speculative-algorithm DFLASH --output-dir heads/dflash
+    python -m sgl_jax.train_eagle3 --speculative-algorithm DSPARK --output-dir heads/dspark
 
 The output directory holds the exported head (config.json + model.safetensors, loadable by
 --speculative-draft-model-path here and in SGLang), `train_state/` for --resume, the draft
@@ -29,12 +30,14 @@ import numpy as np
 
 from sgl_jax.demo import demo_model_path
 from sgl_jax.models import dflash as dflash_model
+from sgl_jax.models import dspark as dspark_model
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import DTYPES, load_model, read_hf_config
 from sgl_jax.parallel import TensorParallel, init_distributed, shutdown_distributed
 from sgl_jax.tokenizer import load_tokenizer
 from sgl_jax.training import dflash as dflash_lib
 from sgl_jax.training import draft as draft_lib
+from sgl_jax.training import dspark as dspark_lib
 from sgl_jax.training.data import Example, build_examples, iter_conversations, read_records
 from sgl_jax.training.objective import Eagle3Objective, Objective
 from sgl_jax.training.trainer import (
@@ -50,15 +53,16 @@ from sgl_jax.training.trainer import (
 from sgl_jax.training.vocab import draft_vocab
 
 logger = logging.getLogger("sgl_jax.train_eagle3")
-ALGORITHMS = ("EAGLE3", "DFLASH")
+ALGORITHMS = ("EAGLE3", "DFLASH", "DSPARK")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sgl_jax.train_eagle3",
-                                description="Train an EAGLE3 or DFlash draft head in JAX.")
+                                description="Train an EAGLE3, DFlash or DSpark draft head in JAX.")
     p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="EAGLE3",
-                   help="the head to train: EAGLE3 (training-time test) or DFLASH (block "
-                        "drafting from random anchors)")
+                   help="the head to train: EAGLE3 (training-time test), DFLASH (block "
+                        "drafting from random anchors) or DSPARK (DFlash's blocks, anchor "
+                        "first, with Markov and confidence heads)")
     g = p.add_argument_group("target and data")
     g.add_argument("--target-model-path", default=None,
                    help="the target (directory or .gguf); default: the built-in demo model")
@@ -91,11 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ttt-length", type=int, default=None,
                    help="EAGLE3: training-time-test steps (default 7)")
     g.add_argument("--num-anchors", type=int, default=None,
-                   help="DFLASH: random blocks per conversation and step (default 128; memory "
-                        "grows with anchors x block x row length)")
+                   help="DFLASH, DSPARK: random blocks per conversation and step (default "
+                        "128; memory grows with anchors x block x row length)")
     g.add_argument("--loss-gamma", type=float, default=None,
-                   help="DFLASH: block position k's loss weighs exp(-(k-1)/gamma) (default "
-                        f"{dflash_lib.DEFAULT_GAMMA:g})")
+                   help="DFLASH, DSPARK: the k-th drafting slot's loss weighs exp(-k/gamma) "
+                        f"(default {dflash_lib.DEFAULT_GAMMA:g} and "
+                        f"{dspark_lib.DEFAULT_GAMMA:g})")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--warmup-ratio", type=float, default=0.02)
     g.add_argument("--max-grad-norm", type=float, default=0.5)
@@ -121,23 +126,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return _with_algorithm_defaults(p, p.parse_args(argv))
 
 
-# Flags only one algorithm reads, and their defaults; the other one refuses them.
+# Flags only some algorithms read, with each one's default; the others refuse them.
 ALGORITHM_FLAGS = {
-    "EAGLE3": {"draft_vocab_size": 32000, "ttt_length": 7},
-    "DFLASH": {"num_anchors": 128, "loss_gamma": dflash_lib.DEFAULT_GAMMA},
+    "draft_vocab_size": {"EAGLE3": 32000},
+    "ttt_length": {"EAGLE3": 7},
+    "num_anchors": {"DFLASH": 128, "DSPARK": 128},
+    "loss_gamma": {"DFLASH": dflash_lib.DEFAULT_GAMMA, "DSPARK": dspark_lib.DEFAULT_GAMMA},
 }
 
 
 def _with_algorithm_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace
                              ) -> argparse.Namespace:
-    for algorithm, flags in ALGORITHM_FLAGS.items():
-        for name, default in flags.items():
-            if algorithm == args.speculative_algorithm:
-                if getattr(args, name) is None:
-                    setattr(args, name, default)
-            elif getattr(args, name) is not None:
-                parser.error(f"--{name.replace('_', '-')} applies to --speculative-algorithm "
-                             f"{algorithm} only, not {args.speculative_algorithm}")
+    algorithm = args.speculative_algorithm
+    for name, defaults in ALGORITHM_FLAGS.items():
+        if algorithm in defaults:
+            if getattr(args, name) is None:
+                setattr(args, name, defaults[algorithm])
+        elif getattr(args, name) is not None:
+            parser.error(f"--{name.replace('_', '-')} applies to --speculative-algorithm "
+                         f"{' or '.join(defaults)} only, not {algorithm}")
     return args
 
 
@@ -170,8 +177,8 @@ def train(args: argparse.Namespace) -> Path:
     held_out, examples = examples[: args.eval_conversations], examples[args.eval_conversations:]
     if not examples:
         raise SystemExit("no training conversations left after the held-out ones")
-    head = (_dflash_head if args.speculative_algorithm == "DFLASH" else _eagle3_head)(
-        args, target, target_hf, examples, out, tp)
+    heads = {"EAGLE3": _eagle3_head, "DFLASH": _dflash_head, "DSPARK": _dspark_head}
+    head = heads[args.speculative_algorithm](args, target, target_hf, examples, out, tp)
     loop = LoopConfig(args.epochs, args.max_steps, args.tokens_per_batch, args.save_interval,
                       args.seed)
     lengths = [len(e.input_ids) for e in examples]
@@ -292,6 +299,21 @@ def _dflash_head(args, target, target_hf: dict, examples: list[Example], out: Pa
                                            gamma=args.loss_gamma)
     return Head(objective, dflash_lib.place_head(config, tensors, np.float32, tp),
                 lambda params, path, dtype: dflash_lib.export_head(path, hf_config, params,
+                                                                   dtype))
+
+
+def _dspark_head(args, target, target_hf: dict, examples: list[Example], out: Path,
+                 tp: TensorParallel) -> Head:
+    setup = _draft_setup(args, out, lambda: {
+        "config": dspark_lib.dspark_hf_config(target_hf, _overrides(args))})
+    hf_config = setup["config"]
+    config = dspark_model.config_from_hf(hf_config)
+    _check_trainable_split(config.backbone.layer.num_kv_heads, tp)
+    tensors = dspark_lib.initial_tensors(config, target, args.seed)
+    objective = dspark_lib.DSparkObjective(config, num_anchors=args.num_anchors,
+                                           gamma=args.loss_gamma)
+    return Head(objective, dspark_lib.place_head(config, tensors, np.float32, tp),
+                lambda params, path, dtype: dspark_lib.export_head(path, hf_config, params,
                                                                    dtype))
 
 

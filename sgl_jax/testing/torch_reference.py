@@ -85,3 +85,33 @@ def dflash_block_hidden(w: dict[str, torch.Tensor], cfg: dict, features: torch.T
         gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
     return rms_norm(x, w["norm.weight"], eps)
+
+
+def dspark_heads(w: dict[str, torch.Tensor], cfg: dict, hidden: torch.Tensor,
+                 previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DSpark head's draft logits [B, V] and confidence logits [B] of one block's outputs
+    hidden [B, H], the token before each slot `previous` [B] (the Markov heads by their
+    definitions: vanilla W2 W1[x], gated W2 (sigmoid(G [h; e] + g) * e), rnn a gated state
+    along the block)."""
+    kind = cfg.get("markov_head_type") if cfg["markov_rank"] else None
+    m = "markov_head."
+    state = torch.zeros(cfg["markov_rank"])
+    logits, features = [], []
+    for h, prev in zip(hidden, previous, strict=True):
+        z = w["lm_head.weight"] @ h
+        e = w[m + "markov_w1.weight"][prev] if kind else torch.zeros(0)
+        if kind == "vanilla":
+            z = z + w[m + "markov_w2.weight"] @ e
+        elif kind == "gated":
+            gate = torch.sigmoid(w[m + "gate_proj.weight"] @ torch.cat([h, e])
+                                 + w[m + "gate_proj.bias"])
+            z = z + w[m + "markov_w2.weight"] @ (gate * e)
+        elif kind == "rnn":
+            joint = w[m + "joint_proj.weight"] @ torch.cat([state, e, h]) + w[m + "joint_proj.bias"]
+            gate, candidate, output = joint.chunk(3)
+            state = torch.sigmoid(gate) * state + (1 - torch.sigmoid(gate)) * torch.tanh(candidate)
+            z = z + w[m + "markov_w2.weight"] @ torch.tanh(output)
+        logits.append(z)
+        features.append(torch.cat([h, e]) if cfg.get("confidence_head_with_markov") else h)
+    confidence = torch.stack(features) @ w["confidence_head.proj.weight"][0]
+    return torch.stack(logits), confidence + w["confidence_head.proj.bias"][0]

@@ -41,10 +41,10 @@ _TARGET_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
 
 
 class BlockLoss(NamedTuple):
-    total: jax.Array  # f32[]: the weighted cross-entropy
-    losses: jax.Array  # f32[B-1]: mean cross-entropy of block position k = 1..B-1
-    accuracies: jax.Array  # f32[B-1]: how often position k's argmax is the token
-    counts: jax.Array  # i32[B-1]: positions scored
+    total: jax.Array  # f32[]: the objective (DFlash: the weighted cross-entropy)
+    losses: jax.Array  # f32[S]: mean cross-entropy of each drafting slot (DFlash: 1..B-1)
+    accuracies: jax.Array  # f32[S]: how often the slot's argmax is the token
+    counts: jax.Array  # i32[S]: slots scored
     accepted: jax.Array  # f32[]: mean leading correct drafts per anchor (greedy acceptance)
 
 
@@ -247,13 +247,20 @@ class DFlashObjective:
         positions = jnp.arange(self.config.block_size - 1, dtype=jnp.float32)
         weights = jnp.exp(-positions / self.gamma) * scored  # f32[R, A, B-1]
         total = jnp.sum(weights * nll) / jnp.maximum(jnp.sum(weights), 1e-9)
-        counts = jnp.sum(scored, axis=(0, 1))
-        denominator = jnp.maximum(counts, 1).astype(jnp.float32)
-        losses = jnp.sum(jnp.where(scored, nll, 0.0), axis=(0, 1)) / denominator
-        accuracies = jnp.sum(scored & hits, axis=(0, 1)) / denominator
-        # Greedy acceptance: drafts count until the first miss or the first unscored one.
-        leading = jnp.sum(jnp.cumprod(scored & hits, axis=-1), axis=-1)  # [R, A]
-        anchored = scored[..., 0]
-        accepted = (jnp.sum(jnp.where(anchored, leading, 0))
-                    / jnp.maximum(jnp.sum(anchored), 1).astype(jnp.float32))
-        return total, BlockLoss(total, losses, accuracies, counts.astype(jnp.int32), accepted)
+        return total, block_metrics(total, nll, hits, scored)
+
+
+def block_metrics(total: jax.Array, nll: jax.Array, hits: jax.Array, scored: jax.Array
+                  ) -> BlockLoss:
+    """The metrics of drafted block slots, each f32/bool[R, A, S]: per slot the mean
+    cross-entropy and accuracy over scored slots, and greedy acceptance (drafts counted until
+    the first miss or the first unscored one)."""
+    counts = jnp.sum(scored, axis=(0, 1))
+    denominator = jnp.maximum(counts, 1).astype(jnp.float32)
+    losses = jnp.sum(jnp.where(scored, nll, 0.0), axis=(0, 1)) / denominator
+    accuracies = jnp.sum(scored & hits, axis=(0, 1)) / denominator
+    leading = jnp.sum(jnp.cumprod(scored & hits, axis=-1), axis=-1)  # [R, A]
+    anchored = scored[..., 0]
+    accepted = (jnp.sum(jnp.where(anchored, leading, 0))
+                / jnp.maximum(jnp.sum(anchored), 1).astype(jnp.float32))
+    return BlockLoss(total, losses, accuracies, counts.astype(jnp.int32), accepted)

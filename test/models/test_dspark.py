@@ -1,5 +1,5 @@
-"""A DSpark head against a PyTorch reference of its heads written here, over the DFlash
-backbone's reference (torch_reference.dflash_block_hidden): every block slot drafts, anchor
+"""A DSpark head against PyTorch references of its heads and of the DFlash backbone
+(torch_reference.dspark_heads, dflash_block_hidden): every block slot drafts, anchor
 first (slot k the token after position s + k); z_k = lm_head(h_k) plus the Markov term of the
 token before the slot (vanilla: W2 W1[x]; gated: W2 (sigmoid(G [h; e] + g) * e); rnn: a gated
 state along the block), the confidence logit w . [h_k; e_k] + b. Config errors are refused."""
@@ -19,7 +19,7 @@ from sgl_jax.models.loader import CheckpointError, load_dspark_draft
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import write_tiny_dflash_draft
 from sgl_jax.testing.dspark import write_tiny_dspark_draft
-from sgl_jax.testing.torch_reference import dflash_block_hidden, torch_tensors
+from sgl_jax.testing.torch_reference import dflash_block_hidden, dspark_heads, torch_tensors
 
 PAGE_SIZE = 4
 CONTEXT, BLOCK = 13, 8
@@ -29,33 +29,6 @@ CONTEXT, BLOCK = 13, 8
 def target_config(tmp_path_factory):
     target = write_tiny_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
     return json.loads((target / "config.json").read_text())
-
-
-def reference_heads(w, cfg, hidden, previous):
-    """Draft logits [B, V] and confidence logits [B] of a block's outputs hidden [B, H], the
-    token before each slot `previous` [B]."""
-    kind = cfg.get("markov_head_type") if cfg["markov_rank"] else None
-    m = "markov_head."
-    state = torch.zeros(cfg["markov_rank"])
-    logits, features = [], []
-    for h, prev in zip(hidden, previous, strict=True):
-        z = w["lm_head.weight"] @ h
-        e = w[m + "markov_w1.weight"][prev] if kind else torch.zeros(0)
-        if kind == "vanilla":
-            z = z + w[m + "markov_w2.weight"] @ e
-        elif kind == "gated":
-            gate = torch.sigmoid(w[m + "gate_proj.weight"] @ torch.cat([h, e])
-                                 + w[m + "gate_proj.bias"])
-            z = z + w[m + "markov_w2.weight"] @ (gate * e)
-        elif kind == "rnn":
-            joint = w[m + "joint_proj.weight"] @ torch.cat([state, e, h]) + w[m + "joint_proj.bias"]
-            gate, candidate, output = joint.chunk(3)
-            state = torch.sigmoid(gate) * state + (1 - torch.sigmoid(gate)) * torch.tanh(candidate)
-            z = z + w[m + "markov_w2.weight"] @ torch.tanh(output)
-        logits.append(z)
-        features.append(torch.cat([h, e]) if cfg.get("confidence_head_with_markov") else h)
-    confidence = torch.stack(features) @ w["confidence_head.proj.weight"][0]
-    return torch.stack(logits), confidence + w["confidence_head.proj.bias"][0]
 
 
 def block_hidden(draft, features, block_ids):
@@ -101,7 +74,7 @@ def test_block_logits_and_confidences_match_the_reference(target_config, tmp_pat
         reference_hidden = dflash_block_hidden(
             w, cfg, torch.from_numpy(features), torch.from_numpy(block_ids),
             w["embed_tokens.weight"])
-        expected, expected_confidence = reference_heads(w, cfg, reference_hidden,
+        expected, expected_confidence = dspark_heads(w, cfg, reference_hidden,
                                                         torch.from_numpy(previous))
     np.testing.assert_allclose(np.asarray(logits[0]), expected.numpy(), atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(np.asarray(confidence[0]), expected_confidence.numpy(),

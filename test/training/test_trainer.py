@@ -1,7 +1,7 @@
 """The draft trainer: TTT attention against a reference written here, step 0 of the TTT forward
 against the serving draft on the paged cache, the same losses on 1 device and on 8-device
-meshes (DP 2 x TP 4, TP 8), resuming, an export the server loads as it was trained, and a
-DFlash head exported in the published layout."""
+meshes (DP 2 x TP 4, TP 8), resuming, an export the server loads as it was trained, and
+DFlash and DSpark heads exported in the published layouts."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ import pytest
 
 from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.models import llama_eagle3
-from sgl_jax.models.loader import load_dflash_draft, load_eagle3_draft, load_model
+from sgl_jax.models.loader import (
+    load_dflash_draft,
+    load_dspark_draft,
+    load_eagle3_draft,
+    load_model,
+)
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import write_tiny_dflash_draft
+from sgl_jax.testing.dspark import write_tiny_dspark_draft
 from sgl_jax.testing.parallel import cpu_devices_env
 from sgl_jax.training import draft as draft_lib
 from sgl_jax.training.ttt import DenseBatch, ttt_attention, ttt_logits
@@ -182,7 +188,8 @@ def training_setup(tmp_path_factory):
 
 def run_cli(setup, out, *args, devices=1):
     target_dir, data, overrides = setup
-    eagle3 = [] if "DFLASH" in args else ["--draft-vocab-size", "64", "--ttt-length", "3"]
+    blocks = "DFLASH" in args or "DSPARK" in args
+    eagle3 = [] if blocks else ["--draft-vocab-size", "64", "--ttt-length", "3"]
     command = [sys.executable, "-m", "sgl_jax.train_eagle3", "--target-model-path",
                str(target_dir), "--data", str(data), "--draft-config", str(overrides),
                *eagle3, "--eval-conversations", "4", "--tokens-per-batch", "512",
@@ -267,10 +274,50 @@ def test_a_dflash_head_trained_here_loads_as_a_z_lab_head_and_serves(training_se
     np.testing.assert_array_equal(np.asarray(loaded.params["fc"]), tensors["fc.weight"])
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["accept_length"] > max(1.1, evals[0]["accept_length"] + 0.05), evals
-    _served_answers_are_the_targets(target_dir, out, training_setup[1])
+    _served_answers_are_the_targets(target_dir, out, training_setup[1], "DFLASH")
 
 
-def _served_answers_are_the_targets(target_dir, head, data, new_tokens=24):
+def test_a_dspark_head_trained_here_loads_in_deepspecs_layout_and_serves(training_setup,
+                                                                         tmp_path):
+    """--speculative-algorithm DSPARK, as the DFlash case above: the loss falls, held-out
+    blocks start with more correct drafts, the export has DeepSpec's config fields and tensor
+    names (an rnn Markov head asked for), loads, and serves the target's own answers."""
+    out = tmp_path / "head"
+    (tmp_path / "dspark.json").write_text(json.dumps({
+        **DRAFT_OVERRIDES, "num_hidden_layers": 2, "markov_rank": 16,
+        "markov_head_type": "rnn"}))
+    metrics = run_cli(training_setup, out, "--speculative-algorithm", "DSPARK",
+                      "--draft-config", str(tmp_path / "dspark.json"),
+                      "--regenerate", "--regenerate-temperature", "0",
+                      "--regenerate-max-tokens", "24", "--num-anchors", "16", "--lr", "3e-3",
+                      "--epochs", "30", "--max-steps", "40", "--save-interval", "40")
+    # This random target's next-token distributions are nearly flat, so the total variation
+    # (most of the objective) starts small; the first slot's cross-entropy falls from ln V.
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert metrics[-1]["losses"][0] < metrics[0]["losses"][0] - 0.3
+    config = json.loads((out / "config.json").read_text())
+    target_dir = training_setup[0]
+    deepspec = write_tiny_dspark_draft(
+        tmp_path / "deepspec", json.loads((target_dir / "config.json").read_text()),
+        markov_head="rnn", markov_rank=16, num_layers=2, block_size=config["block_size"],
+        target_layer_ids=config["target_layer_ids"])
+    published = json.loads((deepspec / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 7
+    assert set(published) - {"torch_dtype"} <= set(config)
+    from safetensors.numpy import load_file
+    tensors = load_file(out / "model.safetensors")
+    assert set(tensors) == set(load_file(deepspec / "model.safetensors"))
+    loaded = load_dspark_draft(str(out), dtype="float32", progress=False)
+    assert loaded.config.markov_head == "rnn" and loaded.config.confidence_with_markov
+    target = load_model(str(target_dir), dtype="float32", progress=False)
+    np.testing.assert_array_equal(tensors["embed_tokens.weight"],  # frozen copies
+                                  np.asarray(target.params["embed"]))
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["accept_length"] > max(1.1, evals[0]["accept_length"] + 0.05), evals
+    _served_answers_are_the_targets(target_dir, out, training_setup[1], "DSPARK")
+
+
+def _served_answers_are_the_targets(target_dir, head, data, algorithm, new_tokens=24):
     """The first user turns of the held-out conversations (the first 4, as --eval-
     conversations 4 holds out), served with the head."""
     import torch
@@ -285,7 +332,7 @@ def _served_answers_are_the_targets(target_dir, head, data, new_tokens=24):
         [{"role": "user", "content": r["conversations"][0]["value"]}],
         add_generation_prompt=True, tokenize=True, return_dict=False)) for r in records]
     greedy = {"temperature": 0, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
-    with Engine(model_path=str(target_dir), speculative_algorithm="DFLASH",
+    with Engine(model_path=str(target_dir), speculative_algorithm=algorithm,
                 speculative_draft_model_path=str(head), speculative_num_steps=7,
                 speculative_adaptive=False, dtype="float32", log_level="warning") as engine:
         out = engine.generate(input_ids=prompts, sampling_params=[greedy] * len(prompts))
