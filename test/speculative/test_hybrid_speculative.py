@@ -1,13 +1,14 @@
 """Speculative decoding on a hybrid target (the tiny Qwen3-Next: Gated DeltaNet layers with a
 recurrent state per request, gated attention at layers 3 and 7): greedy output with an EAGLE3
 head, with the target's own multi-token-prediction module (NEXTN, fitted here to the
-target's text), with a DFlash head (fitted here, chains of 15), with the target as its own
-STANDALONE draft and with a noisy copy of it equals plain greedy (chain and topk > 1 tree,
-page sizes 1 and 16, batch sizes 1 and 8) and every state slot comes back; the NEXTN,
-DFlash, self and noisy drafts are accepted; a verify round whose trees hold the target's
-own greedy tokens (a tree, and a chain of 15 cut by a wrong token) accepts them and
-commits, into each request's slot, the state that decoding the accepted path one token at
-a time leaves; EAGLE3 captures attention layers' outputs only, DFlash any layer's."""
+target's text), with a DFlash head (fitted here, chains of 15) and with the target as its own
+STANDALONE draft equals plain greedy (chain and topk > 1 tree, page sizes 1 and 16, batch
+sizes 1 and 8) and every state slot comes back; the NEXTN, DFlash and self drafts are
+accepted (a partly accepted chain rolls each state back to a node inside it); a verify
+round whose trees hold the target's own greedy tokens (a tree, and a chain of 15 cut by a
+wrong token) accepts them and commits, into each request's slot, the state that decoding
+the accepted path one token at a time leaves; EAGLE3 captures attention layers' outputs
+only, DFlash any layer's."""
 
 import dataclasses
 import json
@@ -25,7 +26,7 @@ from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
 from sgl_jax.speculative.round import RoundInputs, verify_trees
 from sgl_jax.speculative.tree import DraftTree
-from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
+from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft, write_tiny_dflash_draft
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.engines import walk_away_mid_run
@@ -61,8 +62,7 @@ def paths(tmp_path_factory):
     target = write_tiny_checkpoint(root / "qwen3_next", "qwen3_next")
     config = json.loads((target / "config.json").read_text())
     return {"target": target, "self": target,
-            "eagle3": write_tiny_eagle3_draft(root / "eagle3", config),
-            "noisy": write_noisy_copy(target, root / "noisy", relative_noise=0.005)}
+            "eagle3": write_tiny_eagle3_draft(root / "eagle3", config)}
 
 
 @pytest.fixture(scope="module")
@@ -169,21 +169,6 @@ def test_nextn_over_tp_2(paths, fitted):
                               "--prompts", json.dumps(FIT_PROMPTS[:4])], devices=2)
     assert results["speculative"][2]["output_ids"] == results["plain"][2]["output_ids"]
     assert results["speculative"][2]["accept_length"] > 1.3
-
-
-def test_noisy_tree_draft_is_accepted_and_lossless(paths, references):
-    """A noisy copy of the target as a topk 3 tree draft, page size 1, batches of 1 and 8."""
-    with spec_engine(paths, TREE, 1, draft="noisy") as engine:
-        alone = engine.generate(input_ids=prompts()[0], sampling_params=greedy(MAX_NEW[0]))
-        assert alone["output_ids"] == references[0]
-        batch = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
-                                                                      MAX_NEW])
-        assert [o["output_ids"] for o in batch] == references
-        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in batch)
-        accepted = sum(sum(o["meta_info"]["spec_accepted_per_position"]) for o in batch)
-        assert accepted > rounds  # accept length > 1: deeper nodes are committed
-        assert engine.get_server_info()["avg_spec_accept_length"] > 1.5
-        assert states_all_free(engine)
 
 
 def test_dflash_rolls_the_state_back_over_a_chain_of_15(paths, references, tmp_path):
