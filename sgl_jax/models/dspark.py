@@ -170,27 +170,60 @@ def teacher_forced_logits(
     return logits, confidence
 
 
-def greedy_chain(
+def draft_candidates(
     params: Params,
     config: DSparkConfig,
     hidden: jax.Array,  # f[NB, S, H]: each block's first S slots
     anchors: jax.Array,  # i32[NB]: each block's last verified token
-) -> jax.Array:
-    """i32[NB, S]: each slot's argmax of z_k = lm_head(h_k) + b_k, the Markov term of the
-    token drafted before it (the anchor before slot 0)."""
+    topk: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Candidate draft nodes, each slot's logits conditioned on its parent's token (the
+    Markov term, the rnn state along the path): the anchor's K best children at slot 0, then
+    at each later slot the K best children of each of the K best nodes of the slot before
+    (EAGLE-2's frontier), a node scored by its path's summed log-probabilities. Returns
+    scores f32[NB, C], tokens i32[NB, C] and parents i32[NB, C] (-1: the anchor; a child j of
+    frontier node i of a slot at that slot's offset + i*K + j), C = K + (S-1) K^2, in the
+    order select_tree takes. At K = 1: the chain of each slot's argmax after the one before."""
     num_blocks, steps, width = hidden.shape
     base = base_logits(params, config, hidden.reshape(-1, width)).reshape(num_blocks, steps, -1)
 
-    def step(carry, slot):
-        previous, state = carry
-        logits, h = slot
+    def children(h, logits, previous, state):
+        """Each of the rows' K best next tokens: log-probabilities and tokens [rows, K], and
+        the rows' state after this slot."""
         bias, state = markov_step(params, config, h, previous, state)
-        token = jnp.argmax(logits + bias, axis=-1).astype(jnp.int32)
-        return (token, state), token
+        scores, tokens = jax.lax.top_k(jax.nn.log_softmax(logits + bias, -1), topk)
+        return scores, tokens.astype(jnp.int32), state
 
-    _, tokens = jax.lax.scan(step, (anchors, initial_state(config, num_blocks)),
-                             (base.swapaxes(0, 1), hidden.swapaxes(0, 1)))
-    return tokens.swapaxes(0, 1)
+    first_scores, first_tokens, state = children(hidden[:, 0], base[:, 0], anchors,
+                                                 initial_state(config, num_blocks))
+    rows = num_blocks * topk
+    frontier = (first_scores, jnp.broadcast_to(jnp.arange(topk, dtype=jnp.int32),
+                                               (num_blocks, topk)),
+                first_tokens, jnp.repeat(state, topk, axis=0), jnp.int32(topk))
+
+    def grow(frontier, slot):
+        scores, ids, tokens, state, offset = frontier
+        h, logits = slot
+        child_scores, child_tokens, state = children(
+            jnp.repeat(h, topk, axis=0), jnp.repeat(logits, topk, axis=0), tokens.reshape(rows),
+            state)
+        child_scores = (scores.reshape(rows, 1) + child_scores).reshape(num_blocks, -1)
+        child_tokens = child_tokens.reshape(num_blocks, -1)
+        best_scores, best = jax.lax.top_k(child_scores, topk)  # [NB, K] of K*K
+        parent_row = jnp.arange(num_blocks)[:, None] * topk + best // topk
+        nxt = (best_scores, (offset + best).astype(jnp.int32),
+               jnp.take_along_axis(child_tokens, best, 1), state[parent_row.reshape(-1)],
+               offset + topk * topk)
+        return nxt, (child_scores, child_tokens, jnp.repeat(ids, topk, axis=1))
+
+    _, later = jax.lax.scan(grow, frontier, (hidden[:, 1:].swapaxes(0, 1),
+                                             base[:, 1:].swapaxes(0, 1)))
+
+    def candidates(first, deeper):  # deeper: [S-1, NB, K*K]
+        return jnp.concatenate([first, jnp.moveaxis(deeper, 0, 1).reshape(num_blocks, -1)], 1)
+
+    return (candidates(first_scores, later[0]), candidates(first_tokens, later[1]),
+            candidates(jnp.full((num_blocks, topk), -1, jnp.int32), later[2]))
 
 
 def _affine(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:

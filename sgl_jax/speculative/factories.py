@@ -143,10 +143,6 @@ def dspark(spec: SpeculativeConfig, target: LoadedModel, context: DraftContext
         raise ValueError(f"the DSpark head drafts over a vocabulary of {config.vocab_size} "
                          f"tokens, the target has {target.config.vocab_size}: is it the head "
                          "for another model?")
-    if spec.eagle_topk != 1:
-        raise NotImplementedError(
-            "DSPARK drafts chains here: its trees (each node's Markov term from its parent's "
-            "token) are not implemented yet; leave --speculative-eagle-topk at 1")
     return DrafterSetup(DSparkDrafter(loaded, target, context.attention,
                                       page_size=context.page_size), NoProposer())
 

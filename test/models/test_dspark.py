@@ -96,3 +96,50 @@ def test_bad_heads_are_refused(target_config, tmp_path):
     del hf["mask_token_id"]
     with pytest.raises(ValueError, match="needs mask_token_id"):
         dspark.config_from_hf(hf)
+
+
+def reference_candidates(w, cfg, hidden, anchor, topk):
+    """{path (tokens from slot 0): summed log-probabilities} of every candidate, each path's
+    logits recomputed from its own tokens (the Markov term, the rnn state along the path):
+    the anchor's K best children, then the K best children of each of the K best of the slot
+    before."""
+    def children(path):
+        logits, _ = dspark_heads(w, cfg, hidden[: len(path) + 1],
+                                 torch.tensor([anchor, *path]))
+        steps, tokens = torch.log_softmax(logits[len(path)], -1).topk(topk)
+        return [(path + (int(t),), float(s)) for s, t in zip(steps, tokens, strict=True)]
+
+    frontier = children(())
+    found = dict(frontier)
+    for _ in range(1, hidden.shape[0]):
+        grown = [(child, found[path] + step)
+                 for path, _ in frontier for child, step in children(path)]
+        found.update(grown)
+        frontier = sorted(grown, key=lambda item: -item[1])[:topk]
+    return found
+
+
+@pytest.mark.parametrize("markov_head,topk", [("rnn", 3), ("gated", 1)])
+def test_tree_candidates_follow_their_parents_tokens(target_config, tmp_path, markov_head,
+                                                     topk):
+    path = write_tiny_dspark_draft(tmp_path / "dspark", target_config, markov_head=markov_head,
+                                   block_size=BLOCK)
+    draft = load_dspark_draft(str(path), dtype="float32", progress=False)
+    cfg = json.loads((path / "config.json").read_text())
+    rng = np.random.default_rng(6)
+    steps, anchor = 4, int(rng.integers(cfg["vocab_size"]))
+    hidden = rng.standard_normal((steps, cfg["hidden_size"])).astype(np.float32)
+    scores, tokens, parents = (np.asarray(x)[0] for x in dspark.draft_candidates(
+        draft.params, draft.config, jnp.asarray(hidden)[None], jnp.array([anchor]), topk))
+    assert len(scores) == topk + (steps - 1) * topk * topk
+
+    def path_of(node):
+        return () if node < 0 else path_of(int(parents[node])) + (int(tokens[node]),)
+
+    ours = {path_of(node): float(score) for node, score in enumerate(scores)}
+    with torch.no_grad():
+        expected = reference_candidates(torch_tensors(path / "model.safetensors"), cfg,
+                                        torch.from_numpy(hidden), anchor, topk)
+    assert ours.keys() == expected.keys()
+    np.testing.assert_allclose([ours[p] for p in expected], list(expected.values()),
+                               rtol=1e-4, atol=1e-4)

@@ -91,6 +91,7 @@ CASES = [
     ("qwen3", "STANDALONE", "noisy", TREE, 1),
     ("qwen3", "DFLASH", "dflash", TREE, 16),  # a random head: per-position top-k trees
     ("llama", "DSPARK", "dspark", CHAIN, 16),  # anchor first, each slot after its Markov term
+    ("qwen3", "DSPARK", "dspark", TREE, 1),  # each node's Markov term from its parent's token
 ]
 
 
