@@ -96,6 +96,8 @@ def fit_dflash_draft(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from sgl_jax.testing.torch_reference import torch_block_forward
+
     target_dir = Path(target_dir)
     target_config = json.loads((target_dir / "config.json").read_text())
     out = write_tiny_dflash_draft(path, target_config, num_layers=num_layers,
@@ -148,54 +150,3 @@ def _load(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(path / "model.safetensors"))
-
-
-def torch_block_forward(w: dict, config: dict, features: Any, block_embeds: Any,
-                         anchors: Any) -> Any:
-    """Blocks [A, B, H] anchored at positions `anchors` [A] over one sequence's context
-    features [L, F] -> the final-normed block states [A, B, H] (torch, for fitting)."""
-    import torch
-
-    from sgl_jax.testing.torch_reference import rms_norm, rope
-
-    eps, theta = config["rms_norm_eps"], config["rope_theta"]
-    heads, kv_heads, hd = (config["num_attention_heads"], config["num_key_value_heads"],
-                           config["head_dim"])
-    num_blocks, width, h = block_embeds.shape
-    ctx_len = features.shape[0]
-    c = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-    ctx_pos = torch.arange(ctx_len)
-    blk_pos = (anchors[:, None] + torch.arange(width)[None, :]).reshape(-1)
-    # Query (a, k) sees context before anchor a and every key of block a.
-    sees_ctx = ctx_pos[None, :] < anchors.repeat_interleave(width)[:, None]  # [A*B, L]
-    block_of = torch.arange(num_blocks).repeat_interleave(width)
-    sees_blk = block_of[:, None] == block_of[None, :]  # [A*B, A*B]
-    visible = torch.cat([sees_ctx, sees_blk], 1)
-    # A sliding layer also hides keys W or more positions behind the query.
-    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [A*B, L + A*B]
-    x = block_embeds.reshape(-1, h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"layers.{i}."
-        layer_visible = visible
-        if config["layer_types"][i] == "sliding_attention":
-            layer_visible = visible & (behind < config["sliding_window"])
-
-        def project(t, name, count, p=p):
-            return (t @ w[p + f"self_attn.{name}_proj.weight"].T).view(t.shape[0], count, hd)
-
-        a = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = rope(rms_norm(project(a, "q", heads), w[p + "self_attn.q_norm.weight"], eps),
-                 blk_pos, theta)
-        k = torch.cat([rope(rms_norm(project(src, "k", kv_heads),
-                                     w[p + "self_attn.k_norm.weight"], eps), pos, theta)
-                       for src, pos in ((c, ctx_pos), (a, blk_pos))])
-        v = torch.cat([project(c, "v", kv_heads), project(a, "v", kv_heads)])
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        scores = scores.masked_fill(~layer_visible[None], float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], -1)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
-        m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return rms_norm(x, w["norm.weight"], eps).view(num_blocks, width, h)

@@ -48,43 +48,63 @@ def causal_self_attention(w: dict[str, torch.Tensor], prefix: str, a: torch.Tens
 def dflash_block_hidden(w: dict[str, torch.Tensor], cfg: dict, features: torch.Tensor,
                         block_ids: torch.Tensor, embed: torch.Tensor, *,
                         windows: bool = True) -> torch.Tensor:
-    """A DFlash backbone's final-normed block output [B, H]: the block `block_ids` at
-    positions C..C+B-1 over the context of `features` [C, L*H] at positions 0..C-1, each
-    query seeing all of the context and, non-causally, the whole block (a sliding layer of
-    window W: only keys less than W positions behind it). windows=False ignores the
-    config's sliding windows (to show that they cut something)."""
-    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    n_ctx, n_blk = features.shape[0], len(block_ids)
-    ctx_pos, blk_pos = torch.arange(n_ctx), n_ctx + torch.arange(n_blk)
+    """One DFlash block's final-normed output [B, H]: `block_ids` at positions C..C+B-1 after
+    the whole context of `features` [C, L*H] (torch_block_forward with one block anchored at
+    C). windows=False ignores the config's sliding windows (to show that they cut
+    something)."""
+    if not windows:
+        cfg = {**cfg, "layer_types": ["full_attention"] * cfg["num_hidden_layers"]}
+    return torch_block_forward(w, cfg, features, embed[block_ids][None],
+                               torch.tensor([features.shape[0]]))[0]
+
+
+def torch_block_forward(w: dict[str, torch.Tensor], config: dict, features: torch.Tensor,
+                        block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """A DFlash backbone: blocks [A, B, H] anchored at positions `anchors` [A] over one
+    sequence's context features [L, F] -> the final-normed block states [A, B, H]. Query
+    (a, k) sees the context before anchor a and every key of block a (a sliding layer of
+    window W: only keys less than W positions behind it)."""
+    eps, theta = config["rms_norm_eps"], config["rope_theta"]
+    heads, kv_heads, hd = (config["num_attention_heads"], config["num_key_value_heads"],
+                           config["head_dim"])
+    num_blocks, width, h = block_embeds.shape
+    ctx_len = features.shape[0]
     c = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [B, C + B]
-    x = embed[block_ids]
-    for i in range(cfg["num_hidden_layers"]):
+    ctx_pos = torch.arange(ctx_len)
+    blk_pos = (anchors[:, None] + torch.arange(width)[None, :]).reshape(-1)
+    # Query (a, k) sees context before anchor a and every key of block a.
+    sees_ctx = ctx_pos[None, :] < anchors.repeat_interleave(width)[:, None]  # [A*B, L]
+    block_of = torch.arange(num_blocks).repeat_interleave(width)
+    sees_blk = block_of[:, None] == block_of[None, :]  # [A*B, A*B]
+    visible = torch.cat([sees_ctx, sees_blk], 1)
+    # A sliding layer also hides keys W or more positions behind the query.
+    behind = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]  # [A*B, L + A*B]
+    x = block_embeds.reshape(-1, h)
+    for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        visible = torch.ones_like(behind, dtype=torch.bool)  # all context, all block
-        if windows and cfg["layer_types"][i] == "sliding_attention":
-            visible = behind < cfg["sliding_window"]
+        layer_visible = visible
+        if config["layer_types"][i] == "sliding_attention":
+            layer_visible = visible & (behind < config["sliding_window"])
+
+        def project(t, name, count, p=p):
+            return (t @ w[p + f"self_attn.{name}_proj.weight"].T).view(t.shape[0], count, hd)
+
         a = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-
-        def heads_of(t, proj, count, p=p):
-            return (t @ w[p + f"self_attn.{proj}_proj.weight"].T).view(t.shape[0], count, hd)
-
-        q = rope(rms_norm(heads_of(a, "q", heads), w[p + "self_attn.q_norm.weight"], eps),
+        q = rope(rms_norm(project(a, "q", heads), w[p + "self_attn.q_norm.weight"], eps),
                  blk_pos, theta)
-        k = torch.cat([rope(rms_norm(heads_of(src, "k", kv_heads),
+        k = torch.cat([rope(rms_norm(project(src, "k", kv_heads),
                                      w[p + "self_attn.k_norm.weight"], eps), pos, theta)
                        for src, pos in ((c, ctx_pos), (a, blk_pos))])
-        v = torch.cat([heads_of(c, "v", kv_heads), heads_of(a, "v", kv_heads)])
+        v = torch.cat([project(c, "v", kv_heads), project(a, "v", kv_heads)])
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, heads * hd)
-        x = x + out @ w[p + "self_attn.o_proj.weight"].T
+        scores = scores.masked_fill(~layer_visible[None], float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], -1)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         m = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return rms_norm(x, w["norm.weight"], eps)
+    return rms_norm(x, w["norm.weight"], eps).view(num_blocks, width, h)
 
 
 def dspark_heads(w: dict[str, torch.Tensor], cfg: dict, hidden: torch.Tensor,

@@ -15,8 +15,8 @@ import torch
 from sgl_jax.models.config import dense_config_from_hf
 from sgl_jax.models.loader import load_dflash_draft
 from sgl_jax.testing import write_tiny_checkpoint
-from sgl_jax.testing.dflash import torch_block_forward, write_tiny_dflash_draft
-from sgl_jax.testing.torch_reference import torch_tensors
+from sgl_jax.testing.dflash import write_tiny_dflash_draft
+from sgl_jax.testing.torch_reference import torch_block_forward, torch_tensors
 from sgl_jax.training import dflash as dflash_lib
 from sgl_jax.training.objective import Batch
 
