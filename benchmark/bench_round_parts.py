@@ -60,13 +60,16 @@ class Row:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="demo", help="target; default: the demo model")
-    p.add_argument("--algorithm", default="EAGLE3", choices=("EAGLE3", "NEXTN", "DFLASH"),
+    p.add_argument("--algorithm", default="EAGLE3",
+                   choices=("EAGLE3", "NEXTN", "DFLASH", "DSPARK"),
                    help="NEXTN: the target's own multi-token-prediction module (Qwen3-Next; "
-                        "--draft-model-path is ignored); DFLASH: a DFlash head")
+                        "--draft-model-path is ignored); DFLASH: a DFlash head; DSPARK: a "
+                        "DSpark head")
     p.add_argument("--draft-model-path", default="demo",
                    help="the head; default: the demo model's trained EAGLE3 head, or for "
-                        "DFLASH a random head of the published shape (5 layers, block 16: "
-                        "weights do not change the cost)")
+                        "DFLASH and DSPARK a random head of the published shape (5 layers, "
+                        "block 16; DSpark's block 7 with a rank-256 Markov head: weights do "
+                        "not change the cost)")
     p.add_argument("--shapes", default="chain,tree",
                    help="comma-separated: chain, tree, plain, or steps/topk/draft-tokens")
     p.add_argument("--batch-sizes", default="1,8")
@@ -79,18 +82,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def random_dflash_head(config: dict[str, Any]) -> str:
-    """A random DFlash head for the target (its config.json), of the published heads' shape,
-    in a temporary directory."""
+def random_block_head(config: dict[str, Any], algorithm: str) -> str:
+    """A random DFlash head (or DSpark: DeepSpec's block of 7 and rank-256 Markov head) for
+    the target (its config.json), of the published heads' shape, in a temporary directory."""
     import tempfile
 
     from sgl_jax.testing.dflash import write_tiny_dflash_draft
+    from sgl_jax.testing.dspark import write_tiny_dspark_draft
     from sgl_jax.training.dflash import DEFAULT_BLOCK, DEFAULT_LAYERS, default_target_layer_ids
+    from sgl_jax.training.dspark import DEFAULTS
 
-    layers = default_target_layer_ids(config["num_hidden_layers"], DEFAULT_LAYERS)
-    return str(write_tiny_dflash_draft(tempfile.mkdtemp(prefix="dflash-"), config,
-                                       num_layers=DEFAULT_LAYERS, block_size=DEFAULT_BLOCK,
-                                       target_layer_ids=tuple(layers)))
+    shape = {"num_layers": DEFAULT_LAYERS, "target_layer_ids": tuple(
+        default_target_layer_ids(config["num_hidden_layers"], DEFAULT_LAYERS))}
+    folder = tempfile.mkdtemp(prefix=f"{algorithm.lower()}-")
+    if algorithm == "DSPARK":
+        return str(write_tiny_dspark_draft(folder, config, block_size=DEFAULTS["block_size"],
+                                           markov_rank=DEFAULTS["markov_rank"], **shape))
+    return str(write_tiny_dflash_draft(folder, config, block_size=DEFAULT_BLOCK, **shape))
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -137,8 +145,8 @@ class Setup:
         if args.algorithm == "NEXTN":
             draft = None  # the target's checkpoint holds the module
         self.model = load_model(target, dtype=args.dtype, tp=None)
-        if args.algorithm == "DFLASH" and args.draft_model_path == "demo":
-            draft = random_dflash_head(read_hf_config(self.model.model_dir))
+        if args.algorithm in ("DFLASH", "DSPARK") and args.draft_model_path == "demo":
+            draft = random_block_head(read_hf_config(self.model.model_dir), args.algorithm)
         server_args = ServerArgs(
             model_path=target, dtype=args.dtype, page_size=args.page_size,
             speculative_algorithm=args.algorithm, speculative_draft_model_path=draft,

@@ -123,7 +123,7 @@ DFLASH_SHAPES = {
     "adaptive": {"speculative_num_steps": 7, "speculative_eagle_topk": 3,
                  "speculative_num_draft_tokens": 16, "speculative_adaptive": True},
 }
-ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN", "DFLASH")
+ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN", "DFLASH", "DSPARK")
 
 DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")
 SHAREGPT_PROMPTS = 200
@@ -177,7 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model (its shapes: chain 5/1/6, tree 6/4/12, adaptive); NEXTN runs "
                         "the target's own MTP module (Qwen3-Next; a built target gets one "
                         "fitted to its greedy continuations of the prompts; chain 3/1/4); "
-                        "DFLASH takes a DFlash head (chain 7/1/8, tree 7/3/16)")
+                        "DFLASH takes a DFlash head (chain 7/1/8, tree 7/3/16), DSPARK a "
+                        "DSpark head (the same shapes)")
     p.add_argument("--draft", default="random-eagle3", choices=["random-eagle3", "noisy-copy"],
                    help="the draft built when --draft-model-path is not given (an EAGLE "
                         "head for --algorithm EAGLE, a noisy copy for STANDALONE)")
@@ -252,6 +253,10 @@ def build_models(args: argparse.Namespace, workdir: Path) -> tuple[str, str | No
         from sgl_jax.testing.dflash import write_tiny_dflash_draft
 
         return target, str(write_tiny_dflash_draft(workdir / "draft", config)), "DFLASH"
+    if args.algorithm == "DSPARK":  # random, as DFLASH's; its block holds the 7-deep chain
+        from sgl_jax.testing.dspark import write_tiny_dspark_draft
+
+        return target, str(write_tiny_dspark_draft(workdir / "draft", config)), "DSPARK"
     if args.algorithm == "EAGLE":
         return target, str(write_tiny_eagle_draft(workdir / "draft", config)), "EAGLE"
     return target, str(write_tiny_eagle3_draft(workdir / "draft", config,
@@ -272,8 +277,8 @@ def build_target(args: argparse.Namespace, workdir: Path) -> str:
 
 def shapes_for(algorithm: str) -> dict[str, dict[str, Any]]:
     """The engine settings of each named draft shape for the drafter."""
-    return {"NGRAM": NGRAM_SHAPES, "NEXTN": NEXTN_SHAPES, "DFLASH": DFLASH_SHAPES}.get(
-        algorithm, SHAPES)
+    return {"NGRAM": NGRAM_SHAPES, "NEXTN": NEXTN_SHAPES, "DFLASH": DFLASH_SHAPES,
+            "DSPARK": DFLASH_SHAPES}.get(algorithm, SHAPES)
 
 
 def with_depth(shapes: dict[str, dict[str, Any]], num_steps: int | None

@@ -51,6 +51,11 @@
 #   dflashdemo a DFlash head for the demo model trained on regenerated ShareGPT (kept in
 #              $DFLASH_DIR, default $ckpt/dflash_demo; a cut run resumes), then DFLASH
 #              against plain on MT-Bench, HumanEval and ShareGPT
+#   dspark     DSPARK round cost on the Llama-3.1-8B shape (a random head of DeepSpec's shape:
+#              5 layers, block 7, a rank-256 Markov head; the dflash stage gives DFLASH's and
+#              EAGLE3's beside it), then a DSpark head for the demo model trained on
+#              regenerated ShareGPT (kept in $DSPARK_DIR, default $ckpt/dspark_demo; a cut run
+#              resumes) and DSPARK against plain on MT-Bench, HumanEval and ShareGPT
 #   quant      the Llama-3.1-8B shape end to end with int8, w8a8_int8 and fp8 weights and
 #              with an fp8 KV cache, batch 1 and 32 (the llama8b stage is the bf16
 #              baseline), then the quality of each on the demo model (KL over held-out
@@ -63,7 +68,7 @@
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn dflash dflashdemo quant}
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn dflash dflashdemo dspark quant}
 ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" "$ckpt"
@@ -245,6 +250,23 @@ if not (path.parent / "llama8b_eagle3").is_dir():
           --draft-model-path "$head" --dataset "$dataset" --num-prompts 64 \
           --batch-sizes 1,8,32 --shapes chain,tree,adaptive --output-len 256 \
           --output-json "$out/dflashdemo_$dataset.json"
+      done ;;
+    dspark)
+      one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null
+      python3 "$here/bench_round_parts.py" --model-path "$ckpt/llama8b" --algorithm DSPARK \
+        --shapes 0/1/1,3/1/4,7/1/8,7/3/16 --batch-sizes 1,8,32 --context 1024 \
+        --dtype bfloat16 --attention-backend fa --output-json "$out/rounds_DSPARK.json"
+      head=${DSPARK_DIR:-$ckpt/dspark_demo}
+      python3 -m sgl_jax.train_eagle3 --speculative-algorithm DSPARK --output-dir "$head" \
+        --num-conversations 2213 --eval-conversations 64 --max-length 512 --regenerate \
+        --regenerate-temperature 0.7 --regenerate-max-tokens 256 --regenerate-batch 512 \
+        --num-anchors 64 --tokens-per-batch 16384 --lr 6e-4 --epochs 6 --save-interval 100 \
+        --resume
+      for dataset in mtbench humaneval sharegpt; do
+        python3 "$here/bench_speculative.py" --model-path demo --algorithm DSPARK \
+          --draft-model-path "$head" --dataset "$dataset" --num-prompts 64 \
+          --batch-sizes 1,8,32 --shapes chain,tree,adaptive --output-len 256 \
+          --output-json "$out/dsparkdemo_$dataset.json"
       done ;;
     quant)
       one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null  # the checkpoint

@@ -234,9 +234,12 @@ def _regenerated(args, target_path: str, conversations, out: Path) -> list[list[
     from sgl_jax.entrypoints.engine import Engine
     from sgl_jax.training.regenerate import regenerate
 
+    # No kept turn starts past --max-length, so the engine's pages per request need cover
+    # only that and one answer (not the model's whole context: a decode step reads them all).
     engine = Engine(model_path=target_path, log_level="warning",
                     max_running_requests=args.regenerate_batch,
-                    attention_backend=args.regenerate_attention_backend)
+                    attention_backend=args.regenerate_attention_backend,
+                    context_length=args.max_length + args.regenerate_max_tokens)
     try:
         for start in range(len(done), len(conversations), args.regenerate_batch):
             batch = regenerate(engine, engine.tokenizer,
