@@ -105,7 +105,7 @@ def test_nextn_reads_the_targets_own_checkpoint_unless_given_a_path():
     assert other.speculative.draft_model_path == "mtp-dir"
 
 
-@pytest.mark.parametrize("algorithm", ["DFLASH", "NEXTN"])
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK", "NEXTN"])
 def test_a_chain_width_given_alone_sets_the_depth(algorithm):
     """SGLang's DFlash flags: `--speculative-num-draft-tokens 8` alone is a chain of 7 drafts;
     a depth given beside it must still agree, and EAGLE3 keeps its default depth."""
