@@ -250,6 +250,19 @@ def test_unsupported_requests_and_drafts_are_refused(checkpoints, self_draft, tm
         spec_engine({**paths, "wrong": wrong}, "EAGLE3", "wrong", CHAIN)
     with pytest.raises(FileNotFoundError):
         spec_engine({**paths, "gone": tmp_path / "missing"}, "EAGLE3", "gone", CHAIN)
+    config = json.loads((paths["target"] / "config.json").read_text())
+    vocab = config["vocab_size"]
+    for name, fields, mask, message in [
+            ("vocab", dict(vocab_size=vocab + 8), vocab - 1, "drafts over a vocabulary of 520"),
+            ("mask", {}, vocab, f"DSpark head's mask token {vocab} is outside"),
+            ("wide", dict(hidden_size=96), None, "DSpark head is for a target of hidden size 96")]:
+        head = write_tiny_dspark_draft(tmp_path / name, {**config, **fields},
+                                       mask_token_id=mask)
+        with pytest.raises(ValueError, match=message):
+            spec_engine({**paths, name: head}, "DSPARK", name, CHAIN)
+    with pytest.raises(ValueError, match="DSPARK drafts at most 8 tokens deep"):
+        spec_engine(paths, "DSPARK", "dspark", dict(speculative_num_steps=9,
+                                                    speculative_eagle_topk=1))
 
 
 @contextlib.contextmanager
