@@ -1,6 +1,6 @@
 """Tensor parallelism with the `native` attention backend: greedy outputs of TP 1, 2, 4 and 8
 (qwen2 and qwen3: 1 and 8) on an 8-device CPU mesh are identical, with and without EAGLE3,
-and TP 1 is transformers' greedy output; STANDALONE, NGRAM and DFLASH drafts accepted over a
+and TP 1 is transformers' greedy output; STANDALONE, NGRAM, DFLASH and DSPARK drafts over a
 sharded target keep it. Parameter memory per device falls as 1/tp (printed).
 
 Each case runs in a subprocess: the device count is fixed when JAX starts.
@@ -13,6 +13,7 @@ import pytest
 
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft
+from sgl_jax.testing.dspark import write_tiny_dspark_draft
 from sgl_jax.testing.fp8 import write_fp8_checkpoint
 from sgl_jax.testing.parallel import (
     MAX_NEW_TOKENS,
@@ -115,6 +116,20 @@ def test_a_fitted_dflash_head_drafts_whole_blocks_over_a_sharded_target(tmp_path
                               "--prompts", json.dumps(prompts)], devices=2)["speculative"]
     assert results[2]["output_ids"] == continuations
     assert results[2]["accept_length"] > 2
+
+
+def test_a_dspark_tree_over_a_sharded_target_keeps_the_greedy_text(tmp_path):
+    """A random DSpark head (rnn Markov head, confidence head) as a top-2 tree at TP 2: its
+    backbone splits as DFlash's does, its own lm_head and Markov tables serve every device;
+    greedy output transformers'."""
+    target, _ = write_tp_checkpoints(tmp_path, "qwen3")
+    head = write_tiny_dspark_draft(tmp_path / "dspark", json.loads(
+        (target / "config.json").read_text()), markov_head="rnn")
+    results = run_subprocess(["--model-path", str(target), "--draft-model-path", str(head),
+                              "--draft-algorithm", "DSPARK", "--speculative-only",
+                              "--tp-sizes", "2"], devices=2)["speculative"]
+    assert results[2]["output_ids"] == transformers_greedy(target)
+    assert results[2]["accept_length"] >= 1.0  # verify rounds ran
 
 
 def test_8_bit_weights_split_as_float_ones_do(tmp_path):
