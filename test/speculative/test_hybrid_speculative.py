@@ -1,7 +1,8 @@
 """Speculative decoding on a hybrid target (the tiny Qwen3-Next: Gated DeltaNet layers with a
 recurrent state per request, gated attention at layers 3 and 7): greedy output with an EAGLE3
-head, with the target's own multi-token-prediction module (NEXTN, fitted here to the
-target's text), with a DFlash head (fitted here, chains of 15) and with the target as its own
+head, with a random DSpark head, with the target's own multi-token-prediction
+module (NEXTN, fitted here to the target's text), with a DFlash head (fitted here, chains of
+15) and with the target as its own
 STANDALONE draft equals plain greedy (chain and topk > 1 tree, page sizes 1 and 16, batch
 sizes 1 and 8) and every state slot comes back; the NEXTN, DFlash and self drafts are
 accepted (a partly accepted chain rolls each state back to a node inside it); a verify
@@ -28,6 +29,7 @@ from sgl_jax.speculative.round import RoundInputs, verify_trees
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft, write_tiny_dflash_draft
+from sgl_jax.testing.dspark import write_tiny_dspark_draft
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.engines import walk_away_mid_run
 from sgl_jax.testing.mtp import fit_mtp_tensors
@@ -62,7 +64,9 @@ def paths(tmp_path_factory):
     target = write_tiny_checkpoint(root / "qwen3_next", "qwen3_next")
     config = json.loads((target / "config.json").read_text())
     return {"target": target, "self": target,
-            "eagle3": write_tiny_eagle3_draft(root / "eagle3", config)}
+            "eagle3": write_tiny_eagle3_draft(root / "eagle3", config),
+            "dspark": write_tiny_dspark_draft(root / "dspark", config, markov_head="rnn",
+                                              target_layer_ids=(1, 3, 6))}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,8 @@ def fitted(paths):
 
 
 def spec_engine(paths, shape, page_size, draft="eagle3"):
-    algorithm = {"eagle3": "EAGLE3", "nextn": "NEXTN"}.get(draft, "STANDALONE")
+    algorithm = {"eagle3": "EAGLE3", "nextn": "NEXTN", "dspark": "DSPARK"}.get(draft,
+                                                                             "STANDALONE")
     path = {} if draft == "nextn" else {"speculative_draft_model_path": str(paths[draft])}
     return Engine(model_path=str(paths["target"]), speculative_algorithm=algorithm,
                   page_size=page_size, **path, **shape, **BASE)
@@ -92,10 +97,12 @@ def states_all_free(engine) -> bool:
             and engine.usage().all_pages_free)
 
 
-def test_greedy_speculation_equals_plain_decoding(paths, references):
-    """An EAGLE3 head (random: it reads the captured attention layers' outputs) as a chain,
-    page size 1; trees on this target are NEXTN's and the STANDALONE drafts' cases."""
-    with spec_engine(paths, CHAIN, 1) as engine:
+@pytest.mark.parametrize("draft", ["eagle3", "dspark"])
+def test_greedy_speculation_equals_plain_decoding(paths, references, draft):
+    """A random EAGLE3 head (it reads the captured attention layers' outputs) and a random
+    DSpark head (reading linear-attention layers too) as chains, page size 1; trees on this
+    target are NEXTN's and the STANDALONE draft's cases."""
+    with spec_engine(paths, CHAIN, 1, draft) as engine:
         alone = engine.generate(input_ids=prompts()[3], sampling_params=greedy(MAX_NEW[3]))
         assert alone["output_ids"] == references[3]  # batch size 1
         assert states_all_free(engine)
