@@ -85,10 +85,8 @@ CASES = [
     ("llama", "STANDALONE", "noisy", CHAIN, 16),
     ("llama", "STANDALONE", "noisy", TREE, 1),
     ("llama", "EAGLE", "eagle", TREE, 16),
-    ("qwen2", "EAGLE3", "eagle3", TREE, 1),
-    ("qwen2", "STANDALONE", "noisy", CHAIN, 16),
+    ("qwen2", "EAGLE3", "eagle3", TREE, 1),  # STANDALONE's chain and tree: llama's cases
     ("qwen3", "EAGLE3", "eagle3", CHAIN, 16),
-    ("qwen3", "STANDALONE", "noisy", TREE, 1),
     ("qwen3", "DFLASH", "dflash", TREE, 16),  # a random head: per-position top-k trees
     ("llama", "DSPARK", "dspark", CHAIN, 16),  # anchor first, each slot after its Markov term
     ("qwen3", "DSPARK", "dspark", TREE, 1),  # each node's Markov term from its parent's token
