@@ -86,6 +86,24 @@ one_batch() {  # name, shape flags...
     --attention-backend fa --no-compare-transformers --json "$out/$name.json"
 }
 
+# A head for the demo model trained on its regenerated ShareGPT (a cut run resumes), then
+# against plain on MT-Bench, HumanEval and ShareGPT. demo_head ALGORITHM DIR [trainer flags]
+demo_head() {
+  local algorithm=$1 head=$2 dataset
+  shift 2
+  python3 -m sgl_jax.train_eagle3 --speculative-algorithm "$algorithm" --output-dir "$head" \
+    --num-conversations 2213 --eval-conversations 64 --max-length 512 --regenerate \
+    --regenerate-temperature 0.7 --regenerate-max-tokens 256 --regenerate-batch 512 \
+    --num-anchors 64 --tokens-per-batch 16384 --lr 6e-4 --epochs 6 --save-interval 100 \
+    --resume "$@"
+  for dataset in mtbench humaneval sharegpt; do
+    python3 "$here/bench_speculative.py" --model-path demo --algorithm "$algorithm" \
+      --draft-model-path "$head" --dataset "$dataset" --num-prompts 64 \
+      --batch-sizes 1,8,32 --shapes chain,tree,adaptive --output-len 256 \
+      --output-json "$out/${algorithm,,}demo_$dataset.json"
+  done
+}
+
 # first: one part under the time left. part NAME SECONDS COMMAND...
 part() {
   local name=$1 cap=$(( $2 * first_scale )) left
@@ -240,34 +258,13 @@ if not (path.parent / "llama8b_eagle3").is_dir():
       mkdir -p "$head"
       [ -f "$head/cfg.json" ] || echo '{"num_hidden_layers": 3, "block_size": 16}' \
         > "$head/cfg.json"
-      python3 -m sgl_jax.train_eagle3 --speculative-algorithm DFLASH --output-dir "$head" \
-        --draft-config "$head/cfg.json" --num-conversations 2213 --eval-conversations 64 \
-        --max-length 512 --regenerate --regenerate-temperature 0.7 \
-        --regenerate-max-tokens 256 --regenerate-batch 512 --num-anchors 64 \
-        --tokens-per-batch 16384 --lr 6e-4 --epochs 6 --save-interval 100 --resume
-      for dataset in mtbench humaneval sharegpt; do
-        python3 "$here/bench_speculative.py" --model-path demo --algorithm DFLASH \
-          --draft-model-path "$head" --dataset "$dataset" --num-prompts 64 \
-          --batch-sizes 1,8,32 --shapes chain,tree,adaptive --output-len 256 \
-          --output-json "$out/dflashdemo_$dataset.json"
-      done ;;
+      demo_head DFLASH "$head" --draft-config "$head/cfg.json" ;;
     dspark)
       one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null
       python3 "$here/bench_round_parts.py" --model-path "$ckpt/llama8b" --algorithm DSPARK \
         --shapes 0/1/1,3/1/4,7/1/8,7/3/16 --batch-sizes 1,8,32 --context 1024 \
         --dtype bfloat16 --attention-backend fa --output-json "$out/rounds_DSPARK.json"
-      head=${DSPARK_DIR:-$ckpt/dspark_demo}
-      python3 -m sgl_jax.train_eagle3 --speculative-algorithm DSPARK --output-dir "$head" \
-        --num-conversations 2213 --eval-conversations 64 --max-length 512 --regenerate \
-        --regenerate-temperature 0.7 --regenerate-max-tokens 256 --regenerate-batch 512 \
-        --num-anchors 64 --tokens-per-batch 16384 --lr 6e-4 --epochs 6 --save-interval 100 \
-        --resume
-      for dataset in mtbench humaneval sharegpt; do
-        python3 "$here/bench_speculative.py" --model-path demo --algorithm DSPARK \
-          --draft-model-path "$head" --dataset "$dataset" --num-prompts 64 \
-          --batch-sizes 1,8,32 --shapes chain,tree,adaptive --output-len 256 \
-          --output-json "$out/dsparkdemo_$dataset.json"
-      done ;;
+      demo_head DSPARK "${DSPARK_DIR:-$ckpt/dspark_demo}" ;;
     quant)
       one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null  # the checkpoint
       for variant in "--quantization int8" "--quantization w8a8_int8" "--quantization fp8" \
