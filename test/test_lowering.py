@@ -16,7 +16,6 @@ import pytest
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.attention import kernel_problem
-from sgl_jax.testing.dflash import write_tiny_dflash_draft
 from sgl_jax.testing.dspark import write_tiny_dspark_draft
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft, write_tiny_eagle_draft
 from sgl_jax.testing.lowering import (
@@ -41,8 +40,9 @@ DRAFTERS = {
     "EAGLE": ("llama", "eagle", TREE),
     "STANDALONE": ("llama", "llama", TREE),
     "NGRAM": ("llama", None, TREE),
-    "DFLASH": ("llama", "dflash", dict(speculative_num_steps=7, speculative_eagle_topk=1)),
-    "DSPARK": ("llama", "dspark", TREE),  # anchor-first slots, Markov terms along the tree
+    # DSPARK runs DFlash's backbone programs (context keys, the block, the catch-up) and
+    # its own heads, so it stands for DFLASH too (whose tree is jnp top-k over positions).
+    "DSPARK": ("llama", "dspark", TREE),
     "NEXTN": ("qwen3_next", None, TREE),  # the target's own MTP layer
 }
 # Engine variants: bf16 with every drafter, each other one with VARIANT_DRAFTERS. Another
@@ -75,7 +75,6 @@ def checkpoints(tmp_path_factory):
     return {"llama": llama, "qwen3_next": qwen3_next,
             "eagle3": write_tiny_eagle3_draft(root / "eagle3", config),
             "eagle": write_tiny_eagle_draft(root / "eagle", config),
-            "dflash": write_tiny_dflash_draft(root / "dflash", config),
             "dspark": write_tiny_dspark_draft(root / "dspark", config, markov_head="rnn")}
 
 
