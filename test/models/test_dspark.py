@@ -49,13 +49,18 @@ def block_hidden(draft, features, block_ids):
     return out
 
 
-@pytest.mark.parametrize("markov_head", ["vanilla", "gated", "rnn", None])
-def test_block_logits_and_confidences_match_the_reference(target_config, tmp_path,
-                                                          markov_head):
+def tiny_head(target_config, tmp_path, markov_head):
+    """A random head's folder, the loaded head and its config.json."""
     path = write_tiny_dspark_draft(tmp_path / "dspark", target_config, markov_head=markov_head,
                                    block_size=BLOCK)
     draft = load_dspark_draft(str(path), dtype="float32", progress=False)
-    cfg = json.loads((path / "config.json").read_text())
+    return path, draft, json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("markov_head", ["vanilla", "gated", "rnn", None])
+def test_block_logits_and_confidences_match_the_reference(target_config, tmp_path,
+                                                          markov_head):
+    path, draft, cfg = tiny_head(target_config, tmp_path, markov_head)
     rng = np.random.default_rng(4)
     vocab = cfg["vocab_size"]
     features = rng.standard_normal((CONTEXT, 2 * cfg["hidden_size"])).astype(np.float32)
@@ -122,10 +127,7 @@ def reference_candidates(w, cfg, hidden, anchor, topk):
 @pytest.mark.parametrize("markov_head,topk", [("rnn", 3), ("gated", 1)])
 def test_tree_candidates_follow_their_parents_tokens(target_config, tmp_path, markov_head,
                                                      topk):
-    path = write_tiny_dspark_draft(tmp_path / "dspark", target_config, markov_head=markov_head,
-                                   block_size=BLOCK)
-    draft = load_dspark_draft(str(path), dtype="float32", progress=False)
-    cfg = json.loads((path / "config.json").read_text())
+    path, draft, cfg = tiny_head(target_config, tmp_path, markov_head)
     rng = np.random.default_rng(6)
     steps, anchor = 4, int(rng.integers(cfg["vocab_size"]))
     hidden = rng.standard_normal((steps, cfg["hidden_size"])).astype(np.float32)
