@@ -164,8 +164,10 @@ class Row:
     algorithm: str | None = None  # the drafter (None: rows written before it was recorded)
     # rounds that verified a draft / all rounds (plain ones included), from rounds_by_shape
     speculated_round_share: float | None = None
-    # the policy's timed round cost per shape in the row's batch bucket (spec_round_ms)
+    # the policy's warm-up timing of each shape's round in the row's batch bucket
+    # (spec_round_ms), and its price at the row's end (spec_believed_round_ms)
     round_ms: dict[str, float] = field(default_factory=dict)
+    believed_round_ms: dict[str, float] = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -664,16 +666,20 @@ def run(args: argparse.Namespace) -> list[Row]:
                                                      "spec_finished_requests"),
                                         [r / p for r, p in zip(runs, base_runs, strict=True)],
                                         algorithm, speculated_share(rounds),
-                                        bucket_round_ms(engine.get_server_info(), b)))
+                                        *(bucket_round_ms(engine.get_server_info(), b, key)
+                                          for key in ("spec_round_ms",
+                                                      "spec_believed_round_ms"))))
                         print_row(rows[-1])
                         save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
 
 
-def bucket_round_ms(info: dict, batch_size: int) -> dict[str, float]:
-    """The policy's round cost per shape in the smallest timed bucket that holds
-    `batch_size` requests ({} without an adaptive policy's timings)."""
-    table = info.get("spec_round_ms") or {}
+def bucket_round_ms(info: dict, batch_size: int, key: str = "spec_round_ms"
+                    ) -> dict[str, float]:
+    """The policy's round cost per shape (`key`: the warm-up timings, or
+    spec_believed_round_ms) in the smallest timed bucket that holds `batch_size` requests
+    ({} without an adaptive policy's timings)."""
+    table = info.get(key) or {}
     fitting = sorted(int(bucket) for bucket in table if int(bucket) >= batch_size)
     return table[str(fitting[0])] if fitting else {}
 
@@ -701,6 +707,8 @@ def print_row(row: Row) -> None:
              f"/{sum(row.finished_requests.values())} requests"
              if row.finished_requests.get("without_draft") else "")
           + ("  round ms " + ", ".join(f"{k} {v:.2f}" for k, v in row.round_ms.items())
+             + " (priced at the end: "
+             + ", ".join(f"{k} {v:.2f}" for k, v in row.believed_round_ms.items()) + ")"
              if len(row.round_ms) > 1 else "")
           + (f"  passes {min(row.repeat_speedups):.2f}-{max(row.repeat_speedups):.2f}x"
              if len(row.repeat_speedups) > 1 else ""),

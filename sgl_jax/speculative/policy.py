@@ -29,12 +29,18 @@ estimates come from:
   would keep the policy on the shallow chain that never measures them.
 - T: the runner's warm-up timing of every (shape, bucket) program, times two factors learnt
   from the rounds served: the bucket's load (how much slower than at warm-up every shape runs
-  now: machine load, longer contexts) and the shape's own correction (a warm-up timing that
-  misjudged it). Each round moves both by its log residual log(measured / believed), the
-  load faster (LOAD_RATE) than the shape (SHAPE_RATE). So a burst of slow rounds, which slows
-  every shape alike, mostly moves the load and leaves the comparison between shapes alone,
-  while a shape whose rounds stay dearer than its warm-up timing against the rounds of other
-  shapes around them (probes included) accumulates its own correction.
+  now: machine load, longer contexts) and a speculative shape's own correction (a warm-up
+  timing that misjudged it against plain's). Each round moves both by its log residual
+  log(measured / believed), clipped to MAX_RESIDUAL, the load faster (LOAD_RATE) than the
+  shape (SHAPE_RATE); a plain round moves the load alone, plain being what the corrections
+  are relative to. So a burst of slow rounds, which slows every shape alike, mostly moves the
+  load and leaves the comparison between shapes alone; a long run of plain rounds cannot
+  make plain look cheaper than its warm-up timing against the shapes it leaves unmeasured;
+  and a single outlier round (a first run, a pause of the host) moves a shape's correction
+  by a few percent, while a shape whose rounds stay dearer than its warm-up timing against
+  the rounds of other shapes around them (probes included) accumulates its correction over
+  tens of rounds. Without the clip one outlier could price a shape out for good: a shape
+  never chosen is never measured again.
 
 Probes: plain rounds measure no acceptance, and a policy that keeps speculating never times
 plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
@@ -72,6 +78,7 @@ SERVER_DECAY = 0.995  # the server's over a few hundred request-rounds
 PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
 # Shares of a round's log cost residual taken by its bucket's load and by its shape's factor.
 LOAD_RATE, SHAPE_RATE = 0.5, 0.2
+MAX_RESIDUAL = math.log(1.5)  # the most one round's log cost residual counts for
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
 SPECULATION_MARGIN = 1.10  # a speculative shape's rate must exceed plain's by this factor
 EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many gets one
@@ -341,9 +348,12 @@ class SpeculationPolicy:
             self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
         if self.adaptive and timed and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))
+            residual = min(max(residual, -MAX_RESIDUAL), MAX_RESIDUAL)
             self.load[bucket] = self.load.get(bucket, 1.0) * math.exp(LOAD_RATE * residual)
-            key = (shape, bucket)
-            self.correction[key] = self.correction.get(key, 1.0) * math.exp(SHAPE_RATE * residual)
+            if shape != PLAIN:
+                key = (shape, bucket)
+                self.correction[key] = (self.correction.get(key, 1.0)
+                                        * math.exp(SHAPE_RATE * residual))
 
     def info(self) -> dict:
         """What /get_server_info and /metrics show: the shapes chosen and why."""
@@ -363,13 +373,17 @@ class SpeculationPolicy:
                 "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
             "spec_probe_interval": self.probe_interval,
             "spec_round_ms": self.round_ms(),
+            "spec_believed_round_ms": self.round_ms(believed=True),
         }
 
-    def round_ms(self) -> dict[str, dict[str, float]]:
-        """The timed round cost of each shape by batch bucket, {"8": {"3/4/8": 7.1, ...}}:
-        what the choice and the admission rule weigh a shape's tokens against."""
+    def round_ms(self, believed: bool = False) -> dict[str, dict[str, float]]:
+        """The warm-up timing of each shape's round by batch bucket, {"8": {"3/4/8": 7.1}};
+        `believed`: as the choice and the admission rule price it now (times the bucket's
+        load and the shape's correction, learnt from the rounds served)."""
         table: dict[str, dict[str, float]] = {}
         for (shape, bucket), seconds in sorted(self.round_seconds.items(),
                                                 key=lambda item: item[0][1]):
+            if believed:
+                seconds = self.seconds(shape, bucket)
             table.setdefault(str(bucket), {})[shape_name(shape)] = round(1000 * seconds, 3)
         return table
