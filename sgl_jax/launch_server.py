@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from sgl_jax.entrypoints.engine import Engine  # loads JAX after the platform choice
         from sgl_jax.entrypoints.http_server import create_app
 
-        engine = Engine(**dataclasses.asdict(args))
+        engine = Engine(**dataclasses.asdict(args), defer_background_builds=True)
         if args.node_rank > 0:  # it followed rank 0 until rank 0 stopped
             return 0
         args = engine.server_args  # the model path and name filled in when not given
@@ -82,6 +82,7 @@ def _serve(app, engine, args: ServerArgs) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app) -> AsyncIterator[None]:
+        engine.start_background_builds()  # the app is built: its tracing delays nothing else
         yield
         # uvicorn re-raises SIGTERM/SIGINT once it has stopped, which ends the process before
         # main's `finally`; shutting down here also releases the other nodes cleanly.

@@ -32,9 +32,13 @@ Output = dict[str, Any] | list[dict[str, Any]]
 class Engine:
     """Loads a model once and serves generation requests from any thread or event loop."""
 
-    def __init__(self, model_path: str | None = None, **server_args: Any):
+    def __init__(self, model_path: str | None = None, *, defer_background_builds: bool = False,
+                 **server_args: Any):
         """`model_path` (or `model`, as SGLang's examples spell it): a local directory, a
-        Hugging Face id or a .gguf file; None serves the built-in demo model."""
+        Hugging Face id or a .gguf file; None serves the built-in demo model. The larger
+        buckets build in the background from the end of the constructor, or, with
+        `defer_background_builds`, from start_background_builds() (the HTTP server calls it
+        once it listens: tracing holds the GIL against the rest of its start)."""
         if "model" in server_args:
             if model_path is not None:
                 raise TypeError("give the model as model_path or as model, not both")
@@ -60,6 +64,11 @@ class Engine:
         logger.info("Engine ready: %s on %d x %s (tensor parallel), attention backend %s",
                     self.model.config.architecture, args.tp_size, jax.devices()[0].device_kind,
                     args.attention_backend)
+        if not defer_background_builds:
+            self.start_background_builds()
+
+    def start_background_builds(self) -> None:
+        """Let the background builder start on the buckets not built yet."""
         self.runtime.start_background_builds()
 
     def generate(self, prompt: Prompt = None, sampling_params: Params = None,

@@ -315,6 +315,11 @@ def llama3_rope_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -
     return 1.0 / ((1 - smooth) / scaling["factor"] + smooth)
 
 
+def is_metadata_dir(path: str | Path) -> bool:
+    """Whether `path` is a directory of converted metadata written here (metadata_dir)."""
+    return (Path(path) / _TENSOR_TABLE).is_file()
+
+
 def metadata_dir(path: Path) -> Path:
     """Where the converted metadata of this exact file (path, size, mtime) is cached."""
     stat = path.stat()

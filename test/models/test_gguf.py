@@ -13,6 +13,7 @@ from sgl_jax.models.gguf import SUPPORTED_TYPES, GGUFError, find_gguf_file
 from sgl_jax.models.loader import load_model
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.gguf import write_gguf_from_checkpoint
+from sgl_jax.tokenizer import load_tokenizer
 
 # The presets of test_model_parity: rope scaling (llama3), one KV head with biases (qwen2),
 # q/k norms with head_dim != hidden / heads and tied embeddings (qwen3).
@@ -71,7 +72,10 @@ def test_metadata_gives_config_tokenizer_and_chat_template(tmp_path, monkeypatch
     assert model.model_dir.is_relative_to(tmp_path / "cache" / "sgl-jax")
     assert model.config.architecture == "Qwen3ForCausalLM" and model.config.qk_norm
     assert model.config.tie_word_embeddings and model.config.eos_token_ids == (0,)
-    ours = AutoTokenizer.from_pretrained(str(model.model_dir))
+    # the server's loader takes the converted tokenizer's class directly (no config, no
+    # torch): the class AutoTokenizer would pick
+    ours = load_tokenizer(model.model_dir)
+    assert type(ours) is type(AutoTokenizer.from_pretrained(str(model.model_dir)))
     original = AutoTokenizer.from_pretrained(str(source))
     messages = [{"role": "user", "content": "The capital of France is Paris."}]
     assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
