@@ -28,7 +28,7 @@ import pickle
 import shutil
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,11 @@ STORE_BYTES = 8 * 2**30
 _PACKAGE = Path(__file__).resolve().parents[1]
 # An executable JAX loaded from its own persistent cache serializes without the machine code
 # of some of its functions on XLA:CPU ("Function ... not found" when the copy runs), so only
-# executables compiled here are stored: the compiling thread hears of a cache hit, and the
-# programs kept here stay out of JAX's cache (_outside_jax_cache).
+# executables compiled here are stored. A program the store keeps compiles under a JAX cache
+# key of its own (_store_key_hook) and is never written to JAX's cache: an entry another
+# path wrote for the same program (the store off, an older version) is never read back
+# (found there, a program was never stored, and every start traced it again). The compiling
+# thread still hears of a hit of the compile itself, and leaves that program unstored.
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _compiling = threading.local()
 
@@ -56,16 +59,44 @@ def _note_cache_hit(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_note_cache_hit)
 
 
-def _outside_jax_cache() -> contextlib.AbstractContextManager:
-    """This thread's compiles kept out of JAX's persistent cache (its minimum compile time
-    raised past any): the store keeps them, and an executable JAX handed back could not be
-    stored. Where JAX's internals differ, a hit is still noticed and left unstored."""
+def _install_store_key_hook() -> None:
+    """JAX hashes its cache key hook's string into every key: this thread's compiles for
+    the store add a mark of their own. Where JAX's internals differ, the hit check above
+    still keeps unstorable executables out."""
+    try:
+        from jax._src import cache_key
+    except ImportError:
+        return
+    previous = getattr(cache_key, "custom_hook", None)
+    if previous is None:
+        return
+
+    def hook() -> str:
+        return previous() + ("sgl-jax executable store"
+                             if getattr(_compiling, "for_store", False) else "")
+
+    cache_key.custom_hook = hook
+
+
+_install_store_key_hook()
+
+
+@contextlib.contextmanager
+def _outside_jax_cache() -> Iterator[None]:
+    """This thread's compiles under the store's own key and not written to JAX's cache (its
+    minimum compile time raised past any)."""
     try:
         from jax._src import config as jax_config
 
-        return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+        no_writes = jax_config.persistent_cache_min_compile_time_secs(float("inf"))
     except (ImportError, AttributeError, TypeError):
-        return contextlib.nullcontext()
+        no_writes = contextlib.nullcontext()
+    _compiling.for_store = True
+    try:
+        with no_writes:
+            yield
+    finally:
+        _compiling.for_store = False
 
 
 def source_digest() -> str:
@@ -231,9 +262,12 @@ class Programs:
                 self.loaded += 1
                 logger.debug("Loaded %s from the executable store", name)
             else:
+                lowered = self._jitted.lower(*args, **static)
+                # Only the compile's own hit counts: tracing may run small eager programs
+                # that JAX's cache does hold.
                 _compiling.cache_hit = False
-                with _outside_jax_cache():
-                    program = self._jitted.lower(*args, **static).compile()
+                with _outside_jax_cache() if self._store else contextlib.nullcontext():
+                    program = lowered.compile()
                 self.traced += 1
                 if self._store and not _compiling.cache_hit:
                     self._store.save(self.name, digest, program)

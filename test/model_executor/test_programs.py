@@ -170,3 +170,50 @@ def test_an_executable_from_jaxs_own_cache_is_not_stored(tmp_path):
     assert not list(store.directory.glob("step-*.exe"))
     run(programs_in(tmp_path), 4)  # compiled here: stored
     assert len(list(store.directory.glob("step-*.exe"))) == 1
+
+
+STALE_ENTRY = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from sgl_jax.cache import enable_compilation_cache
+from sgl_jax.model_executor.programs import ExecutableStore, Programs, abstract, fingerprint
+sys.path.insert(0, sys.argv[3])  # this file's directory
+from test_programs import SETTINGS, reference, rows, step
+
+root = Path(sys.argv[1])
+enable_compilation_cache(root / "xla")
+state = np.arange(8, dtype=np.float32)
+if sys.argv[2] == "plain":  # another path (an older version, the store off) compiles the
+    # same program, lowered the same way, into JAX's cache
+    jitted = jax.jit(step, donate_argnums=(0,))
+    jitted.lower(*abstract((jnp.asarray(state), rows(4)))).compile()
+    sys.exit(0)
+programs = Programs("step", jax.jit(step, donate_argnums=(0,)),
+                    ExecutableStore(root / "store", fingerprint(SETTINGS)))
+out = programs(4, jnp.asarray(state), rows(4))
+np.testing.assert_allclose(np.asarray(out[1]), reference(state, rows(4))[1], rtol=1e-6)
+print(json.dumps([programs.traced, programs.loaded]))
+"""
+
+
+def test_a_program_jaxs_cache_already_holds_is_stored_and_loaded_next_time(tmp_path):
+    """JAX decides once per process whether it reads its cache: an entry another path wrote
+    for the same program was read back by every start, and, unstorable, kept it out of the
+    store for good (each start traced it again). Each run in a process of its own."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run_in_process(kind: str) -> list[int]:
+        done = subprocess.run([sys.executable, "-c", STALE_ENTRY, str(tmp_path), kind,
+                               str(Path(__file__).parent)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]) if kind != "plain" else []
+
+    run_in_process("plain")
+    assert any((tmp_path / "xla").glob("jit_step-*")), "the other path's entry is not there"
+    assert run_in_process("store") == [1, 0]  # traced and compiled here, and stored
+    assert run_in_process("store") == [0, 1]  # the next start loads it
