@@ -46,11 +46,7 @@ def warm_up(runner: ModelRunner, spec: SpecRunner | None, platform: str | None =
         _queue(builder, "extend step", buckets.token_paddings[1:],
                lambda tokens: runner.build_program(buckets.extend_shape(tokens)))
         return
-    # Ready once the smallest bucket serves plain rounds; its other round shapes come first
-    # in the background (the adaptive policy takes each once it is built and timed).
-    spec_warmup.warm_up(spec, first_size, rare_programs=not cpu, token_sizes=first_tokens,
-                        base_only=True)
-    spec_warmup.queue_bucket(spec, first_size[0], first=True)
+    spec_warmup.warm_up(spec, first_size, rare_programs=not cpu, token_sizes=first_tokens)
     _queue(builder, "speculative prefill", buckets.token_paddings[1:],
            functools.partial(spec_warmup.build_prefill, spec))
     if not cpu:  # a CPU builds a larger batch bucket once a batch needs it

@@ -28,16 +28,14 @@ from sgl_jax.speculative.spec_runner import SpecRunner
 
 
 def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
-            rare_programs: bool = True, token_sizes: Sequence[int] | None = None,
-            base_only: bool = False) -> None:
+            rare_programs: bool = True, token_sizes: Sequence[int] | None = None) -> None:
     """Compile the round programs of the batch buckets `sizes` (default: every one) and
     time each for the adaptive policy (the fastest of a few runs after the compiling one:
     the others met some other load), then the prefill buckets. Without `rare_programs`,
     the programs few batches need (grammar-masked rounds, prefills of one-token chunks)
     are left to compile on first use, as are the buckets left out of `sizes`
     (`time_bucket` times those when the policy first meets them). `token_sizes`: the prefill
-    token buckets to build (default: every one). `base_only`: only the programs that make
-    each bucket usable (a background builder takes the adaptive menu's other shapes)."""
+    token buckets to build (default: every one)."""
     buckets = spec.buckets
     sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
     token_sizes = buckets.token_paddings if token_sizes is None else token_sizes
@@ -47,14 +45,12 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     _warm_undrafted_steps(spec, sizes)
     # Built (or loaded) two at a time first: loading a kept executable and compiling both
     # leave the GIL to the other thread.
-    bucket_builds = _base_builds if base_only else _bucket_builds
-    builds = [build for size in sizes for build in bucket_builds(spec, size)]
+    builds = [build for size in sizes for build in _bucket_builds(spec, size)]
     builds += [functools.partial(build_prefill, spec, tokens) for tokens in token_sizes]
     with ThreadPoolExecutor(2) as pool:
         for _ in pool.map(lambda build: build(), builds):
             pass
-    shapes = base_shapes(spec) if base_only else spec.shapes
-    total = len(sizes) * (len(shapes) + 1) + len(prefills)
+    total = len(sizes) * (len(spec.shapes) + 1) + len(prefills)
     forecast = WarmupForecast(total)
     with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
         def compiled() -> None:
@@ -62,7 +58,7 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
             bar.update()
         for size in sizes:
             rows = _dummy_rows(spec, size)
-            _time_rounds(spec, rows, shapes=shapes, after_each=compiled)
+            _time_rounds(spec, rows, after_each=compiled)
             if rare_programs:
                 _warm_masked_round(spec, rows)
             _warm_catch_up(spec, range(size))
@@ -265,9 +261,7 @@ def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
                  budget_s: float = 1.0) -> None:
     """round_seconds of `shapes` (default: every one) for `rows`' bucket: a compiling run,
     then the fastest of `runs` (or of those that fit in `budget_s`), unless an earlier
-    process with the same programs (the executable store's fingerprint) kept its figure and
-    the program is built (loaded from that store): then nothing runs (its first run, up to a
-    second on a CPU, falls to the first round that takes it)."""
+    process with the same programs (the executable store's fingerprint) kept its figure."""
     size = len(rows.slots)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
     store = spec.target.store
@@ -275,11 +269,9 @@ def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
     for shape in spec.shapes if shapes is None else shapes:
         def run(shape: TreeShape = shape) -> None:
             spec.round(rows, sampling, False, shape).result()
+        run()
         seconds = kept.get(_timing_key(shape, size))
-        if not seconds or size not in spec.rounds[shape]:
-            run()
-            seconds = seconds or _fastest_seconds(run, runs, budget_s)
-        spec.round_seconds[shape, size] = seconds
+        spec.round_seconds[shape, size] = seconds or _fastest_seconds(run, runs, budget_s)
         after_each()
     if store:
         store.write_json(TIMINGS, {_timing_key(shape, bucket): seconds for (shape, bucket),

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative import spec_warmup
 from sgl_jax.speculative.policy import PLAIN, SPECULATION_MARGIN
 from sgl_jax.speculative.round import CATCH_UP_WIDTH
 from sgl_jax.testing import write_tiny_checkpoint
@@ -53,16 +52,9 @@ def reference(paths):
 
 
 def built_programs(engine) -> int:
-    """Compilations once warm-up and the background builder (the 64-token prefill bucket,
-    the menu's drafted shapes) are done, and those shapes timed, as the engine's loop times
-    them when a batch first meets their bucket (its loop is idle here): serving must add
-    none."""
+    """Compilations once warm-up and the background builder (the 64-token prefill bucket)
+    are done: serving must add none."""
     assert engine.runtime.builder.wait_idle(timeout=600)
-    spec, policy = engine.runtime.spec_runner, engine.runtime.scheduler.decoding.policy
-    for bucket in {bucket for _, bucket in policy.round_seconds}:
-        spec_warmup.time_bucket(spec, bucket, spec_warmup.untimed_shapes(
-            spec, bucket, policy.round_seconds))
-    policy.add_round_seconds(spec.round_seconds)
     return engine.get_server_info()["num_compilations"]
 
 
