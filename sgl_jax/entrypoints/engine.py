@@ -38,7 +38,7 @@ class Engine:
         Hugging Face id or a .gguf file; None serves the built-in demo model. The larger
         buckets build in the background from the end of the constructor, or, with
         `defer_background_builds`, from start_background_builds() (the HTTP server calls it
-        once it listens: tracing holds the GIL against the rest of its start)."""
+        once its app is built: tracing holds the GIL against the rest of its start)."""
         if "model" in server_args:
             if model_path is not None:
                 raise TypeError("give the model as model_path or as model, not both")

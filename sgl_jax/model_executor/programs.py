@@ -42,9 +42,9 @@ STORE_BYTES = 8 * 2**30
 _PACKAGE = Path(__file__).resolve().parents[1]
 # An executable JAX loaded from its own persistent cache serializes without the machine code
 # of some of its functions on XLA:CPU ("Function ... not found" when the copy runs), so only
-# executables compiled here are stored. A program the store keeps compiles under a JAX cache
-# key of its own (_store_key_hook) and is never written to JAX's cache: an entry another
-# path wrote for the same program (the store off, an older version) is never read back
+# executables compiled here are stored. A program the store keeps compiles under a JAX
+# cache key of its own (_install_store_key_hook) and is never written to JAX's cache: an
+# entry another path wrote for the same program (the store off, an older version) is never read back
 # (found there, a program was never stored, and every start traced it again). The compiling
 # thread still hears of a hit of the compile itself, and leaves that program unstored.
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
