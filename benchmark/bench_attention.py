@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64 if on_cpu else 128)
     parser.add_argument("--dtype", default="float32" if on_cpu else "bfloat16",
                         choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-dtype", default=None,
+                        help="the pages' dtype, e.g. float8_e4m3fn as --kv-cache-dtype fp8_e4m3 "
+                             "stores them (default: --dtype); JAX's kernel is then not timed")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2 if on_cpu else 20)
     parser.add_argument("--peak-gbs", type=float, default=None,
@@ -81,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(interpreted on a CPU)")
     parser.add_argument("--json", default=None, help="also write every row to this file")
     args = parser.parse_args(argv)
+    args.kv_dtype = args.kv_dtype or args.dtype
     unknown = set(args.modes) - {"decode", "prefill"}
     if unknown:
         parser.error(f"unknown mode(s) {sorted(unknown)}; choose from decode, prefill")
@@ -103,8 +107,9 @@ def build_problem(args, mode: str, batch: int, context: int, page_size: int):
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 3)
     cache_shape = (1 + batch * pages_per_seq, args.num_kv_heads, page_size, args.head_dim)
-    k_pages = jax.random.normal(keys[0], cache_shape, dtype)
-    v_pages = jax.random.normal(keys[1], cache_shape, dtype)
+    kv_dtype = jnp.dtype(args.kv_dtype)
+    k_pages = jax.random.normal(keys[0], cache_shape, dtype).astype(kv_dtype)
+    v_pages = jax.random.normal(keys[1], cache_shape, dtype).astype(kv_dtype)
     q = jax.random.normal(keys[2], (metadata.slot_mapping.shape[0], args.num_heads,
                                     args.head_dim), dtype)
     first_rows = np.arange(batch) * (-(-new_tokens // shape.q_block) * shape.q_block)
@@ -133,8 +138,9 @@ def visible_pairs(chunks) -> int:
 
 
 def bytes_read(args, chunks, q: jax.Array) -> int:
-    """What decode attention must read at least: each sequence's K and V, q and the output."""
-    itemsize = jnp.dtype(args.dtype).itemsize
+    """What decode attention must read at least: each sequence's K and V (in the pages' dtype),
+    q and the output."""
+    itemsize = jnp.dtype(args.kv_dtype).itemsize
     kv_tokens = sum(c.prefix_len + len(c.token_ids) for c in chunks)
     return 2 * kv_tokens * args.num_kv_heads * args.head_dim * itemsize + 2 * q.nbytes
 
@@ -173,7 +179,7 @@ def run_config(args, mode, batch, context, page_size, kernel) -> dict:
         peak = peak_bandwidth(args)
         row["share_of_peak"] = row["kernel_gbs"] / peak if peak else None
         row["share_of_measured"] = row["kernel_gbs"] / args.measured_gbs
-        if args.peer == "jax":
+        if args.peer == "jax" and args.kv_dtype == args.dtype:
             row.update(jax_peer_row(args, q[first_rows], k_pages, v_pages, chunks, q,
                                     expected[first_rows]))
     else:
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = jax.devices()[0]
     kernel = platform_kernel(jax.default_backend())
     print(f"device: {device.device_kind} ({jax.default_backend()}); heads {args.num_heads}/"
-          f"{args.num_kv_heads} kv, head_dim {args.head_dim}, {args.dtype}"
+          f"{args.num_kv_heads} kv, head_dim {args.head_dim}, {args.dtype}, pages {args.kv_dtype}"
           + ("; kernel interpreted (timings are not kernel performance)"
              if jax.default_backend() == "cpu" else ""))
     args.measured_gbs = measured_bandwidth(0.25 if jax.default_backend() == "cpu" else 2.0)

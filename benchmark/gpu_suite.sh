@@ -36,7 +36,7 @@
 # Stages (all but `first`, in this order, when none is named):
 #   kernels    the Triton attention kernel compiled for real against the reference
 #   attention  decode attention at batch 32, 2k context, bf16, pages 16 and 64, against the
-#              read bandwidth measured in the same run
+#              read bandwidth measured in the same run; then fp8 pages at 2k and 4k
 #   matmul     the device's bf16 matrix-product rate (the prefill ceiling)
 #   llama8b    end to end on a random checkpoint of Llama-3.1-8B's shape, bf16, batch 1 and 32
 #   qwen3_8b   the same for Qwen3-8B's shape (written by the same factory, Llama layout)
@@ -179,7 +179,12 @@ for stage in $stages; do
         -o addopts="" -n 4 "$here/../test/layers/test_pallas_gpu.py" -k compiled ;;
     attention)
       python3 "$here/bench_attention.py" --modes decode,prefill --batch-sizes 32 \
-        --context-lens 2048 --page-sizes 16,64 --dtype bfloat16 --json "$out/attention.json" ;;
+        --context-lens 2048 --page-sizes 16,64 --dtype bfloat16 --json "$out/attention.json"
+      # fp8 pages (--kv-cache-dtype fp8_e4m3) at 2k and 4k: on the 8B shape a 4k batch-32 step
+      # took as long with them as with bf16 pages (docs/benchmarks.md, a sixth lend)
+      python3 "$here/bench_attention.py" --modes decode --batch-sizes 32 \
+        --context-lens 2048,4096 --page-sizes 16 --dtype bfloat16 --json "$out/attention_fp8.json" \
+        --kv-dtype float8_e4m3fn ;;
     matmul)
       python3 - <<'EOF'
 import time, jax, jax.numpy as jnp
