@@ -27,7 +27,7 @@ given that every draft before it was (sigmoid(l_k)).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +224,33 @@ def draft_candidates(
 
     return (candidates(first_scores, later[0]), candidates(first_tokens, later[1]),
             candidates(jnp.full((num_blocks, topk), -1, jnp.int32), later[2]))
+
+
+def sampled_chain(
+    params: Params,
+    config: DSparkConfig,
+    hidden: jax.Array,  # f[NB, S, H]: each block's first S slots
+    anchors: jax.Array,  # i32[NB]: each block's last verified token
+    draw: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+    """A chain drawn slot by slot: `draw(slot, logits f32[NB, V])` returns each row's token
+    i32[NB] and the distribution f32[NB, V] it was drawn from, the logits being the slot's
+    backbone logits plus the Markov term of the token drawn before it. Returns the tokens
+    i32[NB, S] and those distributions f32[NB, S, V]."""
+    num_blocks, steps, width = hidden.shape
+    base = base_logits(params, config, hidden.reshape(-1, width)).reshape(num_blocks, steps, -1)
+
+    def step(carry, slot):
+        previous, state = carry
+        index, h, logits = slot
+        bias, state = markov_step(params, config, h, previous, state)
+        token, q = draw(index, logits + bias)
+        return (token, state), (token, q)
+
+    _, (tokens, q) = jax.lax.scan(
+        step, (anchors, initial_state(config, num_blocks)),
+        (jnp.arange(steps), hidden.swapaxes(0, 1), base.swapaxes(0, 1)))
+    return tokens.swapaxes(0, 1), q.swapaxes(0, 1)
 
 
 def _affine(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:

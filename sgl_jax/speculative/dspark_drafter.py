@@ -1,23 +1,32 @@
 """DSPARK: a DSpark head (models/dspark.py) behind the drafter interface (drafter.py).
 
 The DFlash drafter's cache and block (dflash_drafter.py), read anchor first: a round's chain
-of S drafts (S at most the block size) is slots 0..S-1 of the block, each the argmax of its
-lm_head logits plus the Markov term of the token drafted before it. The head's own copies of
-the target's embedding and lm_head are used. Verification is exact whatever the drafts are;
-the drafts are deterministic, so a sampled request's rejection step sees them as one-hot.
+of S drafts (S at most the block size) is slots 0..S-1 of the block, each drawn from its
+lm_head logits plus the Markov term of the token drafted before it, filtered by the request's
+own sampling parameters (temperature, top-k, top-p, min-p; greedy rows: the argmax). That
+distribution goes to verification as q, which accepts with speculative sampling's rule
+(verify.py). The head's own copies of the target's embedding and lm_head are used.
 Trees (our extension): each slot's top-k after each of the best nodes of the slot before,
-its Markov term conditioned on that parent's token (dspark.draft_candidates).
+its Markov term conditioned on that parent's token (dspark.draft_candidates), chosen
+without a draw, so verification sees them as one-hot; so are the chains of a masked round
+(grammars), whose drafts come before the round's sampling rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from sgl_jax.layers.attention import AttentionBackend
+from sgl_jax.layers.sampler import filtered_probs, penalised_logits
 from sgl_jax.models import dspark
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
 from sgl_jax.speculative.dflash_drafter import DFlashDrafter
-from sgl_jax.speculative.tree import select_tree
+from sgl_jax.speculative.round import RoundInputs, node_sampling
+from sgl_jax.speculative.tree import DraftTree, select_tree
+from sgl_jax.speculative.verify import draw_draft
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -31,10 +40,37 @@ class DSparkDrafter(DFlashDrafter):
 
     def propose(self, params, kv, inputs, page_table, state_slots, hints, *, shape):
         """One block per row at its root's position; its first num_steps slots drafted in
-        turn, each after its parent's token: a chain at top-k 1, else a tree of the best
-        num_draft_tokens - 1 candidates."""
+        turn, each after its parent's token: a chain at top-k 1 (sampled where the round has
+        sampling rows), else a tree of the best num_draft_tokens - 1 candidates."""
         roots = inputs.root_tokens
         hidden, kv = self.block(params, kv, inputs, page_table)
+        if shape.topk == 1 and inputs.sampling is not None:
+            return self.sampled_chain(params, hidden[:, : shape.num_steps], inputs), kv
         scores, tokens, parents = dspark.draft_candidates(
             params["dflash"], self.heads, hidden[:, : shape.num_steps], roots, shape.topk)
         return select_tree(roots, scores, tokens, parents, shape.num_draft_tokens), kv
+
+    def sampled_chain(self, params, hidden: jax.Array, inputs: RoundInputs) -> DraftTree:
+        """hidden f[B, S, H] -> a chain of S drafts per row, each drawn from the distribution
+        it goes to verification with (child_q [B, S+1, V]; the last node's is unused)."""
+        batch, steps, _ = hidden.shape
+
+        def draw(slot: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+            # The row's parameters at the output position of the token this slot drafts.
+            depth = jnp.full((batch, 1), slot, jnp.int32)
+            rows = node_sampling(inputs.sampling, depth, inputs.suppress_depth)
+
+            def argmax(logits):  # an all-greedy round sorts no vocabulary
+                best = jnp.argmax(penalised_logits(logits, rows, None, None), axis=-1)
+                return jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32)
+
+            q = jax.lax.cond(jnp.all(rows.temperature == 0), argmax,
+                             lambda x: filtered_probs(x, rows, None, None), logits)
+            return draw_draft(q, rows), q
+
+        tokens, q = dspark.sampled_chain(params["dflash"], self.heads, hidden,
+                                         inputs.root_tokens, draw)
+        chain = jnp.arange(-1, steps, dtype=jnp.int32)
+        return DraftTree(jnp.concatenate([inputs.root_tokens[:, None], tokens], axis=1),
+                         jnp.broadcast_to(chain, (batch, steps + 1)),
+                         jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1))

@@ -318,7 +318,7 @@ class SpecRunner:
                                                 verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
             (slot_state, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree, features)))
+             (verified.verdict, verified.logprobs, verified.top, tree.structure(), features)))
 
     def _draft_trees_impl(self, draft_params, draft_kv, slot_state, last_tokens,
                           rows: RoundRows, *, shape: TreeShape):
@@ -339,7 +339,7 @@ class SpecRunner:
                                                 verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
             (slot_state, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree, None)))
+             (verified.verdict, verified.logprobs, verified.top, tree.structure(), None)))
 
     def propose(self, draft_params, draft_kv, inputs: RoundInputs, rows: RoundRows,
                  shape: TreeShape) -> tuple[DraftTree, list]:

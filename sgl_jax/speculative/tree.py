@@ -8,6 +8,7 @@ A chain is the tree whose parents are 0, 1, 2, ...
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -19,6 +20,13 @@ import jax.numpy as jnp
 class DraftTree:
     tokens: jax.Array  # i32[B, N]; node 0 is the root
     parents: jax.Array  # i32[B, N]; -1 for the root, else an index smaller than the node's
+    # f32[B, N, V] or None: for a chain whose drafts were sampled, the distribution node i's
+    # child was drawn from (verification's q); None: drafts chosen without a draw
+    child_q: jax.Array | None = None
+
+    def structure(self) -> DraftTree:
+        """Tokens and parents alone: what a round reports of its tree."""
+        return DraftTree(self.tokens, self.parents)
 
 
 def node_depths(parents: jax.Array) -> jax.Array:
@@ -36,7 +44,8 @@ def limit_depth(tree: DraftTree, max_depths: jax.Array) -> DraftTree:
     """The tree with every node deeper than its row's max_depths (i32[B]) cut off: its
     parent becomes -1, so verification never reaches it or anything below it."""
     depths = node_depths(tree.parents)
-    return DraftTree(tree.tokens, jnp.where(depths > max_depths[:, None], -1, tree.parents))
+    return dataclasses.replace(
+        tree, parents=jnp.where(depths > max_depths[:, None], -1, tree.parents))
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:

@@ -85,6 +85,7 @@ def fit_dflash_draft(
     layer_types: Sequence[str] | None = None,
     sliding_window: int | None = None,
     seed: int = 0,
+    anchor_first: bool = False,
 ) -> list[list[int]]:
     """A DFlash head fitted to the target's own greedy continuations of `prompts` (all of one
     length; EOS suppressed, as transformers decodes with min_new_tokens), written to `path`;
@@ -92,7 +93,9 @@ def fit_dflash_draft(
 
     The objective is DFlash's: every position t of the continuation anchors a block [token t,
     MASK ...] that sees the context strictly before t and the whole block; block position k
-    learns token t + k, weighted exp(-(k-1) / gamma)."""
+    learns token t + k, weighted exp(-(k-1) / gamma). `anchor_first`: DSpark's offset
+    instead, block position k learning token t + k + 1 (weighted exp(-k / gamma)), for a
+    backbone that dspark_from_dflash makes a DSpark head of."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,9 +124,10 @@ def fit_dflash_draft(
     length, start = text.shape[1], prompt.shape[1]
     anchors = torch.arange(start, length - 1)  # each continuation token with a next one
     offsets = torch.arange(block_size)
-    labels = anchors[:, None] + offsets[None, :]  # [A, B]: what block position k learns
-    valid = (labels < length) & (offsets[None, :] > 0)
-    weight = torch.exp(-(offsets.clamp(min=1) - 1) / gamma)[None, :] * valid
+    shift = int(anchor_first)
+    labels = anchors[:, None] + offsets[None, :] + shift  # [A, B]: what position k learns
+    valid = (labels < length) & (offsets[None, :] + shift > 0)
+    weight = torch.exp(-(offsets + shift - 1).clamp(min=0) / gamma)[None, :] * valid
     mask_id = config["dflash_config"]["mask_token_id"]
     blocks = torch.full(labels.shape, mask_id)
     for _ in range(steps):

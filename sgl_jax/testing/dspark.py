@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,36 @@ def write_tiny_dspark_draft(
     confidence head."""
     out = write_tiny_dflash_draft(path, target_config, block_size=block_size, seed=seed,
                                   **dflash_args)
+    h, v = target_config["hidden_size"], target_config["vocab_size"]
+    rng = np.random.default_rng(seed + 1)
+    copies = {name: _random(rng, (v, h)) for name in ("embed_tokens.weight", "lm_head.weight")}
+    return add_dspark_heads(out, copies, markov_head=markov_head, markov_rank=markov_rank,
+                            confidence=confidence,
+                            confidence_with_markov=confidence_with_markov, rng=rng)
+
+
+def dspark_from_dflash(path: str | os.PathLike, dflash_dir: str | os.PathLike,
+                       target_dir: str | os.PathLike, *, markov_scale: float = 1.0,
+                       seed: int = 0) -> Path:
+    """A DSpark head at `path` made of a DFlash head (fitted with fit_dflash_draft's
+    anchor_first, DSpark's slot offset): its backbone, the target's own embedding and
+    lm_head as the copies, and a random vanilla Markov head scaled by `markov_scale` (small:
+    the fitted drafts stay accepted) with a confidence head."""
+    out = Path(path)
+    shutil.copytree(dflash_dir, out)
+    target = load_file(str(Path(target_dir) / "model.safetensors"))
+    copies = {"embed_tokens.weight": target["model.embed_tokens.weight"],
+              "lm_head.weight": target["lm_head.weight"]}
+    return add_dspark_heads(out, copies, markov_head="vanilla", markov_rank=16,
+                            confidence=True, confidence_with_markov=True,
+                            rng=np.random.default_rng(seed + 1), markov_scale=markov_scale)
+
+
+def add_dspark_heads(out: Path, copies: dict[str, np.ndarray], *, markov_head: str | None,
+                     markov_rank: int, confidence: bool, confidence_with_markov: bool,
+                     rng: np.random.Generator, markov_scale: float = 1.0) -> Path:
+    """Turn the DFlash head at `out` into DSpark's layout: its config's fields at the top
+    level, the embedding and lm_head `copies`, random Markov and confidence heads."""
     config = json.loads((out / "config.json").read_text())
     config.update(config.pop("dflash_config"), architectures=["Qwen3DSparkModel"],
                   markov_rank=markov_rank if markov_head else 0,
@@ -41,7 +72,7 @@ def write_tiny_dspark_draft(
         config["confidence_head_with_markov"] = confidence_with_markov and bool(markov_head)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     h, v, r = config["hidden_size"], config["vocab_size"], markov_rank
-    shapes = {"embed_tokens.weight": (v, h), "lm_head.weight": (v, h)}
+    shapes = {}
     if markov_head:
         shapes.update({"markov_head.markov_w1.weight": (v, r),
                        "markov_head.markov_w2.weight": (v, r)})
@@ -55,9 +86,13 @@ def write_tiny_dspark_draft(
         width = h + (r if markov_head and confidence_with_markov else 0)
         shapes.update({"confidence_head.proj.weight": (1, width),
                        "confidence_head.proj.bias": (1,)})
-    rng = np.random.default_rng(seed + 1)
     tensors = load_file(str(out / "model.safetensors"))
-    tensors.update({name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    tensors.update(copies)
+    tensors.update({name: _random(rng, shape) * (markov_scale if "markov" in name else 1.0)
                     for name, shape in shapes.items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)

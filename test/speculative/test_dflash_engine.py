@@ -3,7 +3,9 @@ so its drafts are accepted: in a KV pool too small for the batch (requests are r
 run again), beside a regex-constrained request (its chains masked on the host), greedy
 output equals plain decoding's and every page comes back, aborts mid-run included (the
 head's context KV lives in the target's pages, so the same count covers it); sampled tokens
-at temperature > 0 follow the target's distribution (chi-square) while drafts are accepted.
+at temperature > 0 follow the target's distribution (chi-square) while drafts are accepted,
+for DFLASH's drafts (verified as one-hot) and for DSPARK's sampled chains (verified against
+the distribution they were drawn from), a DSpark head made of a backbone fitted the same way.
 Greedy equality over batches and page sizes: test_speculative_engine; TP 2: test_tp_native.
 """
 
@@ -16,6 +18,7 @@ import torch
 from sgl_jax import Engine
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft
+from sgl_jax.testing.dspark import dspark_from_dflash
 from sgl_jax.testing.engines import walk_away_mid_run
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
@@ -47,7 +50,11 @@ def fitted(tmp_path_factory):
     target = write_tiny_checkpoint(root / "llama", "llama")
     continuations = fit_dflash_draft(root / "head", target, FIT_PROMPTS, new_tokens=FIT_NEW,
                                      steps=40)
-    return {"target": target, "head": root / "head", "continuations": continuations}
+    fit_dflash_draft(root / "backbone", target, FIT_PROMPTS, new_tokens=FIT_NEW, steps=40,
+                     anchor_first=True)
+    dspark = dspark_from_dflash(root / "dspark", root / "backbone", target, markov_scale=0.1)
+    return {"target": target, "head": root / "head", "dspark": dspark,
+            "continuations": continuations}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +67,9 @@ def references(fitted):
 
 
 def dflash_engine(fitted, **extra):
-    return Engine(model_path=str(fitted["target"]), speculative_algorithm="DFLASH",
-                  speculative_draft_model_path=str(fitted["head"]),
-                  speculative_num_steps=STEPS, **{**BASE, **extra})
+    return Engine(**{"model_path": str(fitted["target"]), "speculative_algorithm": "DFLASH",
+                     "speculative_draft_model_path": str(fitted["head"]),
+                     "speculative_num_steps": STEPS, **BASE, **extra})
 
 
 def pages_all_free(engine) -> bool:
@@ -117,17 +124,25 @@ def chi_square(tokens, probs):
     return float(((counts[live] - expected) ** 2 / expected).sum())
 
 
-def test_sampling_emits_the_target_distribution(fitted):
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_sampling_emits_the_target_distribution(fitted, algorithm):
     """SAMPLES requests of one fitted prompt at temperature 0.5, top-k 4, each with its own
     seed: the second and third tokens (speculative rounds', whose drafts are accepted often)
     follow the target's distribution given the tokens before them, for every prefix sampled
     at least 100 times. A verifier that accepts drafts 1.25 times too often
     (--speculative-accept-threshold-acc 0.8) fails it (chi-square 34 for the greedy prefix),
-    one at 2 times (0.5) by far (416); the lossless one gives at most 3.1."""
+    one at 2 times (0.5) by far (416); the lossless one gives at most 3.1. DSPARK (the fitted
+    head with a small random Markov head) draws its drafts from the filtered distribution
+    it then verifies them against as q."""
     from transformers import AutoModelForCausalLM
 
     prompt = FIT_PROMPTS[0]
-    with dflash_engine(fitted, page_size=16, precompile_bs_paddings=[1, 8, 64]) as engine:
+    extra = {}
+    if algorithm == "DSPARK":
+        extra = dict(speculative_algorithm="DSPARK",
+                     speculative_draft_model_path=str(fitted["dspark"]))
+    with dflash_engine(fitted, page_size=16, precompile_bs_paddings=[1, 8, 64],
+                       **extra) as engine:
         out = engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=[
             {"temperature": TEMPERATURE, "top_k": TOP_K, "max_new_tokens": 3,
              "ignore_eos": True, "seed": i} for i in range(SAMPLES)])

@@ -177,3 +177,49 @@ def test_tree_sampling_emits_the_target_distribution(thresholds, lossless):
         assert verdict.num_accepted.mean() > 0.3  # drafts were really accepted
     else:
         assert max(stats) > 10 * CHI2_LIMIT, stats
+
+
+@pytest.mark.parametrize("told_q", ["drawn", "flattened"])
+def test_sampled_chain_verification_emits_the_target_distribution(told_q):
+    """Chains of 2 drafts sampled in numpy from q (node 0's row for the first draft, the
+    first draft's own row for the second, as a Markov head makes it), verified with that q
+    (DraftTree.child_q): the first emitted token follows the root's p, the second after an
+    accepted first draft x follows p given x, and the first draft is accepted at the rate
+    exact speculative sampling gives, sum(min(p, q)). Told a q other than the one the drafts
+    were drawn from, verification is biased."""
+    rng = np.random.default_rng(7)
+    vocab, samples = 6, 20000
+    p_root = filtered_reference(rng.normal(size=(1, vocab)) * 1.5, 1.0, vocab, 1.0)[0]
+    p_after = filtered_reference(rng.normal(size=(vocab, vocab)) * 1.5, 1.0, vocab, 1.0)
+    q_root = filtered_reference(rng.normal(size=(1, vocab)), 1.0, 4, 1.0)[0]  # 2 ids never
+    q_after = filtered_reference(rng.normal(size=(vocab, vocab)), 1.0, vocab, 1.0)
+    first = rng.choice(vocab, samples, p=q_root)
+    second = np.array([rng.choice(vocab, p=q_after[x]) for x in first])
+    tokens = np.stack([np.zeros(samples, int), first, second], 1).astype(np.int32)
+    child_q = np.stack([np.tile(q_root, (samples, 1)), q_after[first], np.zeros((samples, vocab))],
+                       1).astype(np.float32)
+    if told_q == "flattened":
+        child_q = np.full_like(child_q, 1 / vocab)
+    tree = DraftTree(tokens, np.tile(np.array([-1, 0, 1], np.int32), (samples, 1)), child_q)
+    # The target's logits at each node: the root's, then after each node's own token.
+    logits = np.log(np.stack([np.tile(p_root, (samples, 1)), p_after[first], p_after[second]], 1)
+                    + 1e-30).astype(np.float32).reshape(-1, vocab)
+    seeds = np.repeat(np.arange(samples, dtype=np.uint32), 3)
+    sampling = sampling_rows(samples * 3, vocab, temperature=1.0, top_k=vocab, seeds=seeds,
+                             positions=np.tile(np.arange(3, dtype=np.int32), samples))
+    verdict = jax.device_get(verify(tree, logits, sampling, num_steps=2,
+                                    thresholds=AcceptThresholds()))
+    stats = [chi_square(np.bincount(verdict.tokens[:, 0], minlength=vocab), p_root)]
+    for x in range(vocab):
+        rows = (verdict.num_accepted >= 1) & (first == x)
+        if rows.sum() >= 500:
+            stats.append(chi_square(np.bincount(verdict.tokens[rows, 1], minlength=vocab),
+                                    p_after[x]))
+    accept_rate = (verdict.num_accepted >= 1).mean()
+    if told_q == "drawn":
+        assert len(stats) >= 3 and max(stats) < CHI2_LIMIT, stats
+        expected = np.minimum(p_root, q_root).sum()
+        assert abs(accept_rate - expected) < 4 * np.sqrt(expected * (1 - expected) / samples)
+        assert expected > (q_root * p_root).sum() + 0.05  # more than a one-hot rule accepts
+    else:
+        assert max(stats) > 10 * CHI2_LIMIT, stats
