@@ -64,18 +64,11 @@ def serve_replicas(args: ServerArgs, argv: Sequence[str]) -> int:
         replicas = [_start_replica(argv, env, first + i, meeting.bind_host,
                                    meeting.advertised_host)
                     for i, env in enumerate(device_envs)]
-        processes = [process for process, _ in replicas]
+        router, supervisor = None, None
         _stop_on_signals()
         try:
             _wait_healthy(replicas)
-            local_urls = [url for _, url in replicas]
-            if args.node_rank > 0:
-                meeting.report(local_urls)
-                return meeting.wait_for_rank_0(processes)
-            urls = local_urls + meeting.gather()
-            router = subprocess.Popen(router_command(args, urls))
-            logger.info("Serving %d replicas (%s) behind SGLang's router on http://%s:%d",
-                        len(urls), ", ".join(urls), args.host, args.port)
+            # Every node's launcher supervises its own replicas, on the ports the router has.
             supervisor = ReplicaSupervisor(
                 [Replica(first + i, _port_of(url), url, process)
                  for i, (process, url) in enumerate(replicas)],
@@ -84,16 +77,24 @@ def serve_replicas(args: ServerArgs, argv: Sequence[str]) -> int:
                                                meeting.advertised_host, replica.port)[0],
                 health_timeout=args.replica_health_timeout,
                 start_timeout=REPLICA_START_TIMEOUT_S)
-            processes = [router, *supervisor.processes()]
+            local_urls = [url for _, url in replicas]
+            if args.node_rank > 0:
+                meeting.report(local_urls)
+                return meeting.wait_for_rank_0(supervisor)
+            urls = local_urls + meeting.gather()
+            router = subprocess.Popen(router_command(args, urls))
+            logger.info("Serving %d replicas (%s) behind SGLang's router on http://%s:%d",
+                        len(urls), ", ".join(urls), args.host, args.port)
             while router.poll() is None:
                 supervisor.check()
-                processes = [router, *supervisor.processes()]
                 time.sleep(SUPERVISE_INTERVAL_S)
             return router.returncode
         except _Stopped:
             return 0
         finally:
-            _terminate(processes)
+            _terminate([*([router] if router else []),
+                        *(supervisor.processes() if supervisor else
+                          [process for process, _ in replicas])])
 
 
 class _Meeting:
@@ -149,17 +150,18 @@ class _Meeting:
                             ).encode())
         self.connections.append(connection)
 
-    def wait_for_rank_0(self, replicas: Sequence[subprocess.Popen]) -> int:
-        """Rank > 0: serve until rank 0 hangs up (0) or every local replica exits (1)."""
+    def wait_for_rank_0(self, supervisor: ReplicaSupervisor) -> int:
+        """Rank > 0: supervise this node's replicas until rank 0 hangs up (0) or the
+        supervisor gave up on every one (1)."""
         connection = self.connections[0]
-        connection.settimeout(1)
-        while any(process.poll() is None for process in replicas):
+        connection.settimeout(SUPERVISE_INTERVAL_S)
+        while not supervisor.gave_up_on_all():
             try:
                 if not connection.recv(1):
                     logger.info("Rank 0 hung up: stopping this node's replicas")
                     return 0
             except TimeoutError:
-                continue
+                supervisor.check()
             except OSError:  # rank 0's host went away
                 logger.info("Lost rank 0: stopping this node's replicas")
                 return 0

@@ -1,4 +1,5 @@
-"""The launcher's watch over its replicas (`--dp-size N`).
+"""The launcher's watch over its replicas (`--dp-size N`; over several nodes each node's
+launcher watches its own).
 
 Every `SUPERVISE_INTERVAL_S` the launcher looks at each of its replicas. A replica whose
 process exited, or that has not answered `/health` for `--replica-health-timeout` seconds (a
@@ -69,6 +70,9 @@ class ReplicaSupervisor:
 
     def processes(self) -> list[subprocess.Popen]:
         return [r.process for r in self.replicas if r.process is not None]
+
+    def gave_up_on_all(self) -> bool:
+        return all(replica.given_up for replica in self.replicas)
 
     def check(self) -> None:
         for replica in self.replicas:

@@ -286,7 +286,8 @@ def replica_processes(log: str, rank: int) -> list[int]:
 
 def test_dp_size_over_two_nodes_serves_both_nodes_replicas(model_dir, tmp_path):
     """Two launchers on this host stand in for two nodes: rank 1 reports its replica to
-    rank 0, whose router serves both; stopping rank 0 stops rank 1's replica too."""
+    rank 0, whose router serves both; rank 1's launcher starts its replica again when it is
+    killed, and the router serves it again; stopping rank 0 stops rank 1's replica too."""
     meeting = f"127.0.0.1:{free_port()}"
     flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--dp-size", "2", "--nnodes", "2",
              "--dist-init-addr", meeting, "--router-policy", "round_robin"]
@@ -304,6 +305,11 @@ def test_dp_size_over_two_nodes_serves_both_nodes_replicas(model_dir, tmp_path):
             assert all(answer.choices for answer in answers)
             served = [requests_served(url) - b for url, b in zip(replicas, before, strict=True)]
             assert served == [2, 2]  # round robin over both nodes' replicas
+            [pid] = replica_processes(rank_1_log.read_text(), 1)
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: len(replica_processes(rank_1_log.read_text(), 1)) == 2, 60)
+            wait_until(lambda: healthy(replicas[1]), 300)
+            wait_until(lambda: serves_through(rank_0.base_url, replicas[1]), 60)
         assert rank_1.wait(timeout=60) == 0  # rank 0 hung up, so rank 1 stopped
         assert not healthy(f"http://127.0.0.1:{port_1}")
     finally:
