@@ -3,9 +3,10 @@ so its drafts are accepted: in a KV pool too small for the batch (requests are r
 run again), beside a regex-constrained request (its chains masked on the host), greedy
 output equals plain decoding's and every page comes back, aborts mid-run included (the
 head's context KV lives in the target's pages, so the same count covers it); sampled tokens
-at temperature > 0 follow the target's distribution (chi-square) while drafts are accepted,
-for DFLASH's drafts (verified as one-hot) and for DSPARK's sampled chains (verified against
-the distribution they were drawn from), a DSpark head made of a backbone fitted the same way.
+at temperature > 0 follow the target's distribution (chi-square) while drafts are accepted.
+Retraction and aborts run with DFLASH and with DSPARK (a DSpark head made of a backbone
+fitted the same way, anchor first); sampling with DSPARK, whose sampled chains are verified
+against the distribution they were drawn from.
 Greedy equality over batches and page sizes: test_speculative_engine; TP 2: test_tp_native.
 """
 
@@ -72,6 +73,13 @@ def dflash_engine(fitted, **extra):
                      "speculative_num_steps": STEPS, **BASE, **extra})
 
 
+def dspark_flags(fitted, algorithm: str) -> dict:
+    """Engine arguments that swap the DFlash head for the DSpark one (DSPARK), else none."""
+    if algorithm == "DFLASH":
+        return {}
+    return dict(speculative_algorithm="DSPARK", speculative_draft_model_path=str(fitted["dspark"]))
+
+
 def pages_all_free(engine) -> bool:
     """No request holds a page (the target's KV and the head's context alike), and with the
     prefix cache flushed every page is free."""
@@ -79,12 +87,14 @@ def pages_all_free(engine) -> bool:
             and engine.usage().all_pages_free)
 
 
-def test_retraction_grammar_and_aborts(fitted, references):
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_retraction_grammar_and_aborts(fitted, references, algorithm):
     """Page size 1 and a pool of 256 tokens for 9 requests that need about 450: requests are
     retracted and run again (prompt and head context recomputed), a regex-constrained one
     among them; outputs are plain decoding's, the fitted prompts' drafts are accepted all
     along, and retractions and aborts mid-run give every page back."""
-    with dflash_engine(fitted, page_size=1, max_total_tokens=256) as engine:
+    with dflash_engine(fitted, page_size=1, max_total_tokens=256,
+                       **dspark_flags(fitted, algorithm)) as engine:
         out = engine.generate(
             input_ids=[*FIT_PROMPTS, *other_prompts(), CONSTRAINED],
             sampling_params=[*[greedy(FIT_NEW)] * 4, *(greedy(n) for n in MAX_NEW),
@@ -124,25 +134,22 @@ def chi_square(tokens, probs):
     return float(((counts[live] - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
-def test_sampling_emits_the_target_distribution(fitted, algorithm):
+def test_sampling_emits_the_target_distribution(fitted):
     """SAMPLES requests of one fitted prompt at temperature 0.5, top-k 4, each with its own
     seed: the second and third tokens (speculative rounds', whose drafts are accepted often)
     follow the target's distribution given the tokens before them, for every prefix sampled
     at least 100 times. A verifier that accepts drafts 1.25 times too often
     (--speculative-accept-threshold-acc 0.8) fails it (chi-square 34 for the greedy prefix),
-    one at 2 times (0.5) by far (416); the lossless one gives at most 3.1. DSPARK (the fitted
-    head with a small random Markov head) draws its drafts from the filtered distribution
-    it then verifies them against as q."""
+    one at 2 times (0.5) by far (416); the lossless one gives at most 3.1 (figures of the
+    DFLASH head). Run with DSPARK (the fitted backbone with a small random Markov head), which
+    draws its drafts from the filtered distribution it then verifies them against as q: the
+    same engine path as DFLASH's drafts, plus that rule (DFLASH's one-hot rule is checked
+    against a reference in test_tree_and_verify)."""
     from transformers import AutoModelForCausalLM
 
     prompt = FIT_PROMPTS[0]
-    extra = {}
-    if algorithm == "DSPARK":
-        extra = dict(speculative_algorithm="DSPARK",
-                     speculative_draft_model_path=str(fitted["dspark"]))
     with dflash_engine(fitted, page_size=16, precompile_bs_paddings=[1, 8, 64],
-                       **extra) as engine:
+                       **dspark_flags(fitted, "DSPARK")) as engine:
         out = engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=[
             {"temperature": TEMPERATURE, "top_k": TOP_K, "max_new_tokens": 3,
              "ignore_eos": True, "seed": i} for i in range(SAMPLES)])
