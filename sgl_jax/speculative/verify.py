@@ -69,9 +69,9 @@ def verify_tree(
 
     def stochastic(logits: jax.Array) -> Verdict:
         probs = filtered_probs(logits, sampling, None, None).reshape(batch, num_nodes, -1)
-        child_prob = _at_parents(probs, tree, tree.tokens)
+        child_prob = _at_parents(probs, tree)
         if tree.child_q is not None:  # accepted with probability min(1, p / q)
-            q = jnp.maximum(_at_parents(tree.child_q, tree, tree.tokens), 1e-30)
+            q = jnp.maximum(_at_parents(tree.child_q, tree), 1e-30)
             child_prob = jnp.minimum(child_prob / q, 1.0)
         path, accepted, last = _walk(tree, child_prob, u_accept, num_steps, thresholds)
         bonus = _draw_bonus(tree, probs, last, jnp.take_along_axis(u_bonus, last[:, None], 1))
@@ -86,10 +86,10 @@ def _node_uniforms(sampling: SamplingBatch, stream: int) -> jax.Array:
     return 1.0 - draw(sampling.seed, sampling.position)
 
 
-def _at_parents(dists: jax.Array, tree: DraftTree, tokens: jax.Array) -> jax.Array:
+def _at_parents(dists: jax.Array, tree: DraftTree) -> jax.Array:
     """dists f32[B, N, V] -> f32[B, N]: each node's token's mass in its parent's row."""
     at_parent = jnp.take_along_axis(dists, jnp.maximum(tree.parents, 0)[:, :, None], 1)
-    return jnp.take_along_axis(at_parent, tokens[:, :, None], axis=2)[..., 0]
+    return jnp.take_along_axis(at_parent, tree.tokens[:, :, None], axis=2)[..., 0]
 
 
 def _at_parent(values: jax.Array, parents: jax.Array) -> jax.Array:
