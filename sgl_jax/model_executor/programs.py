@@ -42,12 +42,11 @@ STORE_BYTES = 8 * 2**30
 _PACKAGE = Path(__file__).resolve().parents[1]
 # An executable JAX loaded from its own persistent cache serializes without the machine code
 # of some of its functions on XLA:CPU ("Function ... not found" when the copy runs), so only
-# executables compiled here are stored. A program found in JAX's cache (compiled by another
-# fingerprint: another flag, an older sgl_jax, the store off) is used, and the store notes
-# it; the next build of that program for this store compiles under a JAX cache key of its
-# own (_install_store_key_hook), neither reading nor writing JAX's cache, and stores it. So
-# engines that share programs share JAX's cache (the test suite builds hundreds), and a
-# start never keeps tracing a program the store could hold.
+# executables compiled here are stored. A program the store keeps compiles under a JAX
+# cache key of its own (_install_store_key_hook) and is never written to JAX's cache: an
+# entry another path wrote for the same program (the store off, an older version) is never read back
+# (found there, a program was never stored, and every start traced it again). The compiling
+# thread still hears of a hit of the compile itself, and leaves that program unstored.
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _compiling = threading.local()
 
@@ -84,8 +83,8 @@ _install_store_key_hook()
 
 @contextlib.contextmanager
 def _outside_jax_cache() -> Iterator[None]:
-    """This thread's compiles under a key of their own, so JAX's cache has nothing for them,
-    and not written to it (its minimum compile time raised past any)."""
+    """This thread's compiles under the store's own key and not written to JAX's cache (its
+    minimum compile time raised past any)."""
     try:
         from jax._src import config as jax_config
 
@@ -169,13 +168,6 @@ class ExecutableStore:
             logger.warning("executable %s unreadable (%s): building it again", path.name, exc)
             return None
 
-    def note_found_in_jax_cache(self, name: str, signature: str) -> None:
-        """The program came from JAX's cache, unstorable: the next build compiles it afresh."""
-        self._path(name, signature).with_suffix(".in-jax-cache").touch()
-
-    def found_in_jax_cache(self, name: str, signature: str) -> bool:
-        return self._path(name, signature).with_suffix(".in-jax-cache").exists()
-
     def save(self, name: str, signature: str, compiled: jax.stages.Compiled) -> None:
         from jax.experimental.serialize_executable import serialize
 
@@ -188,7 +180,6 @@ class ExecutableStore:
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         partial.write_bytes(blob)
         partial.replace(path)  # readers see a whole file or none
-        path.with_suffix(".in-jax-cache").unlink(missing_ok=True)
 
     def read_json(self, name: str) -> dict[str, Any]:
         """A small record kept beside the executables (e.g. their measured timings)."""
@@ -272,17 +263,13 @@ class Programs:
                 logger.debug("Loaded %s from the executable store", name)
             else:
                 lowered = self._jitted.lower(*args, **static)
-                afresh = self._store is not None and self._store.found_in_jax_cache(
-                    self.name, digest)
                 # Only the compile's own hit counts: tracing may run small eager programs
                 # that JAX's cache does hold.
                 _compiling.cache_hit = False
-                with _outside_jax_cache() if afresh else contextlib.nullcontext():
+                with _outside_jax_cache() if self._store else contextlib.nullcontext():
                     program = lowered.compile()
                 self.traced += 1
-                if self._store and _compiling.cache_hit:
-                    self._store.note_found_in_jax_cache(self.name, digest)
-                elif self._store:
+                if self._store and not _compiling.cache_hit:
                     self._store.save(self.name, digest, program)
                 logger.info("Built %s in %.1f s (%s)", name, time.perf_counter() - start,
                             "not in the executable store" if self._store
