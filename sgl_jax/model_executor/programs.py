@@ -42,11 +42,12 @@ STORE_BYTES = 8 * 2**30
 _PACKAGE = Path(__file__).resolve().parents[1]
 # An executable JAX loaded from its own persistent cache serializes without the machine code
 # of some of its functions on XLA:CPU ("Function ... not found" when the copy runs), so only
-# executables compiled here are stored. A program the store keeps compiles under a JAX
-# cache key of its own (_install_store_key_hook) and is never written to JAX's cache: an
-# entry another path wrote for the same program (the store off, an older version) is never read back
-# (found there, a program was never stored, and every start traced it again). The compiling
-# thread still hears of a hit of the compile itself, and leaves that program unstored.
+# executables compiled here are stored. A program found in JAX's cache (compiled by another
+# fingerprint: another flag, an older sgl_jax, the store off) is used, and the store notes
+# it; the next build of that program for this store compiles under a JAX cache key of its
+# own (_install_store_key_hook), neither reading nor writing JAX's cache, and stores it. So
+# engines that share programs share JAX's cache (the test suite builds hundreds), and a
+# start never keeps tracing a program the store could hold.
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _compiling = threading.local()
 
@@ -83,8 +84,8 @@ _install_store_key_hook()
 
 @contextlib.contextmanager
 def _outside_jax_cache() -> Iterator[None]:
-    """This thread's compiles under the store's own key and not written to JAX's cache (its
-    minimum compile time raised past any)."""
+    """This thread's compiles under a key of their own, so JAX's cache has nothing for them,
+    and not written to it (its minimum compile time raised past any)."""
     try:
         from jax._src import config as jax_config
 
@@ -139,8 +140,34 @@ def signature(args: tuple, static: Mapping[str, Any]) -> str:
     described = [str(treedef), repr(sorted(static.items()))]
     for leaf in leaves:
         described.append(f"{leaf.shape}{leaf.dtype}{leaf.weak_type}{leaf.sharding}"
+                         f"{_device_ids(leaf.sharding)}"
                          if isinstance(leaf, jax.ShapeDtypeStruct) else repr(leaf))
     return hashlib.sha256("\n".join(described).encode()).hexdigest()[:32]
+
+
+def _device_ids(sharding: Any) -> tuple[int, ...]:
+    """The devices a sharding places on, in order: its text names a mesh's shape only, and
+    the same shape on other devices is another program."""
+    if sharding is None:
+        return ()
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "device_ids"):
+        return tuple(int(i) for i in np.asarray(mesh.device_ids).flat)
+    return tuple(sorted(d.id for d in sharding.device_set))
+
+
+def _initialize_lapack() -> None:
+    """XLA:CPU runs linear algebra (a triangular solve, in Qwen3-Next's gated delta rule)
+    through LAPACK functions that JAX looks up when it first lowers such an operation: a
+    process that only loads the program would call a null pointer (as JAX's own
+    deserialization of exported programs knows)."""
+    try:
+        from jax._src.lax import linalg
+    except ImportError:
+        return
+    initialize = getattr(linalg, "initialize_lapack", None)
+    if initialize is not None:
+        initialize()
 
 
 class ExecutableStore:
@@ -159,20 +186,34 @@ class ExecutableStore:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         path = self._path(name, signature)
+        _initialize_lapack()
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return deserialize_and_load(payload, in_tree, out_tree)
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            # Loaded onto all devices, a program of a sub-mesh (tensor parallelism narrower
+            # than the machine) aborts the process in XLA: it runs on the devices it was
+            # compiled for.
+            devices = [by_id[i] for i in device_ids]
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except FileNotFoundError:
             return None
         except Exception as exc:  # a torn or foreign file: build it again
             logger.warning("executable %s unreadable (%s): building it again", path.name, exc)
             return None
 
+    def note_found_in_jax_cache(self, name: str, signature: str) -> None:
+        """The program came from JAX's cache, unstorable: the next build compiles it afresh."""
+        self._path(name, signature).with_suffix(".in-jax-cache").touch()
+
+    def found_in_jax_cache(self, name: str, signature: str) -> bool:
+        return self._path(name, signature).with_suffix(".in-jax-cache").exists()
+
     def save(self, name: str, signature: str, compiled: jax.stages.Compiled) -> None:
         from jax.experimental.serialize_executable import serialize
 
         try:
-            blob = pickle.dumps(serialize(compiled))
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            blob = pickle.dumps((*serialize(compiled), device_ids))
         except Exception as exc:  # some backends cannot serialize: serve without keeping it
             logger.info("executable %s not kept: %s", name, exc)
             return
@@ -180,6 +221,7 @@ class ExecutableStore:
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         partial.write_bytes(blob)
         partial.replace(path)  # readers see a whole file or none
+        path.with_suffix(".in-jax-cache").unlink(missing_ok=True)
 
     def read_json(self, name: str) -> dict[str, Any]:
         """A small record kept beside the executables (e.g. their measured timings)."""
@@ -263,13 +305,17 @@ class Programs:
                 logger.debug("Loaded %s from the executable store", name)
             else:
                 lowered = self._jitted.lower(*args, **static)
+                afresh = self._store is not None and self._store.found_in_jax_cache(
+                    self.name, digest)
                 # Only the compile's own hit counts: tracing may run small eager programs
                 # that JAX's cache does hold.
                 _compiling.cache_hit = False
-                with _outside_jax_cache() if self._store else contextlib.nullcontext():
+                with _outside_jax_cache() if afresh else contextlib.nullcontext():
                     program = lowered.compile()
                 self.traced += 1
-                if self._store and not _compiling.cache_hit:
+                if self._store and _compiling.cache_hit:
+                    self._store.note_found_in_jax_cache(self.name, digest)
+                elif self._store:
                     self._store.save(self.name, digest, program)
                 logger.info("Built %s in %.1f s (%s)", name, time.perf_counter() - start,
                             "not in the executable store" if self._store

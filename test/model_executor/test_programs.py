@@ -1,8 +1,11 @@
 """Compiled programs kept between processes (ExecutableStore), built by key (Programs) and in
 the background (BackgroundBuilder), checked against the plain jitted functions."""
 
+import functools
 import threading
 import time
+import uuid
+import zlib
 from dataclasses import dataclass
 
 import jax
@@ -20,6 +23,7 @@ from sgl_jax.model_executor.programs import (
 )
 
 SETTINGS = {"page_size": 16, "dtype": "float32"}
+RUN = uuid.uuid4().hex  # a user cache may outlive a run
 
 
 @jax.tree_util.register_dataclass
@@ -29,9 +33,11 @@ class Rows:
     scale: np.ndarray  # f32[B]
 
 
-def step(state, rows: Rows):
-    """A donated state written at the rows' ids, and a per-row result."""
-    return state.at[rows.ids].add(rows.scale), rows.scale * 2 + state[rows.ids]
+def step(state, rows: Rows, bound: float = 1e6):
+    """A donated state written at the rows' ids, and a per-row result. `bound` never clips
+    (|scale| < 10) but is a constant of the program: another bound, another program."""
+    scale = jnp.minimum(rows.scale, bound)
+    return state.at[rows.ids].add(scale), scale * 2 + state[rows.ids]
 
 
 def reference(state: np.ndarray, rows: Rows):
@@ -47,8 +53,12 @@ def rows(batch: int) -> Rows:
 
 
 def programs_in(root, settings=SETTINGS) -> Programs:
+    """`step` as a program of its own for each test directory: whether JAX's cache (on in
+    a worker where an engine ran) already holds it never depends on the tests before."""
     store = ExecutableStore(root, fingerprint(settings))
-    return Programs("step", jax.jit(step, donate_argnums=(0,)), store)
+    bound = 1e6 + zlib.crc32(f"{root}{RUN}".encode()) % 2**20
+    return Programs("step", jax.jit(functools.partial(step, bound=bound), donate_argnums=(0,)),
+                    store)
 
 
 def run(programs: Programs, batch: int):
@@ -198,9 +208,11 @@ print(json.dumps([programs.traced, programs.loaded]))
 
 
 def test_a_program_jaxs_cache_already_holds_is_stored_and_loaded_next_time(tmp_path):
-    """JAX decides once per process whether it reads its cache: an entry another path wrote
-    for the same program was read back by every start, and, unstorable, kept it out of the
-    store for good (each start traced it again). Each run in a process of its own."""
+    """An entry another path wrote for the same program in JAX's cache is read back
+    (engines that share programs share that cache) but cannot be stored: it once kept the
+    program out of the store for good (each start traced it again). Now the store notes it,
+    the next start compiles it afresh and stores it, and the one after loads it. Each run in
+    a process of its own (JAX decides once per process whether it reads its cache)."""
     import json
     import subprocess
     import sys
@@ -215,5 +227,89 @@ def test_a_program_jaxs_cache_already_holds_is_stored_and_loaded_next_time(tmp_p
 
     run_in_process("plain")
     assert any((tmp_path / "xla").glob("jit_step-*")), "the other path's entry is not there"
-    assert run_in_process("store") == [1, 0]  # traced and compiled here, and stored
+    assert run_in_process("store") == [1, 0]  # traced, found in JAX's cache: not stored
+    store = next((tmp_path / "store").iterdir())
+    assert not list(store.glob("step-*.exe")) and list(store.glob("step-*.in-jax-cache"))
+    assert run_in_process("store") == [1, 0]  # traced and compiled afresh, and stored
+    assert list(store.glob("step-*.exe")) and not list(store.glob("step-*.in-jax-cache"))
     assert run_in_process("store") == [0, 1]  # the next start loads it
+
+
+SUB_MESH = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from sgl_jax.model_executor.programs import ExecutableStore, Programs, fingerprint
+
+def doubled_sum(x):
+    return jnp.sum(x * 2.0, axis=0)
+
+x_host = np.arange(32, dtype=np.float32).reshape(8, 4)
+counts = []
+for ids in ([2, 3], [3, 2], [0, 1]):  # one shape on other devices: other programs
+    mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("tp",))
+    x = jax.device_put(jnp.asarray(x_host), NamedSharding(mesh, P("tp")))
+    for _ in range(2):  # the second store stands for a later process
+        programs = Programs("sum", jax.jit(doubled_sum),
+                            ExecutableStore(Path(sys.argv[1]), fingerprint({"n": 1})))
+        out = programs("k", x)
+        np.testing.assert_allclose(np.asarray(out), (x_host * 2).sum(0), rtol=1e-6)
+        assert {d.id for d in out.sharding.device_set} <= set(ids)
+        counts.append([programs.traced, programs.loaded])
+print(json.dumps(counts))
+"""
+
+
+def test_a_program_of_a_sub_mesh_loads_onto_its_own_devices(tmp_path):
+    """Tensor parallelism narrower than the machine: loaded onto every device, a stored
+    program of two devices aborted the process in XLA; a mesh of the same shape on other
+    devices is a program of its own."""
+    import json
+    import subprocess
+    import sys
+
+    from sgl_jax.testing.parallel import cpu_devices_env
+
+    done = subprocess.run([sys.executable, "-c", SUB_MESH, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=cpu_devices_env(8))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[1, 0], [0, 1]] * 3
+
+
+LINEAR_ALGEBRA = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from sgl_jax.model_executor.programs import ExecutableStore, Programs, fingerprint
+
+def solve(a, b):
+    return jax.scipy.linalg.solve_triangular(a, b, lower=True)
+
+a = np.tril(np.random.default_rng(0).standard_normal((6, 6))).astype(np.float32) + 4 * np.eye(6,
+    dtype=np.float32)
+b = np.ones((6, 2), np.float32)
+programs = Programs("solve", jax.jit(solve), ExecutableStore(Path(sys.argv[1]),
+                                                             fingerprint({"n": 1})))
+out = programs("k", jnp.asarray(a), jnp.asarray(b))
+np.testing.assert_allclose(np.asarray(out), np.linalg.solve(a, b), rtol=1e-5)
+print(json.dumps([programs.traced, programs.loaded]))
+"""
+
+
+def test_a_loaded_linear_algebra_program_runs_in_a_process_that_traced_nothing(tmp_path):
+    """XLA:CPU's triangular solve calls LAPACK through pointers JAX sets when it first lowers
+    one: loaded by a process that had lowered none, it called a null pointer (Qwen3-Next's
+    decode step on a second start)."""
+    import json
+    import subprocess
+    import sys
+
+    def run_in_process() -> list[int]:
+        done = subprocess.run([sys.executable, "-c", LINEAR_ALGEBRA, str(tmp_path)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run_in_process() == [1, 0]
+    assert run_in_process() == [0, 1]
