@@ -265,23 +265,22 @@ def test_state_pool_returns_to_full_after_finish_abort_and_retraction(checkpoint
 
 def test_greedy_identical_across_tp_sizes(checkpoint):
     """Attention heads (2 KV heads: one copy each at TP 4), GDN key heads (4: one per device
-    at TP 4) with the state pool, and every expert's features split; plain and speculative."""
+    at TP 4) with the state pool, and every expert's features split; plain and speculative.
+    TP 4 splits every kind of head the narrowest way; TP 2 adds no other split."""
     path, reference, _ = checkpoint
-    results = run_subprocess(["--model-path", str(path), "--tp-sizes", "1,2,4",
+    results = run_subprocess(["--model-path", str(path), "--tp-sizes", "1,4",
                               "--draft-model-path", str(path), "--draft-algorithm",
-                              "STANDALONE"], devices=8)
+                              "STANDALONE"], devices=4)
     plain = results["plain"]
     # The target as its own draft: every round commits deep tree nodes' states on each split.
-    for tp in (1, 2, 4):
+    for tp in (1, 4):
         assert results["speculative"][tp]["output_ids"] == plain[1]["output_ids"], tp
     for ids, output in zip(tp_prompts(512), plain[1]["output_ids"], strict=True):
         assert_greedy_as_transformers(reference, ids, output)
-    for tp in (2, 4):
-        assert plain[tp]["output_ids"] == plain[1]["output_ids"], tp
+    assert plain[4]["output_ids"] == plain[1]["output_ids"]
     config = json.loads((path / "config.json").read_text())
     assert config["linear_num_key_heads"] % 4 == 0
-    assert plain[4]["param_bytes_per_device"] < plain[2]["param_bytes_per_device"] < \
-        plain[1]["param_bytes_per_device"]
+    assert plain[4]["param_bytes_per_device"] < plain[1]["param_bytes_per_device"]
 
 
 # --------------------------------------------------------------------------- the HTTP server

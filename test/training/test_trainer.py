@@ -200,20 +200,27 @@ def run_cli(setup, out, *args, devices=1):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_meshes_give_the_same_losses(training_setup, tmp_path):
-    single = run_cli(training_setup, tmp_path / "one", "--max-steps", "3")
+@pytest.fixture(scope="module")
+def straight_run(training_setup, tmp_path_factory):
+    """Four steps on one device, exported: the run the tests below compare with."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, run_cli(training_setup, out, "--max-steps", "4")
+
+
+def test_meshes_give_the_same_losses(training_setup, straight_run, tmp_path):
+    single = straight_run[1]
     # Both axes at once: batch rows split over "dp", the target and the draft over "tp".
-    sharded = run_cli(training_setup, tmp_path / "dp2-tp4", "--max-steps", "3", "--dp-size",
+    sharded = run_cli(training_setup, tmp_path / "dp2-tp4", "--max-steps", "4", "--dp-size",
                       "2", "--tp-size", "4", devices=8)
-    assert [m["step"] for m in sharded] == [1, 2, 3]
+    assert [m["step"] for m in sharded] == [1, 2, 3, 4]
     for a, b in zip(single, sharded, strict=True):
         np.testing.assert_allclose(b["losses"], a["losses"], rtol=2e-5, atol=1e-6)
         assert b["counts"] == a["counts"]
     assert single[-1]["loss"] < single[0]["loss"]
 
 
-def test_resume_continues_the_same_run(training_setup, tmp_path):
-    straight = run_cli(training_setup, tmp_path / "straight", "--max-steps", "4")
+def test_resume_continues_the_same_run(training_setup, straight_run, tmp_path):
+    straight = straight_run[1]
     out = tmp_path / "resumed"
     run_cli(training_setup, out, "--max-steps", "2", "--save-interval", "2")
     (out / "metrics.jsonl").unlink()
@@ -223,8 +230,8 @@ def test_resume_continues_the_same_run(training_setup, tmp_path):
         np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-5)
 
 
-def test_the_export_loads_as_trained(training_setup, tmp_path):
-    run_cli(training_setup, tmp_path, "--max-steps", "2")
+def test_the_export_loads_as_trained(straight_run):
+    tmp_path = straight_run[0]
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 64
