@@ -1,9 +1,15 @@
 """Settings for every test process."""
 
 import gc
+import os
 
-import jax
-import pytest
+from sgl_jax.testing.parallel import FAST_COMPILE_FLAGS, with_xla_flags
+
+# Before any backend starts (XLA reads its flags then); subprocesses inherit them.
+os.environ["XLA_FLAGS"] = with_xla_flags(os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE_FLAGS)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Engines built inside test processes use JAX's persistent compilation cache, as servers do
 # (in the user cache dir): the tests build many engines of the same tiny shapes. XLA:CPU once
