@@ -12,9 +12,9 @@ import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.testing.attention import (
+    KERNEL_CASES,
     KERNEL_FP8_CASES,
     KERNEL_HEAD_DIM_CASES,
-    KERNEL_PRODUCT,
     KERNEL_SLIDING_WINDOWS,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
@@ -38,7 +38,7 @@ def compiled(**tunables):
     return run
 
 
-@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_PRODUCT)
+@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_CASES)
 def test_matches_reference(mode, gqa, page_size, dtype):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
     assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)
@@ -89,7 +89,7 @@ on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
 
 
 @on_gpu
-@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_PRODUCT)
+@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_CASES)
 def test_compiled_matches_reference(mode, gqa, page_size, dtype):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
     assert_kernel_matches_reference(compiled(), problem, dtype=dtype)

@@ -13,9 +13,9 @@ from jax.experimental.pallas import tpu as pltpu
 from sgl_jax.layers.attention.checks import check_dynamic_inputs
 from sgl_jax.layers.attention.pallas_tpu import ragged_paged_attention_tpu
 from sgl_jax.testing.attention import (
+    KERNEL_CASES,
     KERNEL_FP8_CASES,
     KERNEL_HEAD_DIM_CASES,
-    KERNEL_PRODUCT,
     KERNEL_SLIDING_WINDOWS,
     KERNEL_WIDE_HEADS,
     assert_kernel_matches_reference,
@@ -33,7 +33,7 @@ def interpreted(kernel=ragged_paged_attention_tpu):
     return run
 
 
-@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_PRODUCT)
+@pytest.mark.parametrize("mode,gqa,page_size,dtype", KERNEL_CASES)
 def test_matches_reference(mode, gqa, page_size, dtype):
     problem = kernel_problem(mode, page_size=page_size, gqa=gqa, dtype=dtype)
     assert_kernel_matches_reference(interpreted(), problem, dtype=dtype)

@@ -40,9 +40,6 @@ BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_p
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
 LONG_CHAIN = dict(speculative_num_steps=15, speculative_eagle_topk=1)  # DFLASH's default
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=8)
-# Every candidate kept (2 + 2 * 4 = 10 draft nodes).
-FULL_TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2,
-                 speculative_num_draft_tokens=11)
 LENGTHS = [3, 45, 12, 70, 5, 20, 9, 33]  # 45 and 70 take several prefill chunks
 FIT_PROMPTS = np.random.default_rng(7).integers(3, 500, (16, 12)).tolist()
 FIT_NEW_TOKENS = 32
@@ -112,31 +109,20 @@ def test_greedy_speculation_equals_plain_decoding(paths, references, draft):
         assert states_all_free(engine)
 
 
-@pytest.mark.parametrize("shape,page_size", [(CHAIN, 16), (FULL_TREE, 1)],
-                         ids=["chain-page16", "tree-page1"])
-def test_target_as_its_own_draft_accepts_a_full_path_every_round(paths, references, shape,
-                                                                 page_size):
+def test_target_as_its_own_draft_accepts_a_full_path_every_round(paths, references):
     """A hybrid STANDALONE draft (the target itself) keeps its own states per request. A
     chain is its greedy path, accepted whole every round: every round commits the deepest
-    node in the target's and the draft's state pools. A topk 2 tree expands only the best two
-    depth-2 nodes by cumulative score, which may miss the greedy one on this flat random
-    model, so most (not all) of its rounds accept the full depth."""
-    with spec_engine(paths, shape, page_size, draft="self") as engine:
+    node in the target's and the draft's state pools. (Trees of the target as its own draft
+    commit deep nodes' states in test_qwen3_next's TP test; NEXTN's trees run at page 1.)"""
+    with spec_engine(paths, CHAIN, 16, draft="self") as engine:
         outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
                                                                         MAX_NEW])
         assert [o["output_ids"] for o in outputs] == references
-        if shape is CHAIN:
-            for out, n in zip(outputs, MAX_NEW, strict=True):
-                meta = out["meta_info"]
-                assert meta["spec_verify_ct"] == -(-(n - 1) // 4)  # the first is prefill's
-                if n > 1:
-                    assert meta["spec_accept_length"] == 4.0
-        else:
-            rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
-            per_depth = np.sum([o["meta_info"]["spec_accepted_per_position"]
-                                for o in outputs], axis=0)
-            assert per_depth[:2].tolist() == [rounds, rounds]
-            assert per_depth[2] >= rounds // 2
+        for out, n in zip(outputs, MAX_NEW, strict=True):
+            meta = out["meta_info"]
+            assert meta["spec_verify_ct"] == -(-(n - 1) // 4)  # the first is prefill's
+            if n > 1:
+                assert meta["spec_accept_length"] == 4.0
         assert states_all_free(engine)
 
 
