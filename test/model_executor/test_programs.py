@@ -2,11 +2,15 @@
 the background (BackgroundBuilder), checked against the plain jitted functions."""
 
 import functools
+import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ from sgl_jax.model_executor.programs import (
     Programs,
     fingerprint,
 )
+from sgl_jax.testing.parallel import cpu_devices_env
 
 SETTINGS = {"page_size": 16, "dtype": "float32"}
 RUN = uuid.uuid4().hex  # a user cache may outlive a run
@@ -182,6 +187,19 @@ def test_an_executable_from_jaxs_own_cache_is_not_stored(tmp_path):
     assert len(list(store.directory.glob("step-*.exe"))) == 1
 
 
+def run_script(script: str, *args, env: dict[str, str] | None = None) -> str:
+    """`script`'s standard output, run in a Python process of its own (JAX decides once per
+    process whether it reads its cache; a bad load kills the process that loads it)."""
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def printed_json(stdout: str):
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 STALE_ENTRY = """
 import json, sys
 from pathlib import Path
@@ -213,19 +231,12 @@ def test_a_program_jaxs_cache_already_holds_is_stored_and_loaded_next_time(tmp_p
     program out of the store for good (each start traced it again). Now the store notes it,
     the next start compiles it afresh and stores it, and the one after loads it. Each run in
     a process of its own (JAX decides once per process whether it reads its cache)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    here = Path(__file__).parent
 
     def run_in_process(kind: str) -> list[int]:
-        done = subprocess.run([sys.executable, "-c", STALE_ENTRY, str(tmp_path), kind,
-                               str(Path(__file__).parent)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1]) if kind != "plain" else []
+        return printed_json(run_script(STALE_ENTRY, tmp_path, kind, here))
 
-    run_in_process("plain")
+    run_script(STALE_ENTRY, tmp_path, "plain", here)
     assert any((tmp_path / "xla").glob("jit_step-*")), "the other path's entry is not there"
     assert run_in_process("store") == [1, 0]  # traced, found in JAX's cache: not stored
     store = next((tmp_path / "store").iterdir())
@@ -265,16 +276,8 @@ def test_a_program_of_a_sub_mesh_loads_onto_its_own_devices(tmp_path):
     """Tensor parallelism narrower than the machine: loaded onto every device, a stored
     program of two devices aborted the process in XLA; a mesh of the same shape on other
     devices is a program of its own."""
-    import json
-    import subprocess
-    import sys
-
-    from sgl_jax.testing.parallel import cpu_devices_env
-
-    done = subprocess.run([sys.executable, "-c", SUB_MESH, str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env=cpu_devices_env(8))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[1, 0], [0, 1]] * 3
+    counts = printed_json(run_script(SUB_MESH, tmp_path, env=cpu_devices_env(8)))
+    assert counts == [[1, 0], [0, 1]] * 3
 
 
 LINEAR_ALGEBRA = """
@@ -301,15 +304,5 @@ def test_a_loaded_linear_algebra_program_runs_in_a_process_that_traced_nothing(t
     """XLA:CPU's triangular solve calls LAPACK through pointers JAX sets when it first lowers
     one: loaded by a process that had lowered none, it called a null pointer (Qwen3-Next's
     decode step on a second start)."""
-    import json
-    import subprocess
-    import sys
-
-    def run_in_process() -> list[int]:
-        done = subprocess.run([sys.executable, "-c", LINEAR_ALGEBRA, str(tmp_path)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    assert run_in_process() == [1, 0]
-    assert run_in_process() == [0, 1]
+    assert printed_json(run_script(LINEAR_ALGEBRA, tmp_path)) == [1, 0]
+    assert printed_json(run_script(LINEAR_ALGEBRA, tmp_path)) == [0, 1]
