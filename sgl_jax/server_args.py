@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
 from sgl_jax.speculative.config import SpeculativeConfig
+from sgl_jax.speculative.flags import (
+    NGRAM_MATCH_TYPES,
+    SPECULATIVE_ALGORITHMS,
+    add_ngram_flags,
+    add_speculative_flags,
+)
 from sgl_jax.speculative.suffix_config import SuffixConfig
 
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.
 ATTENTION_BACKEND_CHOICES = ("native", "fa", "triton")
-SPECULATIVE_ALGORITHMS = ("DFLASH", "DSPARK", "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "STANDALONE")
 # Drafters whose default shape is not the 3-step chain: (steps, draft tokens). NGRAM's text
 # lookups cost nothing per step; a DFlash head drafts its whole block (the published heads'
 # 16 tokens: 15 steps and the root) in one forward, a DSpark head all of its (DeepSpec's 7).
@@ -28,7 +33,6 @@ SHAPE_DEFAULTS = {"NGRAM": (7, 8), "DFLASH": (15, None), "DSPARK": (7, None)}  #
 # --speculative-num-draft-tokens): a chain of W tokens drafts W - 1.
 WIDTH_SETS_CHAIN_DEPTH = ("DFLASH", "DSPARK", "NEXTN")
 MAX_NGRAM_DRAFT_TOKENS = 64
-NGRAM_MATCH_TYPES = ("BFS", "PROB")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # SGLang's names, then vLLM's for the same formats (sgl_jax.tokenizer.tool_calls).
@@ -113,6 +117,7 @@ class ServerArgs:
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
     speculative_adaptive: bool = True  # off: every round takes the flags' shape
+    speculative_per_request_lengths: bool = False  # chain rounds' rows verify own prefixes
     # NGRAM (SGLang's flags; docs/speculative.md says what each means here)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
@@ -246,6 +251,9 @@ class ServerArgs:
             if not 0 < getattr(spec, name) <= 1:
                 raise ValueError(f"speculative_{name} must be in (0, 1], got "
                                  f"{getattr(spec, name)}")
+        if spec.per_request_lengths and not spec.adaptive:
+            raise ValueError("--speculative-per-request-lengths: the adaptive policy chooses "
+                             "each request's length; drop --no-speculative-adaptive")
         if spec.ngram is not None:
             self._validate_ngram(spec)
             return
@@ -318,6 +326,7 @@ class ServerArgs:
             accept_threshold_single=self.speculative_accept_threshold_single,
             accept_threshold_acc=self.speculative_accept_threshold_acc,
             adaptive=self.speculative_adaptive,
+            per_request_lengths=self.speculative_per_request_lengths,
             ngram=self._ngram_config() if algorithm == "NGRAM" else None,
         )
 
@@ -398,8 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_memory_args(parser.add_argument_group("KV cache and memory"))
     _add_scheduling_args(parser.add_argument_group("scheduling and compilation"))
     _add_parallel_args(parser.add_argument_group("parallelism"))
-    _add_speculative_args(parser.add_argument_group("speculative decoding"))
-    _add_ngram_args(parser.add_argument_group("NGRAM drafting (--speculative-algorithm NGRAM)"))
+    add_speculative_flags(parser.add_argument_group("speculative decoding"),
+                          DRAFT_QUANTIZATION_CHOICES)
+    add_ngram_flags(parser.add_argument_group("NGRAM drafting (--speculative-algorithm NGRAM)"))
     _add_http_args(parser.add_argument_group("HTTP server and OpenAI API"))
     _add_logging_args(parser.add_argument_group("logging and metrics"))
     return parser
@@ -505,62 +515,6 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dist-init-addr", default=None,
                        help="HOST:PORT of rank 0, where the nodes meet (needed with "
                             "--nnodes > 1); PORT + 1 carries the scheduled steps")
-
-
-def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--speculative-algorithm", default=None,
-                       type=lambda s: s.upper(), choices=SPECULATIVE_ALGORITHMS,
-                       help="draft-and-verify decoding; EAGLE3 for the seed draft heads")
-    group.add_argument("--speculative-draft-model-path", default=None,
-                       help="local directory or hub id of the draft weights")
-    group.add_argument("--speculative-draft-model-revision", default=None,
-                       help="hub branch, tag or commit of the draft weights")
-    group.add_argument("--speculative-draft-model-quantization", default=None,
-                       choices=DRAFT_QUANTIZATION_CHOICES,
-                       help="the draft's weight format; default: as --quantization; unquant "
-                            "keeps the draft in the model dtype")
-    group.add_argument("--speculative-num-steps", type=int, default=None,
-                       help="draft depth per round (default 3; NGRAM and DSPARK 7, DFLASH "
-                            "15; for a DFLASH, DSPARK or NEXTN chain given only "
-                            "--speculative-num-draft-tokens W, W - 1)")
-    group.add_argument("--speculative-eagle-topk", type=int, default=None,
-                       help="branching per draft step; 1 = a chain (default 1)")
-    group.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                       help="tokens verified per round, the root included; default: "
-                            "num_steps + 1 for a chain, 2 * (num_steps + 1) for a tree")
-    group.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
-                       help="relaxes the acceptance of one draft token; 1.0 = lossless")
-    group.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
-                       help="relaxes acceptance by accumulated probability; 1.0 = lossless")
-    group.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
-                       default=True,
-                       help="choose each round's draft shape (plain decoding, a shorter "
-                            "chain, or the flags' shape, which is the widest) for the most "
-                            "tokens per second from measured acceptance and round costs; "
-                            "--no-speculative-adaptive takes the flags' shape every round")
-
-
-def _add_ngram_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1,
-                       help="NGRAM: the shortest suffix of the text matched (default 1)")
-    group.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12,
-                       help="NGRAM: the longest suffix of the text matched; a match of m "
-                            "tokens drafts at most m + 1 (default 12)")
-    group.add_argument("--speculative-ngram-branch-length", type=int, default=18,
-                       help="NGRAM: the deepest continuation kept after a match (default 18)")
-    group.add_argument("--speculative-ngram-capacity", type=int, default=1_000_000,
-                       help="NGRAM: tokens of finished responses kept to draft repeats "
-                            "from, oldest evicted first (default 1,000,000; about 130 bytes "
-                            "of host memory each)")
-    group.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1,
-                       help="NGRAM: accepted for SGLang commands; trees here follow the "
-                            "text's statistics, so breadth is not set by hand")
-    group.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10,
-                       help="NGRAM: accepted for SGLang commands (see min-bfs-breadth)")
-    group.add_argument("--speculative-ngram-match-type", default="BFS",
-                       type=lambda s: s.upper(), choices=NGRAM_MATCH_TYPES,
-                       help="NGRAM: accepted for SGLang commands; trees are always built by "
-                            "probability (SGLang's PROB)")
 
 
 def _add_http_args(group: argparse._ArgumentGroup) -> None:

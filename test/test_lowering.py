@@ -1,8 +1,9 @@
 """TPU and GPU readiness on a CPU: every program an Engine compiles at its accelerator warm-up
-(each prefill and decode bucket, every round shape the adaptive policy may take, the
-grammar-masked `draft_trees` / `masked_verify`, the catch-up, the sampler with its bitmask)
-lowers for TPU and for CUDA in bfloat16 with the `fa` backend's own Pallas kernel of the
-platform (Mosaic, Triton; not interpret mode), for every drafter. How the programs are found
+(each prefill and decode bucket, every round shape the adaptive policy may take, packed
+rounds of per-request lengths included, the grammar-masked `draft_trees` /
+`masked_verify`, the catch-up, the sampler with its bitmask) lowers for TPU and for CUDA in
+bfloat16 with the `fa` backend's own Pallas kernel of the platform (Mosaic, Triton; not
+interpret mode), for every drafter. How the programs are found
 and lowered: sgl_jax/testing/lowering.py; the same at TP 4: parallel/test_lowering_tp.py."""
 
 import functools
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
+from sgl_jax.speculative.config import TreeShape
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.attention import kernel_problem
 from sgl_jax.testing.dspark import write_tiny_dspark_draft
@@ -32,7 +34,9 @@ from sgl_jax.testing.mtp import write_mtp_tensors
 # One bucket of each kind: a decode batch of 2, an extend batch of 16 tokens.
 SETTINGS = dict(precompile_token_paddings=[16], precompile_bs_paddings=[2],
                 max_prefill_tokens=16, chunked_prefill_size=16, max_total_tokens=256)
-TREE = dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+# Per-request lengths on: the chain 2/1/3 among the policy's shapes adds its packed round.
+TREE = dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+            speculative_per_request_lengths=True)
 # name: (target, draft checkpoint or None, Engine arguments)
 DRAFTERS = {
     "plain": ("llama", None, {}),
@@ -90,6 +94,10 @@ def test_every_program_lowers_for_tpu_and_cuda(checkpoints, drafter, variant):
 
     recorded = {p.function for p in programs}
     assert (SPEC_PROGRAMS if drafter != "plain" else PLAIN_PROGRAMS) <= recorded, recorded
+    packed = [p for p in programs if getattr(p.fun, "keywords", {}).get(
+        "shape", TreeShape(0, 1, 1)).verify_width]
+    # a hybrid target's state pools verify whole chains: NEXTN has no packed round
+    assert bool(packed) == (drafter not in ("plain", "NEXTN")), [p.name for p in programs]
     assert not resharded(programs)
     outcomes = lower_all(programs)
     assert not failures(outcomes), failures(outcomes)

@@ -120,6 +120,15 @@ def test_a_chain_width_given_alone_sets_the_depth(algorithm):
                              "--speculative-num-draft-tokens", "8"])
 
 
+def test_per_request_lengths_need_the_adaptive_policy():
+    argv = ["--model-path", "m", "--speculative-algorithm", "DSPARK",
+            "--speculative-draft-model-path", "d", "--speculative-per-request-lengths"]
+    assert ServerArgs.from_cli(argv).speculative.per_request_lengths
+    assert not ServerArgs.from_cli(argv[:-1]).speculative.per_request_lengths
+    with pytest.raises(ValueError, match="drop --no-speculative-adaptive"):
+        ServerArgs.from_cli([*argv, "--no-speculative-adaptive"])
+
+
 def test_the_demo_model_takes_eagle3_without_a_draft_path():
     """README's demo command: the demo model ships its own head (the Engine fills it in)."""
     args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3", "--speculative-num-steps",

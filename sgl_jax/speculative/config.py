@@ -12,6 +12,16 @@ class TreeShape:
     num_steps: int  # S: draft depth
     topk: int  # K: branching per step
     num_draft_tokens: int  # N: nodes sent to verify, the root included
+    # W > 0: a packed round (per-request lengths): a batch bucket of B rows verifies W * B
+    # nodes in all, each row a prefix of its chain as long as its expected acceptance earns
+    # (policy.verify_counts); 0: every row verifies all N nodes.
+    verify_width: int = 0
+
+    @property
+    def name(self) -> str:
+        """"S/K/N", and "S/K/N:W" for a packed round."""
+        base = f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+        return f"{base}:{self.verify_width}" if self.verify_width else base
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,9 @@ class SpeculativeConfig:
     accept_threshold_acc: float
     adaptive: bool  # each round's shape chosen by the policy, the flags' shape the widest
     ngram: SuffixConfig | None = None  # NGRAM's drafting statistics
+    # Rows of a chain round verify prefixes of their own lengths (packed rounds among the
+    # adaptive policy's shapes); else every row verifies the whole chain.
+    per_request_lengths: bool = False
 
     @property
     def shape(self) -> TreeShape:

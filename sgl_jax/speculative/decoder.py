@@ -24,14 +24,14 @@ scheduler settle the round in flight first:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
-from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, bitmask_words
+from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep
 from sgl_jax.scheduler.decoding import (
     DecodePlan,
     Emitted,
@@ -54,9 +54,16 @@ from sgl_jax.speculative.round import (
     CatchUpRow,
     PendingRound,
     RoundOutput,
-    RoundRows,
+    packed_nodes,
 )
-from sgl_jax.speculative.round_results import as_round, emit_run, max_depth, tree_depths
+from sgl_jax.speculative.round_results import (
+    as_round,
+    emit_run,
+    max_depth,
+    round_rows,
+    tree_depths,
+    tree_masks,
+)
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.stats import AcceptanceStats
 
@@ -84,6 +91,7 @@ class LaunchedRound:
     output: PendingRound | PendingStep  # a PendingStep: the target's own decode step
     launched_at: float
     compiled: bool = False  # its dispatch compiled a program: its time says nothing of a round
+    verified: list[int] | None = None  # a packed round's draft nodes verified, per request
 
 
 class SpecDecoder:
@@ -212,12 +220,22 @@ class SpecDecoder:
         start = time.perf_counter()
         undrafted = self._undrafted(reqs, shape)
         masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
+        verified = self._verified_depths(reqs, shape, bucket, records)
         output = (dispatch_decode_step(self.runner, self.slot_table, reqs, padded=bucket)
-                  if undrafted else self._dispatch(reqs, bucket, shape, masked, hints))
+                  if undrafted else self._dispatch(reqs, bucket, shape, masked, hints, verified))
         return LaunchedRound(
             reqs, shape, bucket, records, masked,
             shape == PLAIN and self.spec.defers_draft and not undrafted, output, start,
-            compiled=self.spec.target.num_compilations != compilations)
+            compiled=self.spec.target.num_compilations != compilations, verified=verified)
+
+    def _verified_depths(self, reqs: list[Req], shape: TreeShape, bucket: int,
+                         records: list) -> list[int] | None:
+        """A packed round's draft nodes per request: the policy's shares (verify_lengths),
+        within each request's own cap; None for any other round."""
+        if not shape.verify_width:
+            return None
+        counts = self.policy.verify_counts(records, shape, bucket).tolist()
+        return [min(c, max_depth(r, shape.num_steps)) for c, r in zip(counts, reqs, strict=True)]
 
     def _undrafted(self, reqs: list[Req], shape: TreeShape) -> bool:
         """Whether a round of `shape` is the target's own decode step: a plain round where no
@@ -247,14 +265,17 @@ class SpecDecoder:
         self._last_result_at = now
         accepted = output.num_accepted.tolist()
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
-        self.policy.observe(launched.shape, launched.bucket, seconds,
-                            [(launched.records[row], accepted[row]) for row in live],
-                            masked=launched.masked, timed=not launched.compiled)
         steps = launched.shape.num_steps
+        verified = launched.verified or [steps] * len(launched.reqs)
+        self.policy.observe(launched.shape, launched.bucket, seconds,
+                            [(launched.records[row], accepted[row], verified[row])
+                             for row in live],
+                            masked=launched.masked, timed=not launched.compiled)
         for req in launched.reqs:
             req.num_inflight -= 1
             req.inflight_extra -= steps
-        drafted = self._drafted_depths(launched, output)
+        drafted = [min(d, v) for d, v in zip(self._drafted_depths(launched, output), verified,
+                                             strict=True)]
         emitted = []
         for row in live:
             req, state = launched.reqs[row], self.states[launched.reqs[row]]
@@ -277,11 +298,16 @@ class SpecDecoder:
         return tree_depths(output.tree_parents, len(launched.reqs))
 
     def _dispatch(self, reqs: list[Req], padded: int, shape: TreeShape, masked: bool,
-                  hints: Any) -> PendingRound:
-        """A round of the speculative programs over batch bucket `padded`; lengths advance by
-        the least it commits."""
+                  hints: Any, verified: list[int] | None) -> PendingRound:
+        """A round of the speculative programs over batch bucket `padded` (packed: each
+        request verifies its `verified` draft nodes); lengths advance by the least it
+        commits."""
         n = len(reqs)
-        rows = self._round_rows(reqs, padded, hints)
+        rows = round_rows(reqs, padded, hints, self.slot_table.page_rows(reqs),
+                          self.buckets.pages_per_seq, self.spec.shape.num_steps)
+        if verified is not None:
+            rows = dataclasses.replace(rows, packed_nodes=packed_nodes(
+                [d + 1 for d in verified], shape.num_draft_tokens, shape.verify_width * padded))
         sampling, _ = self.slot_table.sampling_rows(
             reqs, rows.slots[:n], np.fromiter((r.num_sampled for r in reqs), np.int32, n),
             padded)
@@ -290,7 +316,8 @@ class SpecDecoder:
         if masked:
             tree = self.spec.draft_trees(rows)
             output = self.spec.masked_verify(rows, sampling, want_top, tree,
-                                             self._tree_masks(reqs, tree.tokens, tree.parents),
+                                             tree_masks(reqs, tree.tokens, tree.parents,
+                                                        self.spec.vocab_size),
                                              num_rows=n, want_logprobs=want_logprobs)
         else:
             output = self.spec.round(rows, sampling, want_top, shape, num_rows=n,
@@ -300,27 +327,6 @@ class SpecDecoder:
             req.num_inflight += 1
             req.inflight_extra += shape.num_steps
         return output
-
-    def _round_rows(self, reqs: list[Req], padded: int, hints: Any) -> RoundRows:
-        """The round's row arrays: -1 where only the device knows the value yet."""
-        n = len(reqs)
-
-        def column(values, fill: int = 0) -> np.ndarray:
-            array = np.full(padded, fill, np.int32)
-            array[:n] = np.fromiter(values, np.int32, n)
-            return array
-
-        page_table = np.zeros((padded, self.buckets.pages_per_seq), np.int32)
-        page_table[:n] = self.slot_table.page_rows(reqs)
-        return RoundRows(
-            slots=column((r.slot for r in reqs), fill=-1),
-            page_table=page_table,
-            kv_lens=column(-1 if r.inflight_extra else r.kv_len for r in reqs),
-            root_tokens=column(-1 if r.num_inflight else r.last_token for r in reqs),
-            min_new_tokens=column(r.params.min_new_tokens for r in reqs),
-            state_slots=column(r.state_slot for r in reqs),
-            max_depths=column(max_depth(r, self.spec.shape.num_steps) for r in reqs),
-            hints=hints)
 
     def _needs_settled(self, reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None,
                        undrafted: bool) -> bool:
@@ -379,14 +385,3 @@ class SpecDecoder:
                 self.spec, bucket):
             return (PLAIN,)  # (masked rounds not built yet: plain rounds meanwhile)
         return (PLAIN, self.spec.shape)
-
-    def _tree_masks(self, reqs: list[Req], tokens: np.ndarray, parents: np.ndarray
-                    ) -> np.ndarray:
-        """i32[B, N, W] over the padded batch: every id for free rows; for a constrained row
-        the ids its grammar allows after each node's path (EOS alone at a dead end)."""
-        masks = np.full((*tokens.shape, bitmask_words(self.spec.vocab_size)), -1, np.int32)
-        for row, req in enumerate(reqs):
-            if req.grammar is not None:
-                fill_tree_bitmasks(req.grammar, tokens[row], parents[row], masks[row])
-                allow_eos_at_dead_ends(masks[row], req.eos_ids)
-        return masks

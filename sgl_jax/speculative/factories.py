@@ -3,7 +3,7 @@ behind its `Drafter`, with the drafter's host-side `Proposer`.
 
 A draft that does not fit the target stops start-up (there is no fallback to plain
 decoding). Adding a drafter is a factory here and its name in `FACTORIES` (and in the flag
-table, server_args.SPECULATIVE_ALGORITHMS).
+table, speculative/flags.SPECULATIVE_ALGORITHMS).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from sgl_jax.speculative.head_drafter import HeadDrafter
 from sgl_jax.speculative.ngram import NgramDrafter, NgramProposer
 from sgl_jax.speculative.policy import PLAIN, candidate_shapes
 from sgl_jax.speculative.standalone import StandaloneDraft, StandaloneDrafter
+from sgl_jax.speculative.verify_lengths import packed_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,19 @@ def make_drafter(spec: SpeculativeConfig, target: LoadedModel, *, attention_back
     return setup
 
 
-def round_shapes(spec: SpeculativeConfig, adaptive: bool) -> tuple[TreeShape, ...]:
-    """Every shape a round may take: the adaptive policy's candidates up to the flags' shape,
-    or the flags' shape alone. Plain rounds are always on the menu: batches with a
-    grammar-constrained request take them."""
+def round_shapes(spec: SpeculativeConfig, adaptive: bool, *, hybrid: bool = False
+                 ) -> tuple[TreeShape, ...]:
+    """Every shape a round may take: the adaptive policy's candidates up to the flags' shape
+    (with per-request lengths, the packed variants of its chains: a hybrid target's state
+    pools verify whole trees), or the flags' shape alone. Plain rounds are always on the
+    menu: batches with a grammar-constrained request take them."""
     shape = spec.shape
-    return tuple(dict.fromkeys((*(candidate_shapes(shape) if adaptive else (PLAIN,)), shape)))
+    if not adaptive:
+        return tuple(dict.fromkeys((PLAIN, shape)))
+    shapes = tuple(dict.fromkeys((*candidate_shapes(shape), shape)))
+    if spec.per_request_lengths and not hybrid:
+        shapes += packed_shapes(shapes)
+    return shapes
 
 
 def _formats(spec: SpeculativeConfig, target: LoadedModel) -> dict:

@@ -65,17 +65,26 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_jax.speculative.acceptance import (
+    Acceptance,
+    batch_rates,
+    expected_length,
+    family,
+)
 from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.verify_lengths import (
+    draft_counts,
+    expected_packed_tokens,
+    packed_budget,
+)
 
 PLAIN = TreeShape(num_steps=0, topk=1, num_draft_tokens=1)  # the root alone: one token
-INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
 REQUEST_DECAY = 0.9  # a request's counts fade over about ten rounds
 SERVER_DECAY = 0.995  # the server's over a few hundred request-rounds
-PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
 # Shares of a round's log cost residual taken by its bucket's load and by its shape's factor.
 LOAD_RATE, SHAPE_RATE = 0.5, 0.2
 MAX_RESIDUAL = math.log(1.5)  # the most one round's log cost residual counts for
@@ -85,8 +94,7 @@ EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many
 
 
 def shape_name(shape: TreeShape) -> str:
-    return "plain" if shape == PLAIN else (
-        f"{shape.num_steps}/{shape.topk}/{shape.num_draft_tokens}")
+    return "plain" if shape == PLAIN else shape.name
 
 
 def candidate_shapes(ceiling: TreeShape) -> tuple[TreeShape, ...]:
@@ -94,94 +102,6 @@ def candidate_shapes(ceiling: TreeShape) -> tuple[TreeShape, ...]:
     chain, a chain as deep as the flags, and the flags' shape itself."""
     chain = TreeShape(ceiling.num_steps, 1, ceiling.num_steps + 1)
     return tuple(dict.fromkeys([PLAIN, TreeShape(1, 1, 2), chain, ceiling]))
-
-
-def family(shape: TreeShape) -> str:
-    return "tree" if shape.topk > 1 else "chain"
-
-
-@dataclass
-class DepthCounts:
-    """Decayed counts, per draft depth, of rounds that tried the depth and that accepted it."""
-
-    depth: int  # the deepest a shape may draft
-    decay: float
-    tried: np.ndarray = field(init=False)  # f64[depth]
-    accepted: np.ndarray = field(init=False)  # f64[depth]
-
-    def __post_init__(self) -> None:
-        self.tried = np.zeros(self.depth)
-        self.accepted = np.zeros(self.depth)
-
-    def record(self, steps: int, num_accepted: int | Sequence[int]) -> None:
-        """Rounds of `steps` draft depths that accepted `num_accepted` each (one or several
-        requests): depths 1..a were accepted, depth a+1 (if drafted) was tried and rejected."""
-        accepted = np.atleast_1d(np.asarray(num_accepted))[:, None]  # [R, 1]
-        depths = np.arange(self.depth)[None, :]
-        scale = self.decay ** accepted.shape[0]
-        self.tried = self.tried * scale + (depths < np.minimum(accepted + 1, steps)).sum(0)
-        self.accepted = self.accepted * scale + (depths < accepted).sum(0)
-
-
-class Acceptance:
-    """One request's (or the server's) depth counts for chains and for trees."""
-
-    def __init__(self, depth: int, decay: float):
-        self.counts = {f: DepthCounts(depth, decay) for f in ("chain", "tree")}
-
-    def record(self, shape: TreeShape, num_accepted: int | Sequence[int]) -> None:
-        if shape != PLAIN:
-            self.counts[family(shape)].record(shape.num_steps, num_accepted)
-
-    def rates(self, kind: str, server: Acceptance | None) -> np.ndarray:
-        """f64[depth] for the family `kind` ("chain" or "tree"); see batch_rates. Without
-        `server` (the server's own): each depth shrunk towards the estimate of the depth
-        above, the first towards INITIAL_RATE."""
-        if server is None:
-            return carried(self.counts[kind])
-        return batch_rates([self], kind, server)[0]
-
-
-def shrunk(counts: DepthCounts, prior: np.ndarray) -> np.ndarray:
-    """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
-    return _shrink(counts.accepted, counts.tried, prior)
-
-
-def carried(counts: DepthCounts) -> np.ndarray:
-    """f64[depth]: like `shrunk`, each depth's prior being the estimate of the depth above
-    (INITIAL_RATE for depth 1), so an untried depth inherits the deepest tried one's rate."""
-    rates = np.empty(counts.depth)
-    prior = INITIAL_RATE
-    for depth in range(counts.depth):
-        rates[depth] = prior = _shrink(counts.accepted[depth], counts.tried[depth], prior)
-    return rates
-
-
-def _shrink(accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray) -> np.ndarray:
-    """Accepted over tried, with `prior` counted as PRIOR_WEIGHT tries (any leading shape)."""
-    return (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
-
-
-def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -> np.ndarray:
-    """f64[R, depth]: each request's rates for the family `kind`, shrunk towards the server's.
-    What a request showed in the other family scales the server's rates first: text that
-    defeats trees defeats chains too. One pass over the batch (this runs every round)."""
-    other = "tree" if kind == "chain" else "chain"
-    typical, typical_other = server.rates(kind, None), server.rates(other, None)
-    def stacked(family_kind: str) -> tuple[np.ndarray, np.ndarray]:  # accepted, tried [R, D]
-        counts = [r.counts[family_kind] for r in requests]
-        return np.stack([c.accepted for c in counts]), np.stack([c.tried for c in counts])
-
-    accepted_other, tried_other = stacked(other)
-    mine_other = _shrink(accepted_other, tried_other, typical_other)
-    base = np.where(tried_other.any(axis=1, keepdims=True),
-                    np.clip(typical * mine_other / typical_other, 0.0, 1.0), typical)
-    return _shrink(*stacked(kind), base)
-
-
-def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
-    """Tokens a round of `shape` commits: the bonus plus each depth reached."""
-    return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
 
 
 def beating_plain(tokens: Mapping[TreeShape, float], seconds: Mapping[TreeShape, float]
@@ -279,7 +199,7 @@ class SpeculationPolicy:
         shapes = self._timed(shapes, bucket)
         if set(shapes) <= {PLAIN} or all(r is None for r in requests):
             return PLAIN  # nothing to measure either: no row has a draft
-        lengths = self.expected_tokens(requests)
+        lengths = self.expected_tokens(requests, bucket)
         seconds = {s: self.seconds(s, bucket) for s in shapes}
         rates = {s: lengths[s] / seconds[s] for s in shapes}
         winners = beating_plain({s: lengths[s] for s in shapes}, seconds)
@@ -320,32 +240,50 @@ class SpeculationPolicy:
             return PLAIN
         return max(could_win, key=rates.__getitem__)
 
-    def expected_tokens(self, requests: Sequence[Acceptance | None]
+    def expected_tokens(self, requests: Sequence[Acceptance | None], bucket: int
                         ) -> dict[TreeShape, float]:
-        """Per shape, the tokens a round is expected to commit over the whole batch (one per
-        request without a draft, None)."""
+        """Per shape, the tokens a round in batch bucket `bucket` is expected to commit over
+        the whole batch (one per request without a draft, None)."""
         drafted = [r for r in requests if r is not None]
+        n = len(requests)
         if not drafted:
-            return dict.fromkeys(self.shapes, float(len(requests)))
-        cumulative = {kind: np.cumprod(batch_rates(drafted, kind, self.server), axis=1)
-                      for kind in ("chain", "tree")}
-        return {s: len(requests) + float(cumulative[family(s)][:, : s.num_steps].sum())
+            return dict.fromkeys(self.shapes, float(n))
+        survival = {kind: np.cumprod(batch_rates(drafted, kind, self.server), axis=1)
+                    for kind in ("chain", "tree")}
+        return {s: expected_packed_tokens(survival["chain"][:, : s.num_steps],
+                                          packed_budget(s, bucket, n), n) if s.verify_width
+                else n + float(survival[family(s)][:, : s.num_steps].sum())
                 for s in self.shapes}
 
+    def verify_counts(self, requests: Sequence[Acceptance | None], shape: TreeShape,
+                      bucket: int) -> np.ndarray:
+        """i32[R]: the draft nodes each request verifies in a packed round of `shape` (none
+        for a request without a draft); see verify_lengths."""
+        counts = np.zeros(len(requests), np.int32)
+        drafted = [i for i, r in enumerate(requests) if r is not None]
+        if drafted:
+            survival = np.cumprod(batch_rates([requests[i] for i in drafted], "chain",
+                                              self.server), axis=1)[:, : shape.num_steps]
+            counts[drafted] = draft_counts(survival, packed_budget(shape, bucket,
+                                                                   len(requests)))
+        return counts
+
     def observe(self, shape: TreeShape, bucket: int, seconds: float,
-                outcomes: Sequence[tuple[Acceptance | None, int]], *, masked: bool = False,
-                timed: bool = True) -> None:
-        """A round of `shape` took `seconds`; each request's record and its accepted count
-        (a request without a draft, None, measures nothing). `masked`: a grammar masked its
-        trees (counted apart, and its cost not learnt: the host's masks make it dearer than
-        the same shape free). Not `timed`: its seconds include compiling (not learnt)."""
+                outcomes: Sequence[tuple[Acceptance | None, int, int]], *,
+                masked: bool = False, timed: bool = True) -> None:
+        """A round of `shape` took `seconds`; each request's record, its accepted count and
+        the depth it verified (the shape's, or its own in a packed round); a request without
+        a draft (None) measures nothing. `masked`: a grammar masked its trees (counted
+        apart, and its cost not learnt: the host's masks make it dearer than the same shape
+        free). Not `timed`: its seconds include compiling (not learnt)."""
         self.rounds_by_shape[shape_name(shape)] += 1
         self.masked_rounds += masked
-        outcomes = [(record, a) for record, a in outcomes if record is not None]
-        for acceptance, num_accepted in outcomes:
-            acceptance.record(shape, num_accepted)
+        outcomes = [outcome for outcome in outcomes if outcome[0] is not None]
+        for acceptance, num_accepted, steps in outcomes:
+            acceptance.record(shape, num_accepted, steps)
         if outcomes:
-            self.server.record(shape, [num_accepted for _, num_accepted in outcomes])
+            _, accepted, steps = zip(*outcomes, strict=True)
+            self.server.record(shape, accepted, steps)
         if self.adaptive and timed and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))
             residual = min(max(residual, -MAX_RESIDUAL), MAX_RESIDUAL)

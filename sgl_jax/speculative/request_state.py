@@ -38,10 +38,12 @@ class DraftState:
         return req.kv_len - len(self.pending) if self.drafting else 0
 
     def meta_info(self) -> dict:
-        """What a finished request reports of its rounds (SGLang's field names)."""
+        """What a finished request reports of its rounds (SGLang's field names, and the
+        rounds that verified each draft position: with per-request lengths, its own)."""
         return {"spec_verify_ct": self.stats.rounds,
                 "spec_accept_length": self.stats.accept_length,
-                "spec_accepted_per_position": list(self.stats.accepted_per_position)}
+                "spec_accepted_per_position": list(self.stats.accepted_per_position),
+                "spec_verified_per_position": list(self.stats.drafted_per_position)}
 
 
 class DraftStates:

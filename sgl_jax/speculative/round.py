@@ -25,7 +25,12 @@ import numpy as np
 
 from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import LayerKV
-from sgl_jax.layers.attention.metadata import read_slots, write_slots
+from sgl_jax.layers.attention.metadata import (
+    from_windows,
+    read_slots,
+    to_windows,
+    write_slots,
+)
 from sgl_jax.layers.sampler import SamplingBatch
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
@@ -57,6 +62,10 @@ class RoundRows:
     state_slots: np.ndarray  # i32[B]: a hybrid model's recurrent-state slots (0: none)
     max_depths: np.ndarray  # i32[B]: the deepest draft node each row may verify (0: none)
     hints: object = None  # what a host-side drafter proposes for these rows (or None)
+    # i32[T] or None: a packed round verifies only these nodes, as flat indices row * N +
+    # node (packed_nodes(); B * N: padding), so its target forward runs over T tokens, not
+    # B * N. None: every row verifies its whole tree.
+    packed_nodes: np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -236,6 +245,27 @@ def advance_slots(state: SlotState, last_tokens: jax.Array, slots: jax.Array,
     return state, last_tokens.at[where].set(bonus, mode="drop")
 
 
+def packed_nodes(counts: Sequence[int], width: int, num_tokens: int) -> np.ndarray:
+    """i32[T]: the first counts[r] nodes of every row r of a round of `width` (N) nodes a
+    row, as flat indices r * N + node, then padding (B * N) up to T = `num_tokens`. A
+    row's first nodes are a subtree: a drafter numbers every node after its parent."""
+    flat = [row * width + node for row, count in enumerate(counts) for node in range(count)]
+    if len(flat) > num_tokens:
+        raise ValueError(f"{len(flat)} nodes do not fit a packed round of {num_tokens} tokens")
+    packed = np.full(num_tokens, len(counts) * width, np.int32)
+    packed[: len(flat)] = flat
+    return packed
+
+
+def keep_first_nodes(tree: DraftTree, packed: jax.Array) -> tuple[DraftTree, jax.Array]:
+    """The tree [B, N] without the nodes a packed round leaves out (their parents -1, so no
+    walk reaches them), and each row's count of verified nodes i32[B]."""
+    batch, width = tree.tokens.shape
+    counts = jnp.zeros(batch, jnp.int32).at[packed // width].add(1, mode="drop")
+    kept = jnp.arange(width)[None, :] < counts[:, None]
+    return dataclasses.replace(tree, parents=jnp.where(kept, tree.parents, -1)), counts
+
+
 def verify_trees(
     forward: TargetForward, params, kv: list[LayerKV],
     page_table: jax.Array,  # i32[B, P]
@@ -251,27 +281,39 @@ def verify_trees(
     features: str,  # what the drafter reads of the target: "aux", "final" or "" (nothing)
     capture: tuple[int, ...] = (),
     node_allowed: jax.Array | None = None,  # i32[B, N, W]: grammar bitmasks per node
+    packed: jax.Array | None = None,  # i32[T]: verify only these nodes (RoundRows.packed_nodes)
 ) -> tuple[list[LayerKV], Verified]:
     """The target's forward over every tree with the tree mask, the acceptance walk, and the
     accepted nodes' K/V moved into place. `node_allowed` masks each node's distribution (else
     each request's row applies). A hybrid target's linear layers run the trees from each
     request's committed state without writing the pools; the state after the last accepted
-    node is then committed to the request's slot (padding rows write nothing)."""
+    node is then committed to the request's slot (padding rows write nothing). A packed
+    round runs the target over the `packed` nodes alone and leaves the others unverified."""
     batch, n = tree.tokens.shape
     kv_lens, active = inputs.kv_lens, inputs.active
+    counts = jnp.full(batch, n, jnp.int32)
+    if packed is not None:
+        if forward.hybrid:
+            raise ValueError("a hybrid target verifies whole trees (no packed rounds)")
+        tree, counts = keep_first_nodes(tree, packed)
     depths = node_depths(tree.parents)
-    metadata = window_metadata(page_table, kv_lens, jnp.where(active, n, 0), n, page_size,
-                               ancestor_mask(tree.parents))
+    metadata = window_metadata(page_table, kv_lens, jnp.where(active, counts, 0), n,
+                               page_size, ancestor_mask(tree.parents))
+    metadata = dataclasses.replace(metadata, token_windows=packed)
     slots = jnp.where(active, state_slots, 0)
     layout = None
     if forward.hybrid:
         layout = gated_delta_net.TreeLayout(
             slots, tree.parents, jnp.broadcast_to(active[:, None], tree.parents.shape))
     pools = list(kv)
-    hidden, kv, captured = forward(params, kv, tree.tokens.reshape(-1),
-                                   (kv_lens[:, None] + depths).reshape(-1), metadata,
-                                   capture=capture, tree=layout)
-    logits = forward.logits(params, hidden)  # f32[B*N, V]
+    hidden, kv, captured = forward(params, kv, from_windows(tree.tokens.reshape(-1), metadata),
+                                   from_windows((kv_lens[:, None] + depths).reshape(-1),
+                                                metadata),
+                                   metadata, capture=capture, tree=layout)
+    # f32[B*N, V], and hidden and captured per node (a packed round's others: zeros)
+    logits = to_windows(forward.logits(params, hidden), metadata)
+    hidden = to_windows(hidden, metadata)
+    captured = tuple(to_windows(layer, metadata) for layer in captured)
     per_node = node_sampling(inputs.sampling, depths, inputs.suppress_depth)
     if node_allowed is not None:
         per_node = dataclasses.replace(per_node, allowed=node_allowed.reshape(batch * n, -1))

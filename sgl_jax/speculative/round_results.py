@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from sgl_jax.model_executor.model_runner import StepOutput
+from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
+from sgl_jax.model_executor.model_runner import StepOutput, bitmask_words
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.round import RoundOutput
+from sgl_jax.speculative.round import RoundOutput, RoundRows
 
 
 def tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
@@ -61,3 +62,40 @@ def emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, 
         if req.finished:
             break
     return text, tokens
+
+
+def tree_masks(reqs: list[Req], tokens: np.ndarray, parents: np.ndarray, vocab_size: int
+               ) -> np.ndarray:
+    """i32[B, N, W] over a masked round's padded batch (tokens, parents i32[B, N]): every id
+    for free rows; for a constrained row the ids its grammar allows after each node's path
+    (EOS alone at a dead end)."""
+    masks = np.full((*tokens.shape, bitmask_words(vocab_size)), -1, np.int32)
+    for row, req in enumerate(reqs):
+        if req.grammar is not None:
+            fill_tree_bitmasks(req.grammar, tokens[row], parents[row], masks[row])
+            allow_eos_at_dead_ends(masks[row], req.eos_ids)
+    return masks
+
+
+def round_rows(reqs: list[Req], padded: int, hints, page_rows: np.ndarray, pages_per_seq: int,
+               num_steps: int) -> RoundRows:
+    """A round's row arrays over batch bucket `padded` (page_rows i32[n, P'] of the n
+    requests): -1 where only the device knows the value yet."""
+    n = len(reqs)
+
+    def column(values, fill: int = 0) -> np.ndarray:
+        array = np.full(padded, fill, np.int32)
+        array[:n] = np.fromiter(values, np.int32, n)
+        return array
+
+    page_table = np.zeros((padded, pages_per_seq), np.int32)
+    page_table[:n] = page_rows
+    return RoundRows(
+        slots=column((r.slot for r in reqs), fill=-1),
+        page_table=page_table,
+        kv_lens=column(-1 if r.inflight_extra else r.kv_len for r in reqs),
+        root_tokens=column(-1 if r.num_inflight else r.last_token for r in reqs),
+        min_new_tokens=column(r.params.min_new_tokens for r in reqs),
+        state_slots=column(r.state_slot for r in reqs),
+        max_depths=column(max_depth(r, num_steps) for r in reqs),
+        hints=hints)

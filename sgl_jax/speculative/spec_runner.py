@@ -78,6 +78,7 @@ from sgl_jax.speculative.round import (
     Verified,
     advance_slots,
     catch_up_arrays,
+    packed_nodes,
     round_inputs,
     shifted_ids,
     target_features,
@@ -124,7 +125,7 @@ class SpecRunner:
             return Programs(name, jitted, store)
         # Each by its inputs' padded size: a prefill's BatchShape, else the batch bucket.
         self.prefills = programs("spec_prefill", self._prefill_impl)
-        self.rounds = {s: programs(f"round_{s.num_steps}x{s.topk}x{s.num_draft_tokens}",
+        self.rounds = {s: programs(f"round_{s.name.replace('/', 'x').replace(':', 'w')}",
                                    self._round_impl, shape=s) for s in self.shapes}
         self.tree_drafts = programs("draft_trees", self._draft_trees_impl, (1,), shape=shape)
         self.masked_verifies = programs("masked_verify", self._masked_verify_impl,
@@ -227,9 +228,11 @@ class SpecRunner:
         """Dispatch a round of `shape` (default: the flags') for every row: propose, verify,
         advance the drafter; `sampling` has a host row per row of `rows`. Results come back
         for the first `num_rows` (default: every row)."""
+        shape = shape or self.shape
+        rows = rows_for(shape, rows)
         state, draft = self.state, self.draft_state
         (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
-         result) = self.rounds[shape or self.shape](
+         result) = self.rounds[shape](
             len(rows.slots), *self.state_args(), rows, sampling, np.bool_(want_top_logprobs))
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
@@ -238,7 +241,7 @@ class SpecRunner:
     def draft_trees(self, rows: RoundRows) -> DraftTree:
         """The first half of a masked round: each row's tree of the flags' shape, as host
         arrays (tokens and parents i32[B, N]). Every row's length must be known (>= 0)."""
-        draft = self.draft_state
+        draft, rows = self.draft_state, rows_for(self.shape, rows)
         tree, draft.kv = self.tree_drafts(len(rows.slots), self.drafter.params, draft.kv,
                                           draft.slots, self.state.last_tokens, rows)
         return jax.device_get(tree)
@@ -250,7 +253,7 @@ class SpecRunner:
         """The second half: verify `tree` (draft_trees' for the same rows) with every node's
         target distribution masked by `allowed` (i32[B, N, W] bitmasks, W = ceil(V / 32), in
         place of `sampling.allowed`), then advance the drafter."""
-        state, draft = self.state, self.draft_state
+        state, draft, rows = self.state, self.draft_state, rows_for(self.shape, rows)
         (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
          result) = self.masked_verifies(
             len(rows.slots), *self.state_args(), rows, tree, sampling,
@@ -302,7 +305,7 @@ class SpecRunner:
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
                     last_tokens, rows: RoundRows, sampling, want_top, *, shape: TreeShape):
-        self._count_compilation(f"round {_shape_name(shape)}", rows.slots.shape[0])
+        self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, last_tokens, rows, sampling)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
@@ -359,7 +362,7 @@ class SpecRunner:
             rows.state_slots, num_steps=shape.num_steps, chain=self.drafter.chains(shape),
             page_size=self.page_size, thresholds=self.thresholds,
             features=self.drafter.features, capture=self.capture_layers,
-            node_allowed=node_allowed)
+            node_allowed=node_allowed, packed=rows.packed_nodes)
 
     def _catch_up_impl(self, draft_params, draft_kv, slot_state, tokens, features, page_table,
                        draft_lens, counts, slots):
@@ -380,5 +383,14 @@ class SpecRunner:
                     size)
 
 
-def _shape_name(shape: TreeShape) -> str:
-    return f"{shape.num_steps}/{shape.topk}/{shape.num_draft_tokens}"
+def rows_for(shape: TreeShape, rows: RoundRows) -> RoundRows:
+    """`rows` as a round of `shape` takes them: a packed shape's with the nodes it verifies
+    (W * B of them; where the caller chose none, padding alone: warm-up and timing runs),
+    any other shape's without."""
+    if not shape.verify_width:
+        return dataclasses.replace(rows, packed_nodes=None)
+    if rows.packed_nodes is None:
+        batch = len(rows.slots)
+        rows = dataclasses.replace(rows, packed_nodes=packed_nodes(
+            [0] * batch, shape.num_draft_tokens, shape.verify_width * batch))
+    return rows

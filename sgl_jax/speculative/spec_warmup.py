@@ -24,7 +24,7 @@ from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
-from sgl_jax.speculative.spec_runner import SpecRunner
+from sgl_jax.speculative.spec_runner import SpecRunner, rows_for
 
 
 def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
@@ -215,8 +215,9 @@ def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
     """The round programs of `shapes` in batch bucket `size`, one call each (padding rows)."""
     rows = _padding_rows(spec, size)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
-    return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(), rows,
-                              sampling, np.bool_(False)) for shape in shapes]
+    return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
+                              rows_for(shape, rows), sampling, np.bool_(False))
+            for shape in shapes]
 
 
 def build_masked(spec: SpecRunner, size: int) -> None:
@@ -282,7 +283,7 @@ TIMINGS = "round_seconds"  # the executable store's record of them
 
 
 def _timing_key(shape: TreeShape, size: int) -> str:
-    return f"{shape.num_steps}/{shape.topk}/{shape.num_draft_tokens} x {size}"
+    return f"{shape.name} x {size}"
 
 
 def _warm_prefill(spec: SpecRunner, shape: BatchShape) -> None:

@@ -45,3 +45,20 @@ def every_stop_rule(ids: list[int], stop: str) -> list[dict[str, Any]]:
     return [greedy(24, stop_token_ids=[ids[5]]), greedy(9),
             greedy(20, stop_token_ids=[ids[0]], min_new_tokens=4),
             {"temperature": 0, "max_new_tokens": 30}, greedy(1), greedy(20, stop=[stop])]
+
+
+def believe_round_costs(engine: Any, costs_ms: dict[str, float]) -> None:
+    """The engine's adaptive policy believes a round of each shape costs costs_ms[its name]
+    ("plain", "3/1/4", "3/1/4:2") whatever it measures, shapes it times while serving
+    included: tests pick the shapes a round takes through the costs."""
+    from sgl_jax.speculative.policy import shape_name
+
+    policy = engine.runtime.scheduler.decoding.policy
+
+    def believed(table: dict) -> dict:
+        return {key: costs_ms[shape_name(key[0])] / 1000 for key in table}
+
+    add = policy.add_round_seconds
+    policy.seconds = lambda shape, bucket: costs_ms[shape_name(shape)] / 1000
+    policy.add_round_seconds = lambda table: add(believed(table))
+    policy.round_seconds = believed(policy.round_seconds)

@@ -1,6 +1,7 @@
 """The native ragged paged attention (the reference of every kernel) against a per-token
 numpy loop and a hand-worked case."""
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from sgl_jax.layers.attention.native import (
     write_kv,
 )
 from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
+from sgl_jax.speculative.round import packed_nodes
 from sgl_jax.testing.attention import (
     BATCH_MODES,
     FP8_KV_DTYPES,
@@ -146,3 +148,41 @@ def test_hand_worked_single_query():
     out, _ = native_attention(q, new, new * 15, layer_kv, batch.attention, scale=1.0)
     weights = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum()
     assert float(np.asarray(out)[0, 0, 0]) == pytest.approx(weights @ [10, 20, 30], rel=1e-6)
+
+
+@pytest.mark.parametrize("tree", ["chain", "branching"])
+def test_a_packed_batch_attends_and_writes_only_its_tokens(tree):
+    """A packed verify (token_windows): each window keeps its first tokens (7, 7, 5 wide; it
+    keeps 3, 7 and 1, the padding window none), packed with padding after them. The kept
+    tokens attend as in the whole windows (a node sees only earlier nodes), padding tokens
+    give zeros, and only the kept tokens' K/V reach the cache (the rest stay unwritten)."""
+    problem = random_problem(np.random.default_rng(5), q_lens=[7, 7, 5],
+                             prefix_lens=TREE_PREFIX_LENS, page_size=4, n_heads=4, n_kv=2,
+                             head_dim=8, tree=tree, windows=True)
+    meta, counts = problem.metadata, np.array([3, 7, 1, 0])
+    width = meta.q_block
+    kept = (np.arange(width)[None, :] < counts[:, None]).reshape(-1)
+    packed = packed_nodes(counts, width, 16)
+    meta = dataclasses.replace(
+        meta, slot_mapping=np.where(kept, meta.slot_mapping, 0),
+        kv_lens=np.where(counts > 0, np.asarray(meta.window_starts) + counts, 0),
+        token_windows=packed)
+    take = np.minimum(packed, len(kept) - 1)  # padding tokens carry any values
+    out, (k_after, _) = native_attention(
+        problem.q[take], problem.new_k[take], problem.new_v[take],
+        (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)), meta, scale=0.5)
+    out, k_after = np.asarray(out), np.asarray(k_after)
+    start = 0
+    for count, expected in zip(counts, expected_outputs(problem, 0.5), strict=False):
+        np.testing.assert_allclose(out[start : start + count], expected[:count], rtol=1e-5,
+                                   atol=1e-5)
+        start += count
+    np.testing.assert_array_equal(out[start:], 0)
+    page_size = k_after.shape[2]
+    slots = np.asarray(problem.metadata.slot_mapping)
+    for window_slot, slot in enumerate(slots):
+        written = k_after[slot // page_size, :, slot % page_size]
+        if kept[window_slot]:
+            np.testing.assert_array_equal(written, problem.new_k[window_slot])
+        elif slot:
+            assert np.isnan(written).all(), f"window slot {window_slot} was written"

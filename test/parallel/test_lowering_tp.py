@@ -44,7 +44,8 @@ def cases(root: Path) -> dict:
     eagle3_round = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3),
                         **TREE)
     return {  # a plain bf16 engine's programs: EAGLE3's target step, the fp8 case's others
-        "EAGLE3": (llama, eagle3_round),
+        # per-request lengths add the packed round of the chain 2/1/3
+        "EAGLE3": (llama, {**eagle3_round, "speculative_per_request_lengths": True}),
         "NEXTN": (qwen3_next, dict(speculative_algorithm="NEXTN", **TREE)),
         # Per-row int8 weights (the draft's too) with int8 inputs split by device, FP8 pages.
         "EAGLE3-w8a8-fp8kv": (llama, dict(quantization="w8a8_int8", kv_cache_dtype="fp8_e4m3",

@@ -20,7 +20,7 @@ from sgl_jax import Engine
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft
 from sgl_jax.testing.dspark import dspark_from_dflash
-from sgl_jax.testing.engines import walk_away_mid_run
+from sgl_jax.testing.engines import believe_round_costs, walk_away_mid_run
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
             precompile_bs_paddings=[1, 8], max_prefill_tokens=256, chunked_prefill_size=48,
@@ -109,7 +109,58 @@ def test_retraction_grammar_and_aborts(fitted, references, algorithm):
         assert pages_all_free(engine)
 
 
+# Round costs (ms) that make packed rounds pay: verifying every row's whole chain of 7
+# costs four plain steps, a width-4 packed round two.
+PACKED_COSTS_MS = {"plain": 10, "1/1/2": 11, "7/1/8": 40, "7/1/8:2": 12, "7/1/8:4": 20}
+
+
+def record_shares(engine) -> list[dict[str, int]]:
+    """Every packed round's draft nodes per request id, as the engine chose them."""
+    decoder, shares = engine.runtime.scheduler.decoding, []
+    choose = decoder._verified_depths
+
+    def recording(reqs, shape, bucket, records):
+        counts = choose(reqs, shape, bucket, records)
+        if counts is not None:
+            shares.append({req.rid: count for req, count in zip(reqs, counts, strict=True)})
+        return counts
+    decoder._verified_depths = recording
+    return shares
+
+
+def test_per_request_lengths_verify_what_each_request_earns(fitted, references):
+    """DSPARK with per-request lengths, the fitted prompts (whose drafts are accepted) and
+    the others (whose are not) in one batch, at costs where verifying every row's whole
+    chain does not pay: packed rounds run, greedy output equals plain decoding's, and while
+    both kinds share the rounds the fitted prompts get most of the verified nodes. What each
+    request verified shows in its meta_info."""
+    with dflash_engine(fitted, page_size=16, skip_server_warmup=False,
+                       precompile_bs_paddings=[8], speculative_per_request_lengths=True,
+                       **dspark_flags(fitted, "DSPARK")) as engine:
+        assert engine.runtime.builder.wait_idle(timeout=600)
+        believe_round_costs(engine, PACKED_COSTS_MS)
+        shares = record_shares(engine)
+        out = engine.generate(input_ids=[*FIT_PROMPTS, *other_prompts()],
+                              sampling_params=[*[greedy(FIT_NEW)] * 4,
+                                               *(greedy(n) for n in MAX_NEW)])
+        assert pages_all_free(engine)
+    assert [o["output_ids"] for o in out] == [*fitted["continuations"], *references[:4]]
+    ids = [o["meta_info"]["id"] for o in out]
+    shared = [round_ for round_ in shares  # every fitted prompt and some of the others
+              if set(ids[:4]) <= set(round_) and len(set(ids[4:]) & set(round_)) >= 2]
+    assert len(shared) >= 3, shares
+    fitted_nodes = sum(round_[rid] for round_ in shared for rid in ids[:4])
+    other_nodes = sum(round_.get(rid, 0) for round_ in shared for rid in ids[4:])
+    assert fitted_nodes > 3 * other_nodes, shared
+    for o in out:  # every round verified a prefix of the chain
+        verified = o["meta_info"]["spec_verified_per_position"]
+        assert verified == sorted(verified, reverse=True) and verified[0] > 0, verified
+
+
 TEMPERATURE, TOP_K = 0.5, 4
+# Width-4 packed rounds cheaper than plain ones: every round speculates, whatever the
+# acceptance the policy measures.
+SAMPLING_COSTS_MS = {**PACKED_COSTS_MS, "7/1/8:2": 30, "7/1/8:4": 6}
 SAMPLES = 1024
 CHI2_LIMIT = 30.0  # 3 degrees of freedom: far beyond the 99.999th percentile (25.9)
 
@@ -144,12 +195,16 @@ def test_sampling_emits_the_target_distribution(fitted):
     DFLASH head). Run with DSPARK (the fitted backbone with a small random Markov head), which
     draws its drafts from the filtered distribution it then verifies them against as q: the
     same engine path as DFLASH's drafts, plus that rule (DFLASH's one-hot rule is checked
-    against a reference in test_tree_and_verify)."""
+    against a reference in test_tree_and_verify). With per-request lengths, at costs where
+    packed rounds pay: their rows verify prefixes of their chains."""
     from transformers import AutoModelForCausalLM
 
     prompt = FIT_PROMPTS[0]
-    with dflash_engine(fitted, page_size=16, precompile_bs_paddings=[1, 8, 64],
+    with dflash_engine(fitted, page_size=16, precompile_bs_paddings=[64],
+                       skip_server_warmup=False, speculative_per_request_lengths=True,
                        **dspark_flags(fitted, "DSPARK")) as engine:
+        assert engine.runtime.builder.wait_idle(timeout=600)
+        believe_round_costs(engine, SAMPLING_COSTS_MS)
         out = engine.generate(input_ids=[prompt] * SAMPLES, sampling_params=[
             {"temperature": TEMPERATURE, "top_k": TOP_K, "max_new_tokens": 3,
              "ignore_eos": True, "seed": i} for i in range(SAMPLES)])
@@ -160,6 +215,7 @@ def test_sampling_emits_the_target_distribution(fitted):
     # sample every token itself), past the first position too.
     accepted = info["spec_accepted_per_position"]
     assert accepted[0] > 0.2 * SAMPLES and accepted[1] > 0, accepted
+    assert info["spec_rounds_by_shape"]["7/1/8:4"] > 0, info["spec_rounds_by_shape"]
     model = AutoModelForCausalLM.from_pretrained(fitted["target"], dtype=torch.float32)
     stats = {}
     for depth in (1, 2):

@@ -4,6 +4,7 @@ it implies at small and large batches, per-request estimates, cost drift and pro
 import numpy as np
 import pytest
 
+from sgl_jax.speculative import acceptance as A
 from sgl_jax.speculative import policy as P
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
@@ -42,36 +43,36 @@ def test_candidates_stay_under_the_flags():
 
 def test_expected_length_is_one_plus_the_cumulative_products():
     rates = np.array([0.8, 0.5, 0.25])
-    assert P.expected_length(PLAIN, rates) == 1.0
-    assert P.expected_length(CHAIN1, rates) == pytest.approx(1.8)
-    assert P.expected_length(CHAIN3, rates) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert A.expected_length(PLAIN, rates) == 1.0
+    assert A.expected_length(CHAIN1, rates) == pytest.approx(1.8)
+    assert A.expected_length(CHAIN3, rates) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
 
 
 def test_depth_counts_record_tried_and_accepted_depths():
-    counts = P.DepthCounts(depth=3, decay=1.0)
+    counts = A.DepthCounts(depth=3, decay=1.0)
     counts.record(3, 1)  # depth 1 accepted, depth 2 tried and rejected, depth 3 not reached
     counts.record(3, 3)
     counts.record(1, 0)  # a one-step chain rejected at depth 1
     assert counts.tried.tolist() == [3, 2, 1]
     assert counts.accepted.tolist() == [2, 1, 1]
     prior = np.full(3, 0.5)
-    assert P.PRIOR_WEIGHT == 2.0
-    np.testing.assert_allclose(P.shrunk(counts, prior), [(2 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3])
+    assert A.PRIOR_WEIGHT == 2.0
+    np.testing.assert_allclose(A.shrunk(counts, prior), [(2 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3])
 
 
 def test_a_batch_of_rounds_counts_like_its_rounds_one_by_one():
-    one_by_one, batched = P.DepthCounts(3, decay=0.9), P.DepthCounts(3, decay=0.9)
+    one_by_one, batched = A.DepthCounts(3, decay=0.9), A.DepthCounts(3, decay=0.9)
     for accepted in (0, 2, 3, 1):
         one_by_one.record(3, accepted)
     batched.record(3, [0, 2, 3, 1])
     assert batched.tried.sum() == pytest.approx(one_by_one.tried.sum(), rel=0.2)
-    no_decay = P.DepthCounts(3, decay=1.0)
+    no_decay = A.DepthCounts(3, decay=1.0)
     no_decay.record(3, [0, 2, 3, 1])
     assert no_decay.tried.tolist() == [4, 3, 2] and no_decay.accepted.tolist() == [3, 2, 1]
 
 
 def test_decay_lets_recent_rounds_dominate():
-    counts = P.DepthCounts(depth=1, decay=0.5)
+    counts = A.DepthCounts(depth=1, decay=0.5)
     for _ in range(20):
         counts.record(1, 1)
     for _ in range(5):
@@ -80,7 +81,7 @@ def test_decay_lets_recent_rounds_dominate():
 
 
 def test_plain_rounds_record_nothing():
-    record = P.Acceptance(3, 1.0)
+    record = A.Acceptance(3, 1.0)
     record.record(PLAIN, 0)
     assert all(c.tried.sum() == 0 for c in record.counts.values())
 
@@ -96,7 +97,7 @@ def test_an_untried_depth_starts_from_the_rate_of_the_depth_above():
     reqs = requests_with(policy, [[(CHAIN1, 1)] * 9 + [(CHAIN1, 0)]])
     server = policy.server.rates("chain", None)
     assert server[1] == pytest.approx(server[0]) and server[2] == pytest.approx(server[0])
-    assert server[0] == pytest.approx((9 + P.PRIOR_WEIGHT * P.INITIAL_RATE) / 12, rel=0.05)
+    assert server[0] == pytest.approx((9 + A.PRIOR_WEIGHT * A.INITIAL_RATE) / 12, rel=0.05)
     assert policy.choose(reqs, 1) == CHAIN3
     # Once depth 2 is measured as poor, depth 3 inherits that and the deep chain gives way.
     for _ in range(40):
@@ -126,7 +127,7 @@ def test_the_choice_maximises_expected_tokens_per_second():
     chosen = policy.choose(reqs, 1)
     expected = {}
     for shape in candidate_shapes(TREE):
-        tokens = sum(P.expected_length(shape, r.rates(P.family(shape), policy.server))
+        tokens = sum(A.expected_length(shape, r.rates(A.family(shape), policy.server))
                      for r in reqs)
         expected[shape] = tokens / SMALL_AND_LARGE[shape, 1]
     assert chosen == max(expected, key=expected.__getitem__)
@@ -141,7 +142,7 @@ def test_speculation_must_beat_plain_by_the_margin(advantage, expected):
     it stays plain, past it the round speculates."""
     probe = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
     reqs = requests_with(probe, [[(CHAIN1, 1), (CHAIN1, 0)] * 4])
-    length = probe.expected_tokens(reqs)[CHAIN1]
+    length = probe.expected_tokens(reqs, 1)[CHAIN1]
     table = costs({1: 10}, {1: {CHAIN1: 10 * length / advantage, CHAIN3: 1000, TREE: 1000}},
                   buckets=(1,))
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
@@ -177,7 +178,8 @@ def test_a_bucket_whose_rounds_all_slow_down_prices_every_shape_higher():
     record = policy.new_request()
     for _ in range(30):
         for shape in (CHAIN3, PLAIN):
-            policy.observe(shape, 1, 2 * SMALL_AND_LARGE[shape, 1], [(record, 1)])
+            policy.observe(shape, 1, 2 * SMALL_AND_LARGE[shape, 1],
+                           [(record, 1, shape.num_steps)])
     for shape in (CHAIN3, PLAIN):  # the shapes served: their measured cost
         assert policy.seconds(shape, 1) == pytest.approx(2 * SMALL_AND_LARGE[shape, 1],
                                                          rel=0.01)
@@ -197,9 +199,9 @@ def test_a_burst_of_slow_plain_rounds_does_not_make_speculation_look_cheap():
     batch = requests_with(policy, [[(CHAIN1, 1), (CHAIN1, 0)] * 10] * 64)
     for _ in range(2):  # (a fourth plain round in a row would be followed by a probe)
         assert policy.choose(batch, 64) == PLAIN and not policy.last.probe
-        policy.observe(PLAIN, 64, 0.290, [(r, 0) for r in batch])
+        policy.observe(PLAIN, 64, 0.290, [(r, 0, 0) for r in batch])
     for _ in range(5):
-        policy.observe(PLAIN, 64, 1.45 * 0.290, [(r, 0) for r in batch])
+        policy.observe(PLAIN, 64, 1.45 * 0.290, [(r, 0, 0) for r in batch])
     assert policy.choose(batch, 64) == PLAIN and not policy.last.probe
     assert policy.seconds(CHAIN1, 64) / policy.seconds(PLAIN, 64) > 1.5
 
@@ -237,7 +239,7 @@ def test_a_shape_dearer_than_its_warm_up_timing_gives_way_once_plain_is_probed()
         shape = policy.choose([record], 1)
         chosen.append((shape, policy.last.probe))
         policy.observe(shape, 1, true_ms[shape] / 1000,
-                       [(record, 0 if shape == PLAIN else 1)])
+                       [(record, 0 if shape == PLAIN else 1, shape.num_steps)])
     assert chosen[0] == (CHAIN1, False)
     assert all(shape == PLAIN or probe for shape, probe in chosen[-30:]), chosen
     # priced where its expected tokens no longer pay, plain at its true cost
@@ -259,9 +261,9 @@ def test_one_outlier_round_moves_a_shapes_price_against_plain_by_a_few_percent()
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, GPU_LIKE, adaptive=True)
     record = requests_with(policy, [[(TREE, 1), (TREE, 0), (TREE, 2)] * 3])[0]
     before = policy.seconds(TREE, 1) / policy.seconds(PLAIN, 1)
-    policy.observe(TREE, 1, 20 * GPU_LIKE[TREE, 1], [(record, 1)])
+    policy.observe(TREE, 1, 20 * GPU_LIKE[TREE, 1], [(record, 1, 3)])
     for _ in range(20):
-        policy.observe(PLAIN, 1, GPU_LIKE[PLAIN, 1], [(None, 0)])
+        policy.observe(PLAIN, 1, GPU_LIKE[PLAIN, 1], [(None, 0, 0)])
     after = policy.seconds(TREE, 1) / policy.seconds(PLAIN, 1)
     assert 1.0 < after / before <= np.exp(P.SHAPE_RATE * P.MAX_RESIDUAL) + 1e-9
     assert policy.admits_draft(1, "request-0")
@@ -273,7 +275,7 @@ def test_plain_rounds_alone_leave_the_shapes_prices_against_plain_alone():
     the bucket's load, not a correction of plain against the shapes they leave unmeasured."""
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, GPU_LIKE, adaptive=True)
     for _ in range(500):
-        policy.observe(PLAIN, 1, 0.7 * GPU_LIKE[PLAIN, 1], [(None, 0)])
+        policy.observe(PLAIN, 1, 0.7 * GPU_LIKE[PLAIN, 1], [(None, 0, 0)])
     assert policy.seconds(PLAIN, 1) == pytest.approx(0.7 * GPU_LIKE[PLAIN, 1], rel=0.01)
     for shape in (CHAIN1, CHAIN3, TREE):
         assert policy.seconds(shape, 1) / policy.seconds(PLAIN, 1) == pytest.approx(
@@ -303,7 +305,7 @@ def test_info_reports_the_last_choice_and_its_reasons():
     assert last["round_ms"]["3/4/8"] == pytest.approx(250)
     assert last["tokens_per_s"]["3/4/8"] == pytest.approx(last["accept_length"]["3/4/8"] / 0.25)
     assert last["accept_length"]["plain"] == 1.0
-    assert info["spec_believed_accept_rates"]["chain"] == [P.INITIAL_RATE] * 3
+    assert info["spec_believed_accept_rates"]["chain"] == [A.INITIAL_RATE] * 3
     assert info["spec_round_ms"] == {str(bucket): {P.shape_name(shape): pytest.approx(1000 * s)
                                                    for (shape, b), s in SMALL_AND_LARGE.items()
                                                    if b == bucket}
@@ -315,7 +317,7 @@ def typical_batch_speculates(policy, bucket):
     by the margin."""
     rates = {kind: policy.server.rates(kind, None) for kind in ("chain", "tree")}
     plain = 1 / policy.seconds(PLAIN, bucket)
-    return any(P.expected_length(s, rates[P.family(s)]) / policy.seconds(s, bucket)
+    return any(A.expected_length(s, rates[A.family(s)]) / policy.seconds(s, bucket)
                > P.SPECULATION_MARGIN * plain for s in policy.shapes if s != PLAIN)
 
 
@@ -351,15 +353,15 @@ def test_requests_without_a_draft_commit_one_token_a_round_and_measure_nothing()
     policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
     assert all(policy.choose([None] * 3, 1) == PLAIN for _ in range(40))  # nor any probe
     good = requests_with(policy, [[(TREE, 3), (CHAIN3, 3)] * 5])[0]
-    alone = policy.expected_tokens([good])
+    alone = policy.expected_tokens([good], 1)
     policy.choose([good, None, None], 1)
     for shape in policy.shapes:
         assert policy.last.accept_lengths[P.shape_name(shape)] == pytest.approx(
             (alone[shape] + 2) / 3)
     tried = policy.server.counts["tree"].tried.copy()
-    policy.observe(TREE, 1, 0.016, [(None, 0), (None, 0)])
+    policy.observe(TREE, 1, 0.016, [(None, 0, 3), (None, 0, 3)])
     np.testing.assert_array_equal(policy.server.counts["tree"].tried, tried)
-    policy.observe(TREE, 1, 0.016, [(good, 3), (None, 0)])
+    policy.observe(TREE, 1, 0.016, [(good, 3, 3), (None, 0, 3)])
     assert policy.server.counts["tree"].tried.sum() > tried.sum()
     policy.count_finished(True)
     policy.count_finished(False)

@@ -12,7 +12,7 @@ import functools
 import jax
 
 from sgl_jax.layers.attention.metadata import AttentionMetadata, LayerKV
-from sgl_jax.layers.attention.native import write_kv
+from sgl_jax.layers.attention.native import paged_attention
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
 from sgl_jax.layers.attention.pallas_tpu import ragged_paged_attention_tpu
 
@@ -41,7 +41,5 @@ def flash_attention(
 ) -> tuple[jax.Array, LayerKV]:
     # The scatter runs in the same jitted step as the kernel, on the donated cache, so it
     # updates the pages in place before the kernel reads them.
-    layer_kv = write_kv(layer_kv, k, v, metadata.slot_mapping)
-    out = platform_kernel(jax.default_backend())(q, *layer_kv, metadata, scale=scale,
-                                                 sliding_window=sliding_window)
-    return out, layer_kv
+    return paged_attention(platform_kernel(jax.default_backend()), q, k, v, layer_kv,
+                           metadata, scale=scale, sliding_window=sliding_window)

@@ -15,6 +15,12 @@ only when i - W < j. KV index is position for every sequence here, except inside
 tree window, where a query's index is its window slot, not its depth: no caller combines a
 branching tree with a window (DFlash's non-causal blocks are not trees).
 
+A packed batch (a verify round whose rows check prefixes of different lengths) keeps only
+some tokens of each window: `token_windows` gives each of its T tokens' slot in the window
+layout the other fields describe, and the backends attend in that layout (to_windows /
+from_windows). So every projection and MLP of the model runs over the T tokens verified, not
+over every window's full width.
+
 A tree verify window carries its mask as bits: row t holds one bit per new token of its own
 sequence (bit w % 32 of word w // 32 says whether token t sees the w-th new token). A window
 of up to 32 tokens costs one int32 per query, built on the device; the prefix is always
@@ -41,7 +47,10 @@ class AttentionMetadata:
     # i32[T, cdiv(W, 32)] or None: packed tree-mask bits of each token over its sequence's
     # window of W new tokens (see pack_mask_bits). None = causal.
     tree_bits: jax.Array | None = None
-    q_block: int = 1  # static: tokens per query block (T = NB * q_block)
+    q_block: int = 1  # static: tokens per query block (NB * q_block window slots)
+    # i32[T] or None: a packed batch's tokens' slots in the window layout (NB * q_block marks
+    # a padding token). None: the batch is the window layout (T = NB * q_block).
+    token_windows: jax.Array | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -51,11 +60,36 @@ class AttentionMetadata:
 jax.tree_util.register_dataclass(
     AttentionMetadata,
     data_fields=["slot_mapping", "page_table", "kv_lens", "window_starts", "q_starts",
-                 "tree_bits"],
+                 "tree_bits", "token_windows"],
     meta_fields=["q_block"],
 )
 
 MASK_WORD_BITS = 32
+
+
+def token_slots(metadata: AttentionMetadata) -> jax.Array:
+    """i32[T]: the cache slot each token of the batch writes (a padding token: the null
+    slot)."""
+    if metadata.token_windows is None:
+        return metadata.slot_mapping
+    return jnp.take(metadata.slot_mapping, metadata.token_windows, mode="fill", fill_value=0)
+
+
+def to_windows(x: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+    """[T, ...] per token -> [NB * q_block, ...] in the window layout (slots no token fills:
+    zeros)."""
+    if metadata.token_windows is None:
+        return x
+    slots = metadata.num_blocks * metadata.q_block
+    return jnp.zeros((slots, *x.shape[1:]), x.dtype).at[metadata.token_windows].set(
+        x, mode="drop")
+
+
+def from_windows(x: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+    """[NB * q_block, ...] in the window layout -> [T, ...] per token (padding: zeros)."""
+    if metadata.token_windows is None:
+        return x
+    return jnp.take(x, metadata.token_windows, axis=0, mode="fill", fill_value=0)
 
 
 def pack_mask_bits(mask):

@@ -13,6 +13,8 @@ The pages may be stored in another dtype than the queries (`--kv-cache-dtype`, e
 query's dtype before any arithmetic.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,9 @@ from sgl_jax.layers.attention.checks import check_sliding_window
 from sgl_jax.layers.attention.metadata import (
     AttentionMetadata,
     LayerKV,
+    from_windows,
+    to_windows,
+    token_slots,
     window_visible,
     within_sliding_window,
     write_slots,
@@ -160,7 +165,15 @@ def native_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> tuple[jax.Array, LayerKV]:
-    layer_kv = write_kv(layer_kv, k, v, metadata.slot_mapping)
-    out = ragged_paged_attention_reference(q, *layer_kv, metadata, scale=scale,
-                                           sliding_window=sliding_window)
-    return out, layer_kv
+    return paged_attention(ragged_paged_attention_reference, q, k, v, layer_kv, metadata,
+                           scale=scale, sliding_window=sliding_window)
+
+
+def paged_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, layer_kv: LayerKV,
+                    metadata: AttentionMetadata, **options) -> tuple[jax.Array, LayerKV]:
+    """Write this step's K/V, then attend with `kernel` (which reads q in the window layout
+    and the cache): q, k, v [T, heads, hd] per token, packed or not (to_windows)."""
+    layer_kv = write_kv(layer_kv, k, v, token_slots(metadata))
+    windows = dataclasses.replace(metadata, token_windows=None)
+    out = kernel(to_windows(q, metadata), *layer_kv, windows, **options)
+    return from_windows(out, metadata), layer_kv

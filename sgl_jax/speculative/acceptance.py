@@ -1,0 +1,108 @@
+"""Acceptance estimates for the adaptive policy (policy.py): per draft depth, how often a
+request's (or the server's) rounds that verified the depth accepted it, given the depth
+above was accepted; decayed counts, shrunk towards a prior."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgl_jax.speculative.config import TreeShape
+
+INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
+PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
+
+
+def family(shape: TreeShape) -> str:
+    return "tree" if shape.topk > 1 else "chain"
+
+
+@dataclass
+class DepthCounts:
+    """Decayed counts, per draft depth, of rounds that tried the depth and that accepted it."""
+
+    depth: int  # the deepest a shape may draft
+    decay: float
+    tried: np.ndarray = field(init=False)  # f64[depth]
+    accepted: np.ndarray = field(init=False)  # f64[depth]
+
+    def __post_init__(self) -> None:
+        self.tried = np.zeros(self.depth)
+        self.accepted = np.zeros(self.depth)
+
+    def record(self, steps: int | Sequence[int], num_accepted: int | Sequence[int]) -> None:
+        """Rounds of `steps` draft depths (one for all, or one each: a packed round's rows
+        verify their own) that accepted `num_accepted` each (one or several requests):
+        depths 1..a were accepted, depth a+1 (if verified) was tried and rejected."""
+        accepted = np.atleast_1d(np.asarray(num_accepted))[:, None]  # [R, 1]
+        steps = np.asarray(steps)[..., None] if np.ndim(steps) else steps  # [R, 1] or int
+        depths = np.arange(self.depth)[None, :]
+        scale = self.decay ** accepted.shape[0]
+        self.tried = self.tried * scale + (depths < np.minimum(accepted + 1, steps)).sum(0)
+        self.accepted = self.accepted * scale + (depths < accepted).sum(0)
+
+
+class Acceptance:
+    """One request's (or the server's) depth counts for chains and for trees."""
+
+    def __init__(self, depth: int, decay: float):
+        self.counts = {f: DepthCounts(depth, decay) for f in ("chain", "tree")}
+
+    def record(self, shape: TreeShape, num_accepted: int | Sequence[int],
+               steps: int | Sequence[int] | None = None) -> None:
+        """A round of `shape` (`steps`: the depths each row verified, default the shape's)."""
+        if shape.num_steps:
+            self.counts[family(shape)].record(shape.num_steps if steps is None else steps,
+                                              num_accepted)
+
+    def rates(self, kind: str, server: Acceptance | None) -> np.ndarray:
+        """f64[depth] for the family `kind` ("chain" or "tree"); see batch_rates. Without
+        `server` (the server's own): each depth shrunk towards the estimate of the depth
+        above, the first towards INITIAL_RATE."""
+        if server is None:
+            return carried(self.counts[kind])
+        return batch_rates([self], kind, server)[0]
+
+
+def shrunk(counts: DepthCounts, prior: np.ndarray) -> np.ndarray:
+    """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
+    return _shrink(counts.accepted, counts.tried, prior)
+
+
+def carried(counts: DepthCounts) -> np.ndarray:
+    """f64[depth]: like `shrunk`, each depth's prior being the estimate of the depth above
+    (INITIAL_RATE for depth 1), so an untried depth inherits the deepest tried one's rate."""
+    rates = np.empty(counts.depth)
+    prior = INITIAL_RATE
+    for depth in range(counts.depth):
+        rates[depth] = prior = _shrink(counts.accepted[depth], counts.tried[depth], prior)
+    return rates
+
+
+def _shrink(accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """Accepted over tried, with `prior` counted as PRIOR_WEIGHT tries (any leading shape)."""
+    return (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+
+
+def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -> np.ndarray:
+    """f64[R, depth]: each request's rates for the family `kind`, shrunk towards the server's.
+    What a request showed in the other family scales the server's rates first: text that
+    defeats trees defeats chains too. One pass over the batch (this runs every round)."""
+    other = "tree" if kind == "chain" else "chain"
+    typical, typical_other = server.rates(kind, None), server.rates(other, None)
+    def stacked(family_kind: str) -> tuple[np.ndarray, np.ndarray]:  # accepted, tried [R, D]
+        counts = [r.counts[family_kind] for r in requests]
+        return np.stack([c.accepted for c in counts]), np.stack([c.tried for c in counts])
+
+    accepted_other, tried_other = stacked(other)
+    mine_other = _shrink(accepted_other, tried_other, typical_other)
+    base = np.where(tried_other.any(axis=1, keepdims=True),
+                    np.clip(typical * mine_other / typical_other, 0.0, 1.0), typical)
+    return _shrink(*stacked(kind), base)
+
+
+def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
+    """Tokens a round of `shape` commits: the bonus plus each depth reached."""
+    return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())

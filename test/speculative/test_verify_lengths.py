@@ -1,0 +1,189 @@
+"""Verification lengths per request (packed chain rounds): the allocation against an
+exhaustive search, the policy's shares for requests its estimates tell apart, the packed
+shapes offered and how a packed round cuts its trees; through the Engine, greedy output
+equals plain decoding's with packed rounds for a draft model (the target as its own draft,
+accepted all along) and for NGRAM (drafts from the text). With DSPARK, per-request shares
+of a fitted head and sampled exactness: test_dflash_engine; the attention of a packed
+batch: layers/test_native_attention."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax import Engine
+from sgl_jax.speculative.acceptance import Acceptance
+from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
+from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
+from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.verify_lengths import (
+    draft_counts,
+    expected_packed_tokens,
+    packed_budget,
+    packed_shapes,
+)
+from sgl_jax.testing import write_tiny_checkpoint
+from sgl_jax.testing.engines import believe_round_costs
+
+CHAIN7 = TreeShape(7, 1, 8)
+CHAIN3 = TreeShape(3, 1, 4)
+
+
+def best_prefixes(survival: np.ndarray, budget: int) -> float:
+    """The most survival any choice of per-row prefixes within `budget` nodes covers."""
+    rows, depth = survival.shape
+    best = 0.0
+    for counts in itertools.product(range(depth + 1), repeat=rows):
+        if sum(counts) <= budget:
+            best = max(best, sum(survival[r, :c].sum() for r, c in enumerate(counts)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_allocation_covers_the_most_survival_any_prefixes_can(seed):
+    rng = np.random.default_rng(seed)
+    survival = np.cumprod(rng.uniform(0.2, 1.0, (3, 4)), axis=1)
+    survival[1] = 0.0  # a row with nothing worth verifying
+    for budget in range(0, 13):
+        counts = draft_counts(survival, budget)
+        assert counts.sum() == min(budget, survival.size)  # every node has a place
+        covered = sum(survival[r, :c].sum() for r, c in enumerate(counts))
+        assert covered == pytest.approx(best_prefixes(survival, budget))
+        assert expected_packed_tokens(survival, budget, 3) == pytest.approx(3 + covered)
+
+
+def test_ties_go_to_the_shallower_depth_so_every_share_is_a_prefix():
+    survival = np.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.5]])
+    assert draft_counts(survival, 4).tolist() == [2, 2]
+    assert draft_counts(survival, 5).tolist() == [3, 2]
+    assert draft_counts(survival, 9).tolist() == [3, 3]
+
+
+def test_packed_variants_of_the_chains_only():
+    assert packed_shapes(candidate_shapes(CHAIN7)) == (TreeShape(7, 1, 8, 2),
+                                                       TreeShape(7, 1, 8, 4))
+    assert packed_shapes(candidate_shapes(TreeShape(3, 4, 8))) == (TreeShape(3, 1, 4, 2),)
+    assert packed_shapes([PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 6)]) == ()
+    assert TreeShape(7, 1, 8, 4).name == "7/1/8:4"
+
+
+def test_a_packed_round_teaches_only_the_depths_it_verified():
+    """A row that verified 2 of 7 drafts and accepted both tried nothing deeper; one that
+    verified 3 and accepted 1 was rejected at depth 2."""
+    acceptance = Acceptance(7, 1.0)
+    acceptance.record(TreeShape(7, 1, 8, 2), [2, 1], [2, 3])
+    counts = acceptance.counts["chain"]
+    assert counts.tried.tolist() == [2, 2, 0, 0, 0, 0, 0]
+    assert counts.accepted.tolist() == [2, 1, 0, 0, 0, 0, 0]
+
+
+def record(policy: SpeculationPolicy, accepted: int, rounds: int = 12) -> Acceptance:
+    """A request whose chain rounds of 7 each accepted `accepted` drafts."""
+    acceptance = policy.new_request()
+    for _ in range(rounds):
+        acceptance.record(CHAIN7, accepted)
+        policy.server.record(CHAIN7, accepted)
+    return acceptance
+
+
+def costs(width_ms: dict[int, float], bucket: int = 4) -> dict:
+    """Round seconds of CHAIN7 and its packed variants by verify width (8: the whole chain)."""
+    table = {(PLAIN, bucket): 0.010, (TreeShape(1, 1, 2), bucket): 0.011}
+    for width, ms in width_ms.items():
+        shape = CHAIN7 if width == 8 else TreeShape(7, 1, 8, width)
+        table[shape, bucket] = ms / 1000
+    return table
+
+
+def test_requests_the_draft_predicts_verify_longer_prefixes():
+    shapes = candidate_shapes(CHAIN7) + packed_shapes(candidate_shapes(CHAIN7))
+    policy = SpeculationPolicy(shapes, CHAIN7, costs({2: 12, 4: 14, 8: 20}), adaptive=True)
+    good, poor = record(policy, 7), record(policy, 0)
+    batch = [good, poor, good, None]  # the last request has no draft
+    packed = TreeShape(7, 1, 8, 2)
+    counts = policy.verify_counts(batch, packed, 4)
+    assert counts.sum() <= packed_budget(packed, 4, len(batch)) == 4
+    assert counts[3] == 0 and counts[1] < counts[0] and counts[1] < counts[2]
+    wide = policy.verify_counts(batch, TreeShape(7, 1, 8, 4), 4)
+    assert wide.sum() == 12 and min(wide[0], wide[2]) > wide[1]
+
+
+def test_the_round_takes_the_width_whose_tokens_per_second_are_highest():
+    shapes = candidate_shapes(CHAIN7) + packed_shapes(candidate_shapes(CHAIN7))
+    cheap_packing = SpeculationPolicy(shapes, CHAIN7, costs({2: 11, 4: 12, 8: 30}),
+                                      adaptive=True)
+    batch = [record(cheap_packing, 7), record(cheap_packing, 1), record(cheap_packing, 0),
+             record(cheap_packing, 1)]
+    chosen = cheap_packing.choose(batch, 4)
+    assert chosen.verify_width in (2, 4)
+    lengths = cheap_packing.expected_tokens(batch, 4)
+    assert lengths[TreeShape(7, 1, 8, 4)] <= lengths[CHAIN7]  # fewer nodes, fewer tokens
+    flat_costs = SpeculationPolicy(shapes, CHAIN7, costs({2: 20, 4: 20, 8: 20}), adaptive=True)
+    assert flat_costs.choose([record(flat_costs, 7)] * 4, 4) == CHAIN7
+
+
+def test_keep_first_nodes_cuts_each_tree_after_its_count():
+    tree = DraftTree(jnp.arange(12, dtype=jnp.int32).reshape(3, 4) + 5,
+                     jnp.array([[-1, 0, 1, 2]] * 3, jnp.int32))
+    packed = packed_nodes([4, 1, 2], 4, 8)
+    assert packed.tolist() == [0, 1, 2, 3, 4, 8, 9, 12]
+    cut, counts = jax.jit(keep_first_nodes)(tree, packed)
+    assert counts.tolist() == [4, 1, 2]
+    assert cut.parents.tolist() == [[-1, 0, 1, 2], [-1, -1, -1, -1], [-1, 0, -1, -1]]
+    with pytest.raises(ValueError, match="7 nodes do not fit a packed round of 6 tokens"):
+        packed_nodes([4, 1, 2], 4, 6)
+
+
+BASE = dict(dtype="float32", precompile_token_paddings=[16, 64], precompile_bs_paddings=[4],
+            max_prefill_tokens=64, context_length=256, page_size=16)
+PACKED_CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1,
+                    speculative_num_draft_tokens=4, speculative_per_request_lengths=True)
+# A whole chain of 3 costs four plain steps, its packed round (8 nodes over 4 rows) less
+# than one: every round packs, whatever acceptance the policy measures.
+PACKED_COSTS_MS = {"plain": 10, "1/1/2": 11, "3/1/4": 40, "3/1/4:2": 8}
+MAX_NEW = [24, 17, 30, 12]
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    repeated = [7, 8, 9, 10, 11] * 6  # text NGRAM can draft from
+    return [repeated, *(rng.integers(3, 500, n).tolist() for n in (9, 40, 21))]
+
+
+def greedy(n: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("packed") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    with Engine(model_path=str(target), skip_server_warmup=True, **BASE) as engine:
+        return [o["output_ids"] for o in engine.generate(
+            input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
+
+
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM"])
+def test_packed_rounds_give_plain_decodings_greedy_output(target, reference, algorithm):
+    draft = {"speculative_draft_model_path": str(target)} if algorithm == "STANDALONE" else {}
+    with Engine(model_path=str(target), speculative_algorithm=algorithm, **draft,
+                **PACKED_CHAIN, **BASE) as engine:
+        assert engine.runtime.builder.wait_idle(timeout=600)
+        believe_round_costs(engine, PACKED_COSTS_MS)
+        out = engine.generate(input_ids=prompts(),
+                              sampling_params=[greedy(n) for n in MAX_NEW])
+        info = engine.get_server_info()
+        assert engine.flush_cache() and engine.get_server_info()["kv_pages_in_use"] == 0
+    assert [o["output_ids"] for o in out] == reference
+    rounds = info["spec_rounds_by_shape"]
+    assert rounds["3/1/4:2"] > 0 and rounds["3/1/4"] == 0, rounds
+    verified = np.sum([o["meta_info"]["spec_verified_per_position"] for o in out], axis=0)
+    assert verified[0] > 0, verified
+    if algorithm == "STANDALONE":  # its drafts are the target's: packed rows went deep
+        assert verified[-1] > 0 and info["spec_accepted_per_position"][-1] > 0, info
