@@ -15,8 +15,11 @@ tree (steps 3, topk 4, 8 draft tokens); `adaptive` lets the policy pick each rou
 --algorithm picks the drafter: EAGLE3 (default), EAGLE, STANDALONE, or NGRAM, which drafts
 from the text itself (the request's prompt and output, and recent responses) and loads no draft
 model. NGRAM's shapes: chain (steps 5, topk 1, 6 draft tokens), tree (steps 6, topk 4, 12 draft
-tokens; topk only bounds the branching) and adaptive under that tree. Every row also records
-the share of the batch's rounds that speculated (all but the `plain` ones of rounds_by_shape).
+tokens; topk only bounds the branching) and adaptive under that tree. `per-request` is
+adaptive with per-request verification lengths (--speculative-per-request-lengths: packed
+chain rounds, each request verifying the prefix its measured acceptance earns). Every row
+also records the share of the batch's rounds that speculated (all but the `plain` ones of
+rounds_by_shape).
 
     # real checkpoints (a GPU machine)
     python benchmark/bench_speculative.py --model-path meta-llama/Llama-3.1-8B-Instruct \\
@@ -123,6 +126,9 @@ DFLASH_SHAPES = {
     "adaptive": {"speculative_num_steps": 7, "speculative_eagle_topk": 3,
                  "speculative_num_draft_tokens": 16, "speculative_adaptive": True},
 }
+# `per-request`: each drafter's adaptive shape with per-request verification lengths.
+for _shapes in (SHAPES, NGRAM_SHAPES, NEXTN_SHAPES, DFLASH_SHAPES):
+    _shapes["per-request"] = {**_shapes["adaptive"], "speculative_per_request_lengths": True}
 ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN", "DFLASH", "DSPARK")
 
 DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")

@@ -104,5 +104,9 @@ def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -
 
 
 def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
-    """Tokens a round of `shape` commits: the bonus plus each depth reached."""
-    return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
+    """Tokens a round of `shape` commits per request of a full batch bucket of requests
+    alike: the bonus plus each depth reached (a packed round's rows verify W - 1 drafts
+    each)."""
+    depth = min(shape.num_steps, shape.verify_width - 1) if shape.verify_width else (
+        shape.num_steps)
+    return 1.0 + float(np.cumprod(rates[:depth]).sum())

@@ -220,7 +220,9 @@ class SpeculationPolicy:
         """The speculative shapes that would beat plain for `rows` requests if every one of
         the `drafted` with a draft accepted every depth, at the shapes' warm-up timings (a
         learnt correction is what a probe may refute)."""
-        return beating_plain({s: rows + drafted * s.num_steps for s in shapes},
+        most = {s: rows + drafted * s.num_steps for s in shapes}
+        return beating_plain({s: min(most[s], s.verify_width * bucket) if s.verify_width
+                              else most[s] for s in shapes},
                              {s: self.round_seconds[s, bucket] for s in shapes})
 
     def _probe(self, best: TreeShape, rates: dict[TreeShape, float],

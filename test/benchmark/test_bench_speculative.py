@@ -52,13 +52,16 @@ def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
 
 
 def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
+    """The adaptive row with per-request lengths: the policy's shapes include the packed
+    round of its 3-step chain."""
     out_json = tmp_path / "adaptive.json"
     assert load_bench().main(["--hidden-size", "64", "--num-layers", "4", "--batch-sizes", "2",
-                              "--input-len", "16", "--output-len", "12", "--shapes", "adaptive",
-                              "--repeats", "2", "--output-json", str(out_json)]) == 0
+                              "--input-len", "16", "--output-len", "12", "--shapes",
+                              "per-request", "--repeats", "2", "--output-json",
+                              str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())
-    assert row["shape"] == "adaptive" and row["outputs_differing"] == 0
-    assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/4/8"}
+    assert row["shape"] == "per-request" and row["outputs_differing"] == 0
+    assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/1/4:2", "3/4/8"}
     assert sum(row["rounds_by_shape"].values()) >= 11  # 12 tokens, at most one per plain round
     # the batch's two requests, in the untimed warm-up before the paired run and in each of
     # the two timed passes, every output compared with plain decoding's
@@ -218,7 +221,9 @@ def test_ngram_loads_no_draft_and_has_its_own_shapes(tmp_path):
     shapes = bench.shapes_for("NGRAM")
     assert [(s["speculative_num_steps"], s["speculative_eagle_topk"],
              s["speculative_num_draft_tokens"], s["speculative_adaptive"])
-            for s in shapes.values()] == [(5, 1, 6, False), (6, 4, 12, False), (6, 4, 12, True)]
+            for s in shapes.values()] == [(5, 1, 6, False), (6, 4, 12, False), (6, 4, 12, True),
+                                          (6, 4, 12, True)]
+    assert shapes["per-request"]["speculative_per_request_lengths"]
     assert bench.shapes_for("EAGLE3") is bench.SHAPES
     with pytest.raises(SystemExit, match="no draft model"):
         bench.build_models(bench.parse_args(["--algorithm", "NGRAM", "--model-path", "t",
@@ -238,5 +243,5 @@ def test_num_steps_sets_every_shapes_depth_and_a_chains_tokens():
     shapes = bench.with_depth(bench.shapes_for("DFLASH"), 3)
     assert [(s["speculative_num_steps"], s["speculative_eagle_topk"],
              s["speculative_num_draft_tokens"]) for s in shapes.values()] == [
-        (3, 1, 4), (3, 3, 16), (3, 3, 16)]
+        (3, 1, 4), (3, 3, 16), (3, 3, 16), (3, 3, 16)]
     assert bench.with_depth(bench.DFLASH_SHAPES, None) is bench.DFLASH_SHAPES

@@ -13,8 +13,9 @@ from sgl_jax.demo import demo_model_path
 pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0, "max_new_tokens": 48}
+# One batch bucket: the batch shrinking as answers end compiles nothing more.
 SETTINGS = dict(page_size=16, skip_server_warmup=True, max_running_requests=4,
-                context_length=1024)
+                precompile_bs_paddings=[4], context_length=1024)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.acceptance import Acceptance
+from sgl_jax.speculative.acceptance import Acceptance, expected_length
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
 from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
@@ -68,6 +68,17 @@ def test_packed_variants_of_the_chains_only():
     assert packed_shapes(candidate_shapes(TreeShape(3, 4, 8))) == (TreeShape(3, 1, 4, 2),)
     assert packed_shapes([PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 6)]) == ()
     assert TreeShape(7, 1, 8, 4).name == "7/1/8:4"
+
+
+def test_a_full_bucket_of_alike_requests_shares_a_packed_rounds_nodes_evenly():
+    """The admission rule's typical batch: at width W every row verifies W - 1 drafts."""
+    rates = np.full(7, 0.5)
+    assert expected_length(CHAIN7, rates) == pytest.approx(2 - 0.5**7)
+    assert expected_length(TreeShape(7, 1, 8, 2), rates) == pytest.approx(1.5)
+    assert expected_length(TreeShape(7, 1, 8, 4), rates) == pytest.approx(1.875)
+    counts = draft_counts(np.tile(np.cumprod(rates), (8, 1)), packed_budget(
+        TreeShape(7, 1, 8, 4), 8, 8))
+    assert counts.tolist() == [3] * 8
 
 
 def test_a_packed_round_teaches_only_the_depths_it_verified():
