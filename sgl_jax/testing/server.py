@@ -53,9 +53,7 @@ def launch_server(args: list[str], *, timeout_s: float = 300,
 
 # The demo pair's servers in the slow OpenAI tests: small limits, the seed cards' tree.
 DEMO_FLAGS = ["--skip-server-warmup", "--max-running-requests", "16", "--context-length", "1024",
-              "--served-model-name", "demo",
-              # one batch bucket: a batch that shrinks as answers end compiles nothing more
-              "--precompile-bs-paddings", "16"]
+              "--served-model-name", "demo"]
 DEMO_SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
 
