@@ -388,7 +388,8 @@ def rows_for(shape: TreeShape, rows: RoundRows) -> RoundRows:
     (W * B of them; where the caller chose none, padding alone: warm-up and timing runs),
     any other shape's without."""
     if not shape.verify_width:
-        return dataclasses.replace(rows, packed_nodes=None)
+        return rows if rows.packed_nodes is None else dataclasses.replace(rows,
+                                                                           packed_nodes=None)
     if rows.packed_nodes is None:
         batch = len(rows.slots)
         rows = dataclasses.replace(rows, packed_nodes=packed_nodes(

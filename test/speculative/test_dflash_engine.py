@@ -117,14 +117,14 @@ PACKED_COSTS_MS = {"plain": 10, "1/1/2": 11, "7/1/8": 40, "7/1/8:2": 12, "7/1/8:
 def record_shares(engine) -> list[dict[str, int]]:
     """Every packed round's draft nodes per request id, as the engine chose them."""
     decoder, shares = engine.runtime.scheduler.decoding, []
-    choose = decoder._verified_depths
+    choose = decoder.verified_depths
 
     def recording(reqs, shape, bucket, records):
         counts = choose(reqs, shape, bucket, records)
         if counts is not None:
             shares.append({req.rid: count for req, count in zip(reqs, counts, strict=True)})
         return counts
-    decoder._verified_depths = recording
+    decoder.verified_depths = recording
     return shares
 
 
