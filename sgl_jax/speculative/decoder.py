@@ -170,13 +170,17 @@ class SpecDecoder:
     def _timed_bucket(self, batch_size: int) -> int:
         """The padded size of a batch of `batch_size` (spec_warmup.ready_padding), its round
         programs timed first where the policy has no timing yet (and compiled, without a
-        background builder; with one, only those built so far: untimed_shapes)."""
+        background builder; with one, only those built so far, timed again once it is idle:
+        untimed_shapes)."""
         bucket = spec_warmup.ready_padding(self.spec, batch_size)
         if self.policy.adaptive:
-            untimed = spec_warmup.untimed_shapes(self.spec, bucket, self.policy.round_seconds)
+            untimed = spec_warmup.untimed_shapes(self.spec, bucket, self.policy.round_seconds,
+                                                 self.policy.provisional)
             if untimed:
-                spec_warmup.time_bucket(self.spec, bucket, untimed)
-                self.policy.add_round_seconds(self.spec.round_seconds)
+                clean = spec_warmup.time_bucket(self.spec, bucket, untimed)
+                self.policy.add_round_seconds(
+                    {(s, bucket): self.spec.round_seconds[s, bucket] for s in untimed},
+                    provisional=not clean)
         return bucket
 
     # ------------------------------------------------------------------ prefill

@@ -137,6 +137,7 @@ class SpeculationPolicy:
         self.round_seconds = dict(round_seconds)
         self.load: dict[int, float] = {}  # bucket -> slowdown against warm-up, every shape
         self.correction: dict[tuple[TreeShape, int], float] = {}  # a shape's own, beyond load
+        self.provisional: set[tuple[TreeShape, int]] = set()  # see add_round_seconds
         self.server = Acceptance(self.depth, SERVER_DECAY)
         # Plain rounds are counted whatever the menu: grammar-constrained batches take them.
         self.rounds_by_shape = {shape_name(s): 0 for s in dict.fromkeys((PLAIN, *self.shapes))}
@@ -147,10 +148,22 @@ class SpeculationPolicy:
         self.finished_requests = {"with_draft": 0, "without_draft": 0}
         self.last: Choice | None = None
 
-    def add_round_seconds(self, round_seconds: Mapping[tuple[TreeShape, int], float]) -> None:
-        """Timings of buckets compiled after start-up (keys already known keep theirs)."""
+    def add_round_seconds(self, round_seconds: Mapping[tuple[TreeShape, int], float], *,
+                          provisional: bool = False) -> None:
+        """Timings of buckets compiled after start-up. A key already known keeps its timing
+        unless that one was provisional (taken while a background build shared the CPU):
+        the new one replaces it, and what was learnt against it (the bucket's load, the
+        shape's correction) starts again."""
         for key, seconds in round_seconds.items():
-            self.round_seconds.setdefault(key, seconds)
+            if key in self.round_seconds and key not in self.provisional:
+                continue
+            if key in self.provisional:
+                self.provisional.discard(key)
+                self.correction.pop(key, None)
+                self.load.pop(key[1], None)
+            self.round_seconds[key] = seconds
+            if provisional:
+                self.provisional.add(key)
 
     def new_request(self) -> Acceptance:
         """A new request's acceptance record (request_state.DraftState.acceptance)."""

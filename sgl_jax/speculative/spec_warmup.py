@@ -59,6 +59,7 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
         for size in sizes:
             rows = _dummy_rows(spec, size)
             _time_rounds(spec, rows, after_each=compiled)
+            _keep_timings(spec)
             if rare_programs:
                 _warm_masked_round(spec, rows)
             _warm_catch_up(spec, range(size))
@@ -114,24 +115,36 @@ def ready_padding(spec: SpecRunner, num_rows: int) -> int:
     return spec.buckets.batch_padding(num_rows)
 
 
-def time_bucket(spec: SpecRunner, size: int, shapes: Sequence[TreeShape]) -> None:
+def time_bucket(spec: SpecRunner, size: int, shapes: Sequence[TreeShape]) -> bool:
     """Time the round programs of `shapes` in batch bucket `size` while serving (compiling
     those not built yet): padding rows only (they write nothing, so the requests' slots and
     caches stay as they were), and a fixed number of runs (other nodes replay these rounds
     and must run the same ones). The bucket's other base programs are run with them, so no
-    later batch of this size compiles them."""
+    later batch of this size compiles them. Returns whether the timings are clean: no
+    background build shared the CPU meanwhile (it slows some shapes more than others, so
+    the policy would misprice them: untimed_shapes offers those again once it is done).
+    Only clean timings are kept for later processes."""
+    builder = spec.target.builder
+    clean = builder is None or builder.idle()
     _time_rounds(spec, _padding_rows(spec, size), shapes=shapes, runs=2, budget_s=0.0)
+    clean = clean and (builder is None or builder.idle())
+    if clean:
+        _keep_timings(spec, shapes, size)
     _warm_undrafted_steps(spec, [size])
     _warm_catch_up(spec, [-1] * size)
+    return clean
 
 
-def untimed_shapes(spec: SpecRunner, size: int, timed: Collection[tuple[TreeShape, int]]
-                   ) -> list[TreeShape]:
+def untimed_shapes(spec: SpecRunner, size: int, timed: Collection[tuple[TreeShape, int]],
+                   provisional: Collection[tuple[TreeShape, int]] = ()) -> list[TreeShape]:
     """The shapes of batch bucket `size` the adaptive policy has no timing for (`timed`)
     and may time now: with a background builder those built so far, else every one (timing
-    compiles them)."""
-    shapes = spec.shapes if spec.target.builder is None else shapes_built(spec, size)
-    return [shape for shape in shapes if (shape, size) not in timed]
+    compiles them); and once the builder is idle, those of its `provisional` timings (taken
+    while it was building, time_bucket)."""
+    builder = spec.target.builder
+    shapes = spec.shapes if builder is None else shapes_built(spec, size)
+    stale = provisional if builder is not None and builder.idle() else ()
+    return [shape for shape in shapes if (shape, size) not in timed or (shape, size) in stale]
 
 
 def batch_limit(spec: SpecRunner, wanted: int) -> int:
@@ -274,9 +287,20 @@ def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
         seconds = kept.get(_timing_key(shape, size))
         spec.round_seconds[shape, size] = seconds or _fastest_seconds(run, runs, budget_s)
         after_each()
-    if store:
-        store.write_json(TIMINGS, {_timing_key(shape, bucket): seconds for (shape, bucket),
-                                   seconds in spec.round_seconds.items()})
+
+
+def _keep_timings(spec: SpecRunner, shapes: Sequence[TreeShape] | None = None,
+                  size: int | None = None) -> None:
+    """Add round_seconds to the executable store's record for later processes: every
+    timing, or only those of `shapes` in bucket `size`."""
+    store = spec.target.store
+    if not store:
+        return
+    kept = store.read_json(TIMINGS)
+    keys = spec.round_seconds if shapes is None else [(shape, size) for shape in shapes]
+    kept.update({_timing_key(shape, bucket): spec.round_seconds[shape, bucket]
+                 for shape, bucket in keys})
+    store.write_json(TIMINGS, kept)
 
 
 TIMINGS = "round_seconds"  # the executable store's record of them

@@ -60,5 +60,5 @@ def believe_round_costs(engine: Any, costs_ms: dict[str, float]) -> None:
 
     add = policy.add_round_seconds
     policy.seconds = lambda shape, bucket: costs_ms[shape_name(shape)] / 1000
-    policy.add_round_seconds = lambda table: add(believed(table))
+    policy.add_round_seconds = lambda table, **kw: add(believed(table), **kw)
     policy.round_seconds = believed(policy.round_seconds)

@@ -190,6 +190,25 @@ def test_a_bucket_whose_rounds_all_slow_down_prices_every_shape_higher():
     assert record.counts["chain"].tried[0] > 0
 
 
+def test_a_provisional_timing_gives_way_to_a_clean_one_and_a_clean_one_stays():
+    """A bucket timed while a background build shared the CPU is timed again once it is
+    done: the new timings replace the provisional ones and what was learnt against them
+    starts again; a clean timing is never replaced."""
+    small = {key: s for key, s in SMALL_AND_LARGE.items() if key[1] == 1}
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, small, adaptive=True)
+    contended = {(CHAIN3, 64): 0.5, (PLAIN, 64): 0.9}  # plain slowed more than the chain
+    policy.add_round_seconds(contended, provisional=True)
+    record = policy.new_request()
+    for _ in range(5):
+        policy.observe(CHAIN3, 64, 0.6, [(record, 1, 3)])
+    assert policy.seconds(CHAIN3, 64) > 0.5
+    policy.add_round_seconds({(CHAIN3, 64): 0.9, (PLAIN, 1): 99.0})  # clean, once idle
+    assert policy.seconds(CHAIN3, 64) == 0.9  # replaced, correction and load reset
+    assert policy.seconds(PLAIN, 64) == 0.9  # still provisional: no clean timing yet
+    assert policy.round_seconds[PLAIN, 1] == small[PLAIN, 1]  # a clean timing stays
+    assert policy.provisional == {(PLAIN, 64)}
+
+
 def test_a_burst_of_slow_plain_rounds_does_not_make_speculation_look_cheap():
     """At batch 64 a one-step chain costs 1.75 plain steps and commits 1.42 tokens: plain
     wins. Five plain rounds slowed 1.45x by the machine (every shape would be) move the

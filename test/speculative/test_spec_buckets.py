@@ -69,3 +69,21 @@ def test_a_batch_pads_to_the_smallest_usable_bucket(built, rows, padded, monkeyp
     without_builder = fake_spec(built, None, monkeypatch=monkeypatch)
     assert spec_warmup.ready_padding(without_builder, rows) == Buckets(
         (64,), SIZES, 128, 16).batch_padding(rows)
+
+
+def test_shapes_timed_while_the_builder_ran_are_timed_again_once_it_is_idle(monkeypatch):
+    """A bucket's shapes timed while the background builder compiled on the other core are
+    offered for timing again once it is idle, and not before; clean ones never again."""
+    chain, packed, plain = "3/1/4", "3/1/4:2", "plain"
+    builder = RecordingBuilder()
+    builder.idle = lambda: busy is False
+    spec = fake_spec({1}, builder, monkeypatch=monkeypatch)
+    spec.shapes = (plain, chain, packed)
+    monkeypatch.setattr(spec_warmup, "shapes_built", lambda spec, size: (plain, chain))
+    timed = {(plain, 8), (chain, 8)}
+    provisional = {(chain, 8)}
+    busy = True
+    assert spec_warmup.untimed_shapes(spec, 8, timed, provisional) == []
+    busy = False
+    assert spec_warmup.untimed_shapes(spec, 8, timed, provisional) == [chain]
+    assert spec_warmup.untimed_shapes(spec, 8, {(plain, 8)}) == [chain]  # built, untimed
