@@ -110,3 +110,56 @@ def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
     depth = min(shape.num_steps, shape.verify_width - 1) if shape.verify_width else (
         shape.num_steps)
     return 1.0 + float(np.cumprod(rates[:depth]).sum())
+
+
+CALIBRATION_BINS = 8  # draft-probability bins of Calibration
+CALIBRATION_PRIOR = 4.0  # a bin's prior (its own draft probability) counts as this many tries
+
+
+class Calibration:
+    """The server's online calibration of a drafter's own confidence: per draft depth and
+    bin of a node's draft probability given its parent (DraftTree.scores), the decayed
+    counts of verified nodes whose parent was accepted, and of those accepted. A bin's
+    estimate starts at its draft probability and moves to what verification measures."""
+
+    def __init__(self, depth: int, decay: float, bins: int = CALIBRATION_BINS):
+        self.decay, self.bins = decay, bins
+        self.tried = np.zeros((depth, bins))
+        self.accepted = np.zeros((depth, bins))
+        self.claimed = np.zeros((depth, bins))  # the tried nodes' summed draft probabilities
+        self.midpoints = (np.arange(bins) + 0.5) / bins
+
+    def record(self, scores: np.ndarray, drafted: Sequence[int],
+               num_accepted: Sequence[int]) -> None:
+        """Chain rounds: scores f32[R, N] (the rows' DraftTree.scores), the draft depths each
+        row verified and the drafts each accepted: node d was tried when d <= drafted and
+        depth d - 1 was accepted, and accepted when depth d was."""
+        own = np.exp(np.diff(np.asarray(scores, np.float64), axis=1))  # [R, N-1]
+        which = np.clip((own * self.bins).astype(np.int64), 0, self.bins - 1)
+        depth = np.broadcast_to(np.arange(own.shape[1]), own.shape)  # d - 1
+        accepted = np.asarray(num_accepted)[:, None]
+        tried = (depth < np.asarray(drafted)[:, None]) & (depth <= accepted)
+        tried &= depth < self.tried.shape[0]
+        scale = self.decay ** own.shape[0]
+        for counts in (self.tried, self.accepted, self.claimed):
+            counts *= scale
+        np.add.at(self.tried, (depth[tried], which[tried]), 1.0)
+        np.add.at(self.claimed, (depth[tried], which[tried]), own[tried])
+        hit = tried & (depth < accepted)
+        np.add.at(self.accepted, (depth[hit], which[hit]), 1.0)
+
+    def table(self, steps: int) -> np.ndarray:
+        """f32[steps, K]: each depth's acceptance by bin (confident_nodes' calibration)."""
+        rates = ((self.accepted + CALIBRATION_PRIOR * self.midpoints)
+                 / (self.tried + CALIBRATION_PRIOR))
+        return np.clip(rates[:steps], 1e-3, 1.0).astype(np.float32)
+
+    def error(self) -> dict[str, float]:
+        """The expected calibration error of the raw draft probabilities over the nodes
+        counted (per depth and bin, the gap between the summed draft probabilities and the
+        nodes accepted, over all nodes tried), and the nodes counted."""
+        total = float(self.tried.sum())
+        if not total:
+            return {"ece": 0.0, "nodes": 0.0}
+        gap = np.abs(self.accepted - self.claimed)
+        return {"ece": round(float(gap.sum()) / total, 4), "nodes": round(total, 1)}

@@ -270,7 +270,8 @@ class SpecDecoder:
         accepted = output.num_accepted.tolist()
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
         steps = launched.shape.num_steps
-        verified = launched.verified or [steps] * len(launched.reqs)
+        verified = (launched.verified if output.verified_nodes is None  # else the device's
+                    else output.verified_nodes.tolist()) or [steps] * len(launched.reqs)
         self.policy.observe(launched.shape, launched.bucket, seconds,
                             [(launched.records[row], accepted[row], verified[row])
                              for row in live],
@@ -280,6 +281,9 @@ class SpecDecoder:
             req.inflight_extra -= steps
         drafted = [min(d, v) for d, v in zip(self._drafted_depths(launched, output), verified,
                                              strict=True)]
+        if output.tree_scores is not None and launched.shape.topk == 1 and live:
+            self.policy.calibration.record(output.tree_scores[live], np.take(drafted, live),
+                                           np.take(accepted, live))
         emitted = []
         for row in live:
             req, state = launched.reqs[row], self.states[launched.reqs[row]]
@@ -311,7 +315,8 @@ class SpecDecoder:
                           self.buckets.pages_per_seq, self.spec.shape.num_steps)
         if verified is not None:
             rows = dataclasses.replace(rows, packed_nodes=packed_nodes(
-                [d + 1 for d in verified], shape.num_draft_tokens, shape.verify_width * padded))
+                [d + 1 for d in verified], shape.num_draft_tokens, shape.verify_width * padded),
+                calibration=self.policy.calibration.table(shape.num_steps))
         sampling, _ = self.slot_table.sampling_rows(
             reqs, rows.slots[:n], np.fromiter((r.num_sampled for r in reqs), np.int32, n),
             padded)

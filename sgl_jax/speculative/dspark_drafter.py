@@ -44,11 +44,27 @@ class DSparkDrafter(DFlashDrafter):
         sampling rows), else a tree of the best num_draft_tokens - 1 candidates."""
         roots = inputs.root_tokens
         hidden, kv = self.block(params, kv, inputs, page_table)
+        hidden = hidden[:, : shape.num_steps]
         if shape.topk == 1 and inputs.sampling is not None:
-            return self.sampled_chain(params, hidden[:, : shape.num_steps], inputs), kv
-        scores, tokens, parents = dspark.draft_candidates(
-            params["dflash"], self.heads, hidden[:, : shape.num_steps], roots, shape.topk)
-        return select_tree(roots, scores, tokens, parents, shape.num_draft_tokens), kv
+            tree = self.sampled_chain(params, hidden, inputs)
+        else:
+            scores, tokens, parents = dspark.draft_candidates(
+                params["dflash"], self.heads, hidden, roots, shape.topk)
+            tree = select_tree(roots, scores, tokens, parents, shape.num_draft_tokens)
+        if shape.topk == 1 and self.heads.confidence:
+            tree = dataclasses.replace(tree, scores=self.confident_scores(params, hidden, tree))
+        return tree, kv
+
+    def confident_scores(self, params, hidden: jax.Array, chain: DraftTree) -> jax.Array:
+        """hidden f[B, S, H] and the chain drafted from it -> f32[B, S+1]: each node's
+        log-survival by the confidence head (the summed log-sigmoids of its path's
+        confidence logits, each given the token before it; 0 at the root)."""
+        batch, steps, width = hidden.shape
+        logits = dspark.confidence_logits(params["dflash"], self.heads,
+                                          hidden.reshape(batch * steps, width),
+                                          chain.tokens[:, :steps].reshape(-1))
+        survival = jnp.cumsum(jax.nn.log_sigmoid(logits.reshape(batch, steps)), axis=1)
+        return jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), survival], axis=1)
 
     def sampled_chain(self, params, hidden: jax.Array, inputs: RoundInputs) -> DraftTree:
         """hidden f[B, S, H] -> a chain of S drafts per row, each drawn from the distribution
@@ -71,6 +87,9 @@ class DSparkDrafter(DFlashDrafter):
         tokens, q = dspark.sampled_chain(params["dflash"], self.heads, hidden,
                                          inputs.root_tokens, draw)
         chain = jnp.arange(-1, steps, dtype=jnp.int32)
+        drawn = jnp.take_along_axis(q, tokens[:, :, None], axis=2)[:, :, 0]  # f32[B, S]
+        scores = jnp.cumsum(jnp.log(jnp.maximum(drawn, 1e-30)), axis=1)
         return DraftTree(jnp.concatenate([inputs.root_tokens[:, None], tokens], axis=1),
                          jnp.broadcast_to(chain, (batch, steps + 1)),
-                         jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1))
+                         jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1),
+                         jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), scores], 1))

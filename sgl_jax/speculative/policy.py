@@ -71,6 +71,7 @@ import numpy as np
 
 from sgl_jax.speculative.acceptance import (
     Acceptance,
+    Calibration,
     batch_rates,
     expected_length,
     family,
@@ -139,6 +140,7 @@ class SpeculationPolicy:
         self.correction: dict[tuple[TreeShape, int], float] = {}  # a shape's own, beyond load
         self.provisional: set[tuple[TreeShape, int]] = set()  # see add_round_seconds
         self.server = Acceptance(self.depth, SERVER_DECAY)
+        self.calibration = Calibration(self.depth, SERVER_DECAY)  # the drafter's own scores
         # Plain rounds are counted whatever the menu: grammar-constrained batches take them.
         self.rounds_by_shape = {shape_name(s): 0 for s in dict.fromkeys((PLAIN, *self.shapes))}
         self.masked_rounds = 0  # rounds whose trees a grammar masked
@@ -325,6 +327,7 @@ class SpeculationPolicy:
                 "probe": last.probe, "accept_length": last.accept_lengths,
                 "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
             "spec_probe_interval": self.probe_interval,
+            "spec_draft_confidence": self.calibration.error(),
             "spec_round_ms": self.round_ms(),
             "spec_believed_round_ms": self.round_ms(believed=True),
         }

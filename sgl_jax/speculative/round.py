@@ -66,6 +66,10 @@ class RoundRows:
     # node (packed_nodes(); B * N: padding), so its target forward runs over T tokens, not
     # B * N. None: every row verifies its whole tree.
     packed_nodes: np.ndarray | None = None
+    # f32[S, K] or None: a packed round's calibration of the draft's own scores (acceptance
+    # by depth and draft-probability bin, acceptance.Calibration), where the drafter scores
+    # its drafts the round reallocates its nodes by (verify_lengths.confident_nodes)
+    calibration: np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -116,6 +120,10 @@ class RoundOutput:
     # f[B, F]: a plain round that left the draft behind: the target's features at the root,
     # for the catch-up; else None.
     features: np.ndarray | None = None
+    # i32[B]: the draft nodes each row verified in a packed round (None: not packed)
+    verified_nodes: np.ndarray | None = None
+    # f32[B, N]: the draft's own log-survival of each node (DraftTree.scores; None: none)
+    tree_scores: np.ndarray | None = None
 
 
 class PendingRound:
@@ -124,12 +132,12 @@ class PendingRound:
 
     def __init__(self, num_rows: int, result: tuple, *, want_logprobs: bool,
                  want_top_logprobs: bool):
-        verdict, logprobs, top, tree, features = result
+        verdict, logprobs, top, tree, features, verified_nodes, scores = result
         self._num_rows = num_rows
         self._arrays = (verdict.tokens, verdict.num_accepted,
                         logprobs if want_logprobs else None,
                         *(top if want_top_logprobs else (None, None)),
-                        tree.tokens, tree.parents, features)
+                        tree.tokens, tree.parents, features, verified_nodes, scores)
         for array in self._arrays:
             if array is not None:
                 array.copy_to_host_async()

@@ -78,7 +78,6 @@ from sgl_jax.speculative.round import (
     Verified,
     advance_slots,
     catch_up_arrays,
-    packed_nodes,
     round_inputs,
     shifted_ids,
     target_features,
@@ -86,6 +85,7 @@ from sgl_jax.speculative.round import (
 )
 from sgl_jax.speculative.tree import DraftTree, limit_depth
 from sgl_jax.speculative.verify import AcceptThresholds
+from sgl_jax.speculative.verify_lengths import packed_counts, round_packing, rows_for
 
 logger = logging.getLogger(__name__)
 
@@ -308,8 +308,9 @@ class SpecRunner:
         self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, last_tokens, rows, sampling)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
+        packed = round_packing(tree, rows)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
-                                           want_top, shape)
+                                           want_top, shape, packed=packed)
         features = slot_rows = None
         if shape.num_draft_tokens == 1 and self.defers_draft:
             features = verified.features  # f[B, F]: the root's, for a later catch-up
@@ -321,12 +322,15 @@ class SpecRunner:
                                                 verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
             (slot_state, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree.structure(), features)))
+             (verified.verdict, verified.logprobs, verified.top, tree.structure(), features,
+              None if packed is None else packed_counts(packed, tree.tokens.shape),
+              tree.scores)))
 
     def _draft_trees_impl(self, draft_params, draft_kv, slot_state, last_tokens,
                           rows: RoundRows, *, shape: TreeShape):
         inputs = round_inputs(slot_state, last_tokens, rows, None)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
+        tree = dataclasses.replace(tree, scores=None)  # a masked round packs nothing
         return self.tp.constrain_replicated(tree), draft_kv
 
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
@@ -342,7 +346,8 @@ class SpecRunner:
                                                 verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
             (slot_state, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree.structure(), None)))
+             (verified.verdict, verified.logprobs, verified.top, tree.structure(), None, None,
+             None)))
 
     def propose(self, draft_params, draft_kv, inputs: RoundInputs, rows: RoundRows,
                  shape: TreeShape) -> tuple[DraftTree, list]:
@@ -355,14 +360,14 @@ class SpecRunner:
         return limit_depth(tree, rows.max_depths), draft_kv
 
     def verify(self, target_params, target_kv, rows: RoundRows, inputs: RoundInputs,
-                tree: DraftTree, want_top, shape: TreeShape, node_allowed=None
+                tree: DraftTree, want_top, shape: TreeShape, node_allowed=None, packed=None
                 ) -> tuple[list, Verified]:
         return verify_trees(
             self.forward, target_params, target_kv, rows.page_table, inputs, tree, want_top,
             rows.state_slots, num_steps=shape.num_steps, chain=self.drafter.chains(shape),
             page_size=self.page_size, thresholds=self.thresholds,
             features=self.drafter.features, capture=self.capture_layers,
-            node_allowed=node_allowed, packed=rows.packed_nodes)
+            node_allowed=node_allowed, packed=packed)
 
     def _catch_up_impl(self, draft_params, draft_kv, slot_state, tokens, features, page_table,
                        draft_lens, counts, slots):
@@ -381,17 +386,3 @@ class SpecRunner:
         self.target.num_compilations += 1
         logger.info("Compiling speculative %s #%d: size %d", kind, self.target.num_compilations,
                     size)
-
-
-def rows_for(shape: TreeShape, rows: RoundRows) -> RoundRows:
-    """`rows` as a round of `shape` takes them: a packed shape's with the nodes it verifies
-    (W * B of them; where the caller chose none, padding alone: warm-up and timing runs),
-    any other shape's without."""
-    if not shape.verify_width:
-        return rows if rows.packed_nodes is None else dataclasses.replace(rows,
-                                                                           packed_nodes=None)
-    if rows.packed_nodes is None:
-        batch = len(rows.slots)
-        rows = dataclasses.replace(rows, packed_nodes=packed_nodes(
-            [0] * batch, shape.num_draft_tokens, shape.verify_width * batch))
-    return rows

@@ -24,7 +24,8 @@ from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
-from sgl_jax.speculative.spec_runner import SpecRunner, rows_for
+from sgl_jax.speculative.spec_runner import SpecRunner
+from sgl_jax.speculative.verify_lengths import rows_for
 
 
 def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,

@@ -23,6 +23,10 @@ class DraftTree:
     # f32[B, N, V] or None: for a chain whose drafts were sampled, the distribution node i's
     # child was drawn from (verification's q); None: drafts chosen without a draw
     child_q: jax.Array | None = None
+    # f32[B, N] or None: each node's log-survival by the draft's own estimate (its path's
+    # summed draft log-probabilities, or a confidence head's; 0 at the root): what a packed
+    # round allocates its nodes by (verify_lengths.confident_nodes). None: no estimate (NGRAM)
+    scores: jax.Array | None = None
 
     def structure(self) -> DraftTree:
         """Tokens and parents alone: what a round reports of its tree."""
@@ -87,4 +91,6 @@ def select_tree(
     return DraftTree(
         tokens=jnp.concatenate([root_tokens[:, None], jnp.take_along_axis(tokens, kept, 1)], 1),
         parents=jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent_nodes], axis=1),
+        scores=jnp.concatenate([jnp.zeros((batch, 1), jnp.float32),
+                                jnp.take_along_axis(scores, kept, 1).astype(jnp.float32)], 1),
     )

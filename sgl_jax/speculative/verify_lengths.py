@@ -16,18 +16,31 @@ request it does not. The policy times every width like any other shape and picks
 with the most expected tokens a second, so the round's token count follows the batch's
 acceptance and the measured cost of each count.
 
-The decision uses only the outcomes of earlier rounds, never the tokens it is about to
-verify, so the output distribution is the target's (the paper's Appendix A: a cut that
-looked at a token's own draw would bias it).
+Where the drafter scores its own drafts (DraftTree.scores: its path's draft probability,
+or DSpark's confidence head), the round's program reallocates the same budget by them
+(`confident_nodes`): q_r(d) is then the calibrated acceptance of the node's own draft
+probability at its depth (acceptance.Calibration, measured online over earlier rounds), so
+a request verifies deep exactly where this round's draft is sure of itself. The width (the
+budget) stays the host's choice from a round-old estimate, so the loop never waits.
+
+The decision uses only the draft and the outcomes of earlier rounds, never the target's
+verdict on the tokens it is about to verify, so the output distribution is the target's
+(the paper's Appendix A: a cut that looked at a token's own draw would bias it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from sgl_jax.speculative.acceptance import Calibration
 from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.round import RoundRows, packed_nodes
+from sgl_jax.speculative.tree import DraftTree
 
 
 def packed_shapes(shapes: Sequence[TreeShape]) -> tuple[TreeShape, ...]:
@@ -69,3 +82,75 @@ def expected_packed_tokens(survival: np.ndarray, budget: int, num_rows: int) -> 
     counts = draft_counts(survival, budget)
     verified = np.arange(survival.shape[1])[None, :] < counts[:, None]
     return num_rows + float(survival[verified].sum())
+
+
+def confident_nodes(
+    scores: jax.Array,  # f32[B, N]: a chain's draft log-survival per node (DraftTree.scores)
+    calibration: jax.Array,  # f32[S, K]: acceptance by depth and draft-probability bin
+    max_depths: jax.Array,  # i32[B]: the deepest node each row may verify (0: no draft)
+    real: jax.Array,  # bool[B]: rows holding a request
+    num_tokens: int,  # T: the packed round's tokens
+) -> jax.Array:
+    """i32[T]: the packed round's nodes (round.packed_nodes' layout) chosen on the device:
+    every real row's root, then the draft nodes of highest calibrated survival, ties to the
+    shallower depth, so every row's share is a prefix of its chain."""
+    batch, width = scores.shape
+    steps, bins = calibration.shape
+    own = jnp.exp(scores[:, 1:] - scores[:, :-1])  # f32[B, N-1]: each node's, given its parent
+    which = jnp.clip((own * bins).astype(jnp.int32), 0, bins - 1)
+    depth = jnp.arange(1, width)
+    survival = jnp.cumprod(calibration[jnp.minimum(depth, steps) - 1, which], axis=1)
+    allowed = real[:, None] & (depth[None, :] <= max_depths[:, None])
+    survival = jnp.where(allowed, survival, -1.0)
+    by_depth = survival.T.reshape(-1)  # depth-major: a stable sort prefers the shallower
+    order = jnp.argsort(-by_depth, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    budget = num_tokens - real.sum()
+    chosen = ((rank < budget) & (by_depth >= 0)).reshape(width - 1, batch)
+    return first_nodes(real.astype(jnp.int32) + chosen.sum(0), width, num_tokens)
+
+
+def first_nodes(counts: jax.Array, width: int, num_tokens: int) -> jax.Array:
+    """round.packed_nodes on the device: counts i32[B] -> i32[T], the first counts[r]
+    nodes of every row r as flat indices r * N + node, then padding (B * N)."""
+    batch = counts.shape[0]
+    ends = jnp.cumsum(counts)
+    token = jnp.arange(num_tokens)
+    row = jnp.minimum(jnp.searchsorted(ends, token, side="right"), batch - 1)
+    node = token - (ends[row] - counts[row])
+    return jnp.where(token < ends[-1], row * width + node, batch * width).astype(jnp.int32)
+
+
+def rows_for(shape: TreeShape, rows: RoundRows) -> RoundRows:
+    """`rows` as a round of `shape` takes them: a packed shape's with the nodes it verifies
+    (W * B of them; where the caller chose none, padding alone: warm-up and timing runs)
+    and a calibration (the draft's own probabilities where the caller sent none), any other
+    shape's with neither."""
+    if not shape.verify_width:
+        return dataclasses.replace(rows, packed_nodes=None, calibration=None)
+    if rows.packed_nodes is None:
+        batch = len(rows.slots)
+        rows = dataclasses.replace(rows, packed_nodes=packed_nodes(
+            [0] * batch, shape.num_draft_tokens, shape.verify_width * batch))
+    if rows.calibration is None:
+        uncalibrated = Calibration(shape.num_steps, 1.0).table(shape.num_steps)
+        rows = dataclasses.replace(rows, calibration=uncalibrated)
+    return rows
+
+
+def round_packing(tree: DraftTree, rows: RoundRows) -> jax.Array | None:
+    """i32[T] or None (not packed): the nodes a round verifies, inside its program: by the
+    draft's own scores where it has them (confident_nodes, the host's calibration), else the
+    host's choice (rows.packed_nodes, from the requests' measured acceptance)."""
+    if rows.packed_nodes is None or tree.scores is None:
+        return rows.packed_nodes
+    return confident_nodes(tree.scores, rows.calibration, rows.max_depths, rows.slots >= 0,
+                           rows.packed_nodes.shape[0])
+
+
+def packed_counts(packed: jax.Array, nodes: tuple[int, int]) -> jax.Array:
+    """i32[B]: the draft nodes (the root not counted) each row of a [B, N] round verifies
+    in a packed round of `packed` i32[T]."""
+    batch, width = nodes
+    counts = jnp.zeros(batch, jnp.int32).at[packed // width].add(1, mode="drop")
+    return jnp.maximum(counts - 1, 0)

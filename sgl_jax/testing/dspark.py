@@ -96,3 +96,58 @@ def add_dspark_heads(out: Path, copies: dict[str, np.ndarray], *, markov_head: s
 
 def _random(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def fit_confidence_head(head: str | os.PathLike, target_dir: str | os.PathLike,
+                        prompt_sets: list[list[list[int]]], *, new_tokens: int,
+                        steps: int = 300, lr: float = 0.05) -> None:
+    """Fit the DSpark head's confidence head (on the backbone's output h_k alone, written
+    with confidence_head_with_markov false) by logistic regression to what verification
+    would find: for every anchor of the target's greedy continuations of `prompt_sets`
+    (each a batch of prompts of one length), whether slot k's lm_head argmax is the target's
+    token there (the small Markov term left out). Needs torch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sgl_jax.testing.torch_reference import torch_block_forward
+
+    head = Path(head)
+    config = json.loads((head / "config.json").read_text())
+    weights = {name: torch.from_numpy(t.copy())
+               for name, t in load_file(str(head / "model.safetensors")).items()}
+    states, labels = [], []
+    with torch.no_grad():
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        for prompts in prompt_sets:
+            prompt = torch.tensor(prompts)
+            text = target.generate(prompt, max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, do_sample=False)
+            hidden = target(text, output_hidden_states=True).hidden_states
+            features = torch.cat([hidden[i + 1] for i in config["target_layer_ids"]], -1)
+            length = text.shape[1]
+            anchors = torch.arange(prompt.shape[1], length - 1)
+            drafted = anchors[:, None] + torch.arange(config["block_size"])[None, :] + 1
+            valid = drafted < length
+            for row in range(text.shape[0]):
+                blocks = torch.full(drafted.shape, config["mask_token_id"])
+                blocks[:, 0] = text[row, anchors]
+                h = torch_block_forward(weights, config, features[row],
+                                        weights["embed_tokens.weight"][blocks], anchors)
+                guess = (h @ weights["lm_head.weight"].T).argmax(-1)
+                states.append(h[valid])
+                labels.append((guess == text[row, drafted.clamp(max=length - 1)])[valid])
+    x, y = torch.cat(states), torch.cat(labels).float()
+    w = torch.zeros(x.shape[1], requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.Adam([w, b], lr=lr)
+    for _ in range(steps):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    tensors = load_file(str(head / "model.safetensors"))
+    tensors["confidence_head.proj.weight"] = w.detach().numpy()[None, :].astype(np.float32)
+    tensors["confidence_head.proj.bias"] = b.detach().numpy().astype(np.float32)
+    save_file(tensors, str(head / "model.safetensors"), metadata={"format": "pt"})
+    config["confidence_head_with_markov"] = False
+    (head / "config.json").write_text(json.dumps(config, indent=2))

@@ -19,7 +19,7 @@ import torch
 from sgl_jax import Engine
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft
-from sgl_jax.testing.dspark import dspark_from_dflash
+from sgl_jax.testing.dspark import dspark_from_dflash, fit_confidence_head
 from sgl_jax.testing.engines import believe_round_costs, walk_away_mid_run
 
 BASE = dict(dtype="float32", precompile_token_paddings=[16, 64, 256],
@@ -54,6 +54,8 @@ def fitted(tmp_path_factory):
     fit_dflash_draft(root / "backbone", target, FIT_PROMPTS, new_tokens=FIT_NEW, steps=40,
                      anchor_first=True)
     dspark = dspark_from_dflash(root / "dspark", root / "backbone", target, markov_scale=0.1)
+    unfitted = np.random.default_rng(6).integers(3, 500, (4, 12)).tolist()
+    fit_confidence_head(dspark, target, [FIT_PROMPTS, unfitted], new_tokens=FIT_NEW)
     return {"target": target, "head": root / "head", "dspark": dspark,
             "continuations": continuations}
 
@@ -115,25 +117,26 @@ PACKED_COSTS_MS = {"plain": 10, "1/1/2": 11, "7/1/8": 40, "7/1/8:2": 12, "7/1/8:
 
 
 def record_shares(engine) -> list[dict[str, int]]:
-    """Every packed round's draft nodes per request id, as the engine chose them."""
+    """Every packed round's draft nodes per request id, as its program chose them."""
     decoder, shares = engine.runtime.scheduler.decoding, []
-    choose = decoder.verified_depths
+    settle = decoder._settle_round
 
-    def recording(reqs, shape, bucket, records):
-        counts = choose(reqs, shape, bucket, records)
-        if counts is not None:
-            shares.append({req.rid: count for req, count in zip(reqs, counts, strict=True)})
-        return counts
-    decoder.verified_depths = recording
+    def recording(launched):
+        if launched.shape.verify_width:
+            nodes = launched.output.result().verified_nodes
+            shares.append({req.rid: int(n) for req, n in zip(launched.reqs, nodes, strict=True)})
+        return settle(launched)
+    decoder._settle_round = recording
     return shares
 
 
 def test_per_request_lengths_verify_what_each_request_earns(fitted, references):
-    """DSPARK with per-request lengths, the fitted prompts (whose drafts are accepted) and
-    the others (whose are not) in one batch, at costs where verifying every row's whole
-    chain does not pay: packed rounds run, greedy output equals plain decoding's, and while
-    both kinds share the rounds the fitted prompts get most of the verified nodes. What each
-    request verified shows in its meta_info."""
+    """DSPARK with per-request lengths, the fitted prompts (whose drafts are accepted, and
+    whose confidence the head's fitted confidence head puts high) and the others (whose are
+    not) in one batch, at costs where verifying every row's whole chain does not pay: packed
+    rounds run, greedy output equals plain decoding's, and while both kinds share the
+    rounds the round's program gives the fitted prompts most of the verified nodes. What each
+    request verified shows in its meta_info, the confidence's calibration in server info."""
     with dflash_engine(fitted, page_size=16, skip_server_warmup=False,
                        precompile_bs_paddings=[8], speculative_per_request_lengths=True,
                        **dspark_flags(fitted, "DSPARK")) as engine:
@@ -144,6 +147,7 @@ def test_per_request_lengths_verify_what_each_request_earns(fitted, references):
                               sampling_params=[*[greedy(FIT_NEW)] * 4,
                                                *(greedy(n) for n in MAX_NEW)])
         assert pages_all_free(engine)
+        assert engine.get_server_info()["spec_draft_confidence"]["nodes"] > 0
     assert [o["output_ids"] for o in out] == [*fitted["continuations"], *references[:4]]
     ids = [o["meta_info"]["id"] for o in out]
     shared = [round_ for round_ in shares  # every fitted prompt and some of the others

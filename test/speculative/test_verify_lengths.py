@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.acceptance import Acceptance, expected_length
+from sgl_jax.speculative.acceptance import Acceptance, Calibration, expected_length
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
 from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.speculative.verify_lengths import (
+    confident_nodes,
     draft_counts,
     expected_packed_tokens,
     packed_budget,
@@ -60,6 +61,48 @@ def test_ties_go_to_the_shallower_depth_so_every_share_is_a_prefix():
     assert draft_counts(survival, 4).tolist() == [2, 2]
     assert draft_counts(survival, 5).tolist() == [3, 2]
     assert draft_counts(survival, 9).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_round_program_allocates_by_the_drafts_calibrated_scores(seed):
+    """confident_nodes (inside the round's program) against the host's allocation of the
+    survival computed here: the calibrated acceptance of each node's own draft probability
+    at its depth, multiplied down the chain; padding rows and depths past a row's cap get
+    nothing, every real row its root."""
+    rng = np.random.default_rng(seed)
+    batch, width, bins = 5, 6, 4
+    own = rng.uniform(0.05, 1.0, (batch, width - 1))
+    scores = np.concatenate([np.zeros((batch, 1)), np.cumsum(np.log(own), 1)], 1)
+    table = rng.uniform(0.1, 1.0, (3, bins)).astype(np.float32)  # depths past 3 take row 3's
+    table[0, 0] = table[0, 1]  # a tie across rows
+    max_depths = np.array([5, 2, 0, 5, 5], np.int32)
+    real = np.array([True, True, True, False, True])
+    steps = np.minimum(np.arange(width - 1), 2)
+    cond = table[steps[None, :], np.clip((own * bins).astype(int), 0, bins - 1)]
+    survival = np.cumprod(cond, axis=1)
+    allowed = real[:, None] & (np.arange(1, width)[None, :] <= max_depths[:, None])
+    for tokens in (5, 9, 14, 30):
+        budget = min(tokens - real.sum(), int(allowed.sum()))
+        expected = draft_counts(np.where(allowed, survival, -1.0), budget) + real
+        packed = confident_nodes(jnp.asarray(scores, jnp.float32), jnp.asarray(table),
+                                 jnp.asarray(max_depths), jnp.asarray(real), tokens)
+        assert np.asarray(packed).tolist() == packed_nodes(expected, width, tokens).tolist()
+
+
+def test_calibration_learns_each_bins_acceptance_and_the_raw_error():
+    """Rounds whose drafts claim 0.9 at depth 1 but are accepted 60% of the time: the bin
+    moves from its prior to 0.6, the raw draft's calibration error shows the 0.3 gap; an
+    untried bin keeps its own probability."""
+    rng = np.random.default_rng(0)
+    calibration = Calibration(depth=2, decay=1.0, bins=4)
+    for _ in range(400):
+        scores = np.log([[1.0, 0.9, 0.9 * 0.1]])  # depth 1 claims 0.9, depth 2 0.1
+        calibration.record(scores, [1], [int(rng.random() < 0.6)])  # depth 2 unverified
+    table = calibration.table(2)
+    assert table[0, 3] == pytest.approx(0.6, abs=0.06)
+    assert table[1].tolist() == pytest.approx([0.125, 0.375, 0.625, 0.875])
+    assert calibration.error()["ece"] == pytest.approx(0.3, abs=0.06)
+    assert calibration.error()["nodes"] == 400
 
 
 def test_packed_variants_of_the_chains_only():
