@@ -129,23 +129,25 @@ class Calibration:
         self.claimed = np.zeros((depth, bins))  # the tried nodes' summed draft probabilities
         self.midpoints = (np.arange(bins) + 0.5) / bins
 
-    def record(self, scores: np.ndarray, drafted: Sequence[int],
-               num_accepted: Sequence[int]) -> None:
-        """Chain rounds: scores f32[R, N] (the rows' DraftTree.scores), the draft depths each
-        row verified and the drafts each accepted: node d was tried when d <= drafted and
-        depth d - 1 was accepted, and accepted when depth d was."""
-        own = np.exp(np.diff(np.asarray(scores, np.float64), axis=1))  # [R, N-1]
+    def record(self, scores: np.ndarray, parents: np.ndarray, tried: np.ndarray,
+               accepted: np.ndarray) -> None:
+        """Rounds' trees: scores f32[R, N] (DraftTree.scores) and parents i32[R, N], and the
+        nodes verification tried (its parent accepted) and accepted, bool[R, N] each
+        (round_results.node_outcomes)."""
+        up = np.maximum(parents, 0)
+        own = np.exp(np.asarray(scores, np.float64) - np.take_along_axis(scores, up, axis=1))
         which = np.clip((own * self.bins).astype(np.int64), 0, self.bins - 1)
-        depth = np.broadcast_to(np.arange(own.shape[1]), own.shape)  # d - 1
-        accepted = np.asarray(num_accepted)[:, None]
-        tried = (depth < np.asarray(drafted)[:, None]) & (depth <= accepted)
-        tried &= depth < self.tried.shape[0]
-        scale = self.decay ** own.shape[0]
+        depth = np.zeros(parents.shape, np.int64)  # d - 1 of node d's depth
+        for node in range(1, parents.shape[1]):
+            depth[:, node] = np.take_along_axis(depth, up[:, node : node + 1], 1)[:, 0] + (
+                parents[:, node] > 0)
+        tried = tried & (depth < self.tried.shape[0])
+        scale = self.decay ** parents.shape[0]
         for counts in (self.tried, self.accepted, self.claimed):
             counts *= scale
         np.add.at(self.tried, (depth[tried], which[tried]), 1.0)
         np.add.at(self.claimed, (depth[tried], which[tried]), own[tried])
-        hit = tried & (depth < accepted)
+        hit = tried & accepted
         np.add.at(self.accepted, (depth[hit], which[hit]), 1.0)
 
     def table(self, steps: int) -> np.ndarray:

@@ -60,6 +60,7 @@ from sgl_jax.speculative.round_results import (
     as_round,
     emit_run,
     max_depth,
+    node_outcomes,
     round_rows,
     tree_depths,
     tree_masks,
@@ -281,9 +282,9 @@ class SpecDecoder:
             req.inflight_extra -= steps
         drafted = [min(d, v) for d, v in zip(self._drafted_depths(launched, output), verified,
                                              strict=True)]
-        if output.tree_scores is not None and launched.shape.topk == 1 and live:
-            self.policy.calibration.record(output.tree_scores[live], np.take(drafted, live),
-                                           np.take(accepted, live))
+        if output.tree_scores is not None and live:
+            self.policy.calibration.record(*node_outcomes(
+                output, live, None if output.verified_nodes is None else verified))
         emitted = []
         for row in live:
             req, state = launched.reqs[row], self.states[launched.reqs[row]]

@@ -40,6 +40,8 @@ class NgramHints:
     tokens: np.ndarray  # i32[B, M]: each row's trie, node 0 = the last token the host read
     parents: np.ndarray  # i32[B, M]: -1 for the root and for unused nodes
     behind: np.ndarray  # i32[B]: 0, IN_STEP or IN_ROUND (see the module's docstring)
+    scores: np.ndarray  # f32[B, M]: each node's log path probability from node 0 (the
+    # text's counts: DraftTree.scores once re-rooted)
 
 
 def proposal_shape(shapes: Sequence[TreeShape]) -> tuple[int, int]:
@@ -78,7 +80,7 @@ class NgramDrafter:
     def idle_hints(self, batch: int) -> NgramHints:
         m = self.num_proposal_nodes
         return NgramHints(np.zeros((batch, m), np.int32), np.full((batch, m), -1, np.int32),
-                          np.zeros(batch, np.int32))
+                          np.zeros(batch, np.int32), np.zeros((batch, m), np.float32))
 
     def prefill(self, params, kv, batch, features, next_ids, run):
         return jnp.zeros((batch.logits_indices.shape[0], self.slot_width), jnp.int32), kv
@@ -92,7 +94,8 @@ class NgramDrafter:
         run_len = jnp.select([hints.behind == IN_ROUND, hints.behind == IN_STEP],
                              [stored_len, jnp.ones_like(stored_len)], 0)
         tree = align_proposals(hints.tokens, hints.parents, run, run_len, roots,
-                               num_nodes=shape.num_draft_tokens, max_depth=shape.num_steps)
+                               num_nodes=shape.num_draft_tokens, max_depth=shape.num_steps,
+                               scores=hints.scores)
         return tree, kv
 
     def advance(self, params, kv, tree, verified, inputs, page_table, state_slots):
@@ -141,11 +144,13 @@ class NgramProposer:
         tokens = np.zeros((padded, m), np.int32)
         parents = np.full((padded, m), -1, np.int32)
         behind = np.zeros(padded, np.int32)
+        scores = np.zeros((padded, m), np.float32)
         for row, req in enumerate(reqs):
             proposal = self.index.propose(req.rid, m, self.depth)
             tokens[row], parents[row] = proposal.tokens, proposal.parents
+            scores[row] = np.log(np.maximum(proposal.probs, 1e-30))
             behind[row] = (IN_ROUND if req.inflight_extra else IN_STEP) if req.num_inflight else 0
-        return NgramHints(tokens, parents, behind)
+        return NgramHints(tokens, parents, behind, scores)
 
     def offered(self, hints: NgramHints, rows: int) -> list[bool]:
         """Whether each request's trie holds more than its root."""

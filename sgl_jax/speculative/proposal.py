@@ -28,7 +28,8 @@ def align_proposals(
     *,
     num_nodes: int,  # N: nodes of the output tree, root included
     max_depth: int,  # S: deepest a node may sit below the new root
-) -> DraftTree:  # tokens / parents i32[B, N]
+    scores: jax.Array | None = None,  # f32[B, M]: log path probability from node 0
+) -> DraftTree:  # tokens / parents i32[B, N] (scores f32[B, N] from the new root)
     """Re-root each proposal at the node its run leads to and keep that node's descendants
     (depth <= S, the first N-1 in proposal order). A run that leaves the trie (a token with no
     matching child, or a run deeper than the trie) gives the root alone."""
@@ -38,7 +39,9 @@ def align_proposals(
     reached, depth_below = _subtree_depths(parents, new_root)
     node = jnp.arange(parents.shape[1])[None, :]
     keep = matched[:, None] & reached & (node != new_root[:, None]) & (depth_below <= max_depth)
-    return _gather_kept(tokens, parents, keep, root_tokens, num_nodes)
+    if scores is not None:  # a kept node's given the new root: its path's less the root's
+        scores = scores - jnp.take_along_axis(scores, new_root[:, None], axis=1)
+    return _gather_kept(tokens, parents, keep, root_tokens, num_nodes, scores)
 
 
 def _walk_run(
@@ -86,6 +89,7 @@ def _gather_kept(
     keep: jax.Array,  # bool[B, M]: candidates for output nodes 1.., the new root excluded
     root_tokens: jax.Array,  # i32[B]
     num_nodes: int,  # N
+    scores: jax.Array | None,  # f32[B, M]: the nodes' log-probabilities below the new root
 ) -> DraftTree:
     """Output node j >= 1 is the j-th kept node in proposal order; the rest is padding.
 
@@ -103,6 +107,10 @@ def _gather_kept(
     kept_parents = jnp.take_along_axis(rank, source_parent, axis=1)
     kept_tokens = jnp.take_along_axis(tokens, source, axis=1)
     batch = tokens.shape[0]
+    if scores is not None:
+        kept_scores = jnp.where(valid, jnp.take_along_axis(scores, source, axis=1), 0.0)
+        scores = jnp.concatenate([jnp.zeros((batch, 1), jnp.float32),
+                                  kept_scores.astype(jnp.float32)], axis=1)
     return DraftTree(
         tokens=jnp.concatenate(
             [root_tokens[:, None].astype(jnp.int32), jnp.where(valid, kept_tokens, 0)], axis=1
@@ -110,4 +118,5 @@ def _gather_kept(
         parents=jnp.concatenate(
             [jnp.full((batch, 1), -1, jnp.int32), jnp.where(valid, kept_parents, -1)], axis=1
         ),
+        scores=scores,
     )

@@ -24,6 +24,27 @@ def tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
     return depths.max(axis=1).tolist()
 
 
+def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For acceptance.Calibration: `rows`' draft scores f32[R, N] and parents i32[R, N], and
+    which nodes verification tried (verified, with their parent on the accepted path) and
+    accepted (on it), bool[R, N] each. `verified`: a packed round's draft nodes per row
+    (its first ones), None: every node of the tree."""
+    parents, tokens = output.tree_parents[rows], output.tree_tokens[rows]
+    on_path = np.zeros(parents.shape, bool)
+    on_path[:, 0] = True
+    for i, row in enumerate(rows):  # walk each row's accepted tokens down its tree
+        node = 0
+        for token in output.tokens[row, : output.num_accepted[row]]:
+            node = int(np.flatnonzero((parents[i] == node) & (tokens[i] == token))[0])
+            on_path[i, node] = True
+    counted = parents >= 0
+    if verified is not None:
+        counted &= np.arange(parents.shape[1])[None, :] <= np.take(verified, rows)[:, None]
+    tried = counted & np.take_along_axis(on_path, np.maximum(parents, 0), axis=1)
+    return output.tree_scores[rows], parents, tried, tried & on_path
+
+
 def max_depth(req: Req, num_steps: int) -> int:
     """The deepest draft node the request's rounds verify: the flags' depth unless it asked
     for less (or for no speculation: 0)."""

@@ -40,7 +40,7 @@ import numpy as np
 from sgl_jax.speculative.acceptance import Calibration
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.round import RoundRows, packed_nodes
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.tree import DraftTree, node_depths
 
 
 def packed_shapes(shapes: Sequence[TreeShape]) -> tuple[TreeShape, ...]:
@@ -85,28 +85,36 @@ def expected_packed_tokens(survival: np.ndarray, budget: int, num_rows: int) -> 
 
 
 def confident_nodes(
-    scores: jax.Array,  # f32[B, N]: a chain's draft log-survival per node (DraftTree.scores)
+    scores: jax.Array,  # f32[B, N]: each node's draft log-survival (DraftTree.scores)
+    parents: jax.Array,  # i32[B, N]: the tree (-1: the root, and nodes cut or unused)
     calibration: jax.Array,  # f32[S, K]: acceptance by depth and draft-probability bin
     max_depths: jax.Array,  # i32[B]: the deepest node each row may verify (0: no draft)
     real: jax.Array,  # bool[B]: rows holding a request
     num_tokens: int,  # T: the packed round's tokens
 ) -> jax.Array:
     """i32[T]: the packed round's nodes (round.packed_nodes' layout) chosen on the device:
-    every real row's root, then the draft nodes of highest calibrated survival, ties to the
-    shallower depth, so every row's share is a prefix of its chain."""
+    every real row's root, then the draft nodes of highest calibrated survival (the product
+    down its path of each node's calibrated acceptance given its parent), ties to the
+    earlier node. A row's share is its first nodes (keep_first_nodes), so a node counts
+    with the least survival of the nodes before it: in a chain that is its own."""
     batch, width = scores.shape
     steps, bins = calibration.shape
-    own = jnp.exp(scores[:, 1:] - scores[:, :-1])  # f32[B, N-1]: each node's, given its parent
+    up = jnp.maximum(parents, 0)
+    own = jnp.exp(scores - jnp.take_along_axis(scores, up, axis=1))  # given its parent
     which = jnp.clip((own * bins).astype(jnp.int32), 0, bins - 1)
-    depth = jnp.arange(1, width)
-    survival = jnp.cumprod(calibration[jnp.minimum(depth, steps) - 1, which], axis=1)
-    allowed = real[:, None] & (depth[None, :] <= max_depths[:, None])
-    survival = jnp.where(allowed, survival, -1.0)
-    by_depth = survival.T.reshape(-1)  # depth-major: a stable sort prefers the shallower
-    order = jnp.argsort(-by_depth, stable=True)
+    depth = node_depths(parents)
+    accept = calibration[jnp.clip(depth, 1, steps) - 1, which]  # f32[B, N]
+    survival = jnp.ones((batch, width), jnp.float32)
+    for node in range(1, width):  # parents come first; N is static and small
+        above = jnp.take_along_axis(survival, up[:, node : node + 1], axis=1)[:, 0]
+        survival = survival.at[:, node].set(above * accept[:, node])
+    allowed = real[:, None] & (parents >= 0) & (depth <= max_depths[:, None])
+    survival = jax.lax.cummin(jnp.where(allowed, survival, -1.0)[:, 1:], axis=1)
+    by_rank = survival.T.reshape(-1)  # node-major: a stable sort prefers the earlier node
+    order = jnp.argsort(-by_rank, stable=True)
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     budget = num_tokens - real.sum()
-    chosen = ((rank < budget) & (by_depth >= 0)).reshape(width - 1, batch)
+    chosen = ((rank < budget) & (by_rank >= 0)).reshape(width - 1, batch)
     return first_nodes(real.astype(jnp.int32) + chosen.sum(0), width, num_tokens)
 
 
@@ -144,8 +152,8 @@ def round_packing(tree: DraftTree, rows: RoundRows) -> jax.Array | None:
     host's choice (rows.packed_nodes, from the requests' measured acceptance)."""
     if rows.packed_nodes is None or tree.scores is None:
         return rows.packed_nodes
-    return confident_nodes(tree.scores, rows.calibration, rows.max_depths, rows.slots >= 0,
-                           rows.packed_nodes.shape[0])
+    return confident_nodes(tree.scores, tree.parents, rows.calibration, rows.max_depths,
+                           rows.slots >= 0, rows.packed_nodes.shape[0])
 
 
 def packed_counts(packed: jax.Array, nodes: tuple[int, int]) -> jax.Array:

@@ -1,6 +1,7 @@
-"""Aligning host proposals with the tokens the device committed, against a plain-Python
-reference: hand-worked tries first, then many random tries with a small vocabulary so that
-runs often match, fail part way, or go deeper than the trie."""
+"""Aligning host proposals with the tokens the device committed (and their scores
+re-rooted), against a plain-Python reference: hand-worked tries first, then many random
+tries with a small vocabulary so that runs often match, fail part way, or go deeper than
+the trie."""
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ def reference(tokens, parents, run, run_len, root_token, num_nodes, max_depth):
         node = children.get(node, {}).get(token)
         if node is None:
             break
-    out_tokens, out_parents = [root_token], [-1]
+    out_tokens, out_parents, reference.sources = [root_token], [-1], [None]
     if node is not None:
         out_of, depth = {node: 0}, {node: 0}
         for i in range(len(parents)):
@@ -33,6 +34,7 @@ def reference(tokens, parents, run, run_len, root_token, num_nodes, max_depth):
                 if depth[i] <= max_depth and len(out_tokens) < num_nodes:
                     out_of[i] = len(out_tokens)
                     out_tokens.append(tokens[i])
+                    reference.sources.append((i, node))
                     assert p in out_of, "kept set must be closed under ancestors"
                     out_parents.append(out_of[p])
     pad = num_nodes - len(out_tokens)
@@ -53,7 +55,9 @@ def batch_arrays(rows, num_slots, run_slots):
 
 def check(rows, num_slots, run_slots, num_nodes, max_depth):
     tokens, parents, run, run_len, root = batch_arrays(rows, num_slots, run_slots)
-    tree = align(tokens, parents, run, run_len, root, num_nodes=num_nodes, max_depth=max_depth)
+    scores = -np.arange(tokens.size, dtype=np.float32).reshape(tokens.shape) % 7 / 3
+    tree = align(tokens, parents, run, run_len, root, num_nodes=num_nodes, max_depth=max_depth,
+                 scores=scores)
     got_tokens, got_parents = np.asarray(tree.tokens), np.asarray(tree.parents)
     assert got_tokens.shape == got_parents.shape == (len(rows), num_nodes)
     assert got_tokens.dtype == got_parents.dtype == np.int32
@@ -69,6 +73,11 @@ def check(rows, num_slots, run_slots, num_nodes, max_depth):
         )
         assert got_tokens[b].tolist() == want[0], b
         assert got_parents[b].tolist() == want[1], b
+        # each kept node's score is its path's less the new root's (0 at root and padding)
+        want_scores = [0.0 if kept is None else scores[b, kept[0]] - scores[b, kept[1]]
+                       for kept in reference.sources]
+        want_scores += [0.0] * (num_nodes - len(want_scores))
+        assert np.asarray(tree.scores[b]).tolist() == pytest.approx(want_scores), b
     check_invariants(got_tokens, got_parents, max_depth)
     return got_tokens, got_parents
 

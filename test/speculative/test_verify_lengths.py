@@ -73,6 +73,7 @@ def test_the_round_program_allocates_by_the_drafts_calibrated_scores(seed):
     batch, width, bins = 5, 6, 4
     own = rng.uniform(0.05, 1.0, (batch, width - 1))
     scores = np.concatenate([np.zeros((batch, 1)), np.cumsum(np.log(own), 1)], 1)
+    chain = np.tile(np.arange(-1, width - 1, dtype=np.int32), (batch, 1))
     table = rng.uniform(0.1, 1.0, (3, bins)).astype(np.float32)  # depths past 3 take row 3's
     table[0, 0] = table[0, 1]  # a tie across rows
     max_depths = np.array([5, 2, 0, 5, 5], np.int32)
@@ -84,9 +85,29 @@ def test_the_round_program_allocates_by_the_drafts_calibrated_scores(seed):
     for tokens in (5, 9, 14, 30):
         budget = min(tokens - real.sum(), int(allowed.sum()))
         expected = draft_counts(np.where(allowed, survival, -1.0), budget) + real
-        packed = confident_nodes(jnp.asarray(scores, jnp.float32), jnp.asarray(table),
-                                 jnp.asarray(max_depths), jnp.asarray(real), tokens)
-        assert np.asarray(packed).tolist() == packed_nodes(expected, width, tokens).tolist()
+        assert allocated(scores, chain, table, max_depths, real, tokens) == packed_nodes(
+            expected, width, tokens).tolist()
+
+
+def allocated(scores, parents, table, max_depths, real, tokens) -> list[int]:
+    return np.asarray(confident_nodes(
+        jnp.asarray(scores, jnp.float32), jnp.asarray(parents), jnp.asarray(table),
+        jnp.asarray(max_depths), jnp.asarray(real), tokens)).tolist()
+
+
+def test_a_trees_share_is_its_first_nodes_by_the_least_survival_before_them():
+    """A tree row (NGRAM's): a node's survival is the product down its path; a row's share
+    is its first nodes, so a node counts with the least survival among those before it.
+    Uncalibrated bins of 0.1 (each at its midpoint). Row 0: nodes 1 (p 0.93) and 2 (0.23)
+    under the root, 3 (0.93) under 1: 0.95, 0.25, 0.9025 -> 0.95, 0.25, 0.25. Row 1, a
+    chain of 0.55s: 0.55, 0.3025, 0.166."""
+    table = np.tile((np.arange(10) + 0.5) / 10, (3, 1)).astype(np.float32)
+    scores = np.log([[1, 0.93, 0.23, 0.93 ** 2], [1, 0.55, 0.55 ** 2, 0.55 ** 3]])
+    parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2]], np.int32)
+    args = (table, np.array([3, 3], np.int32), np.array([True, True]))
+    assert allocated(scores, parents, *args, 5) == [0, 1, 4, 5, 6]  # 0.95, 0.55, 0.3025
+    assert allocated(scores, parents, *args, 6) == [0, 1, 2, 4, 5, 6]  # then node 2's 0.25
+    assert allocated(scores, parents, *args, 7) == [0, 1, 2, 3, 4, 5, 6]  # node 3 after it
 
 
 def test_calibration_learns_each_bins_acceptance_and_the_raw_error():
@@ -95,9 +116,12 @@ def test_calibration_learns_each_bins_acceptance_and_the_raw_error():
     untried bin keeps its own probability."""
     rng = np.random.default_rng(0)
     calibration = Calibration(depth=2, decay=1.0, bins=4)
+    scores = np.log([[1.0, 0.9, 0.9 * 0.1]])  # depth 1 claims 0.9, depth 2 0.1
+    parents = np.array([[-1, 0, 1]])
+    tried = np.array([[False, True, False]])  # depth 2 unverified
     for _ in range(400):
-        scores = np.log([[1.0, 0.9, 0.9 * 0.1]])  # depth 1 claims 0.9, depth 2 0.1
-        calibration.record(scores, [1], [int(rng.random() < 0.6)])  # depth 2 unverified
+        hit = np.array([[False, rng.random() < 0.6, False]])
+        calibration.record(scores, parents, tried, hit)
     table = calibration.table(2)
     assert table[0, 3] == pytest.approx(0.6, abs=0.06)
     assert table[1].tolist() == pytest.approx([0.125, 0.375, 0.625, 0.875])
