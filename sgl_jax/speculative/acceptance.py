@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.tree import host_node_depths
 
 INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
 PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
@@ -137,11 +138,8 @@ class Calibration:
         up = np.maximum(parents, 0)
         own = np.exp(np.asarray(scores, np.float64) - np.take_along_axis(scores, up, axis=1))
         which = np.clip((own * self.bins).astype(np.int64), 0, self.bins - 1)
-        depth = np.zeros(parents.shape, np.int64)  # d - 1 of node d's depth
-        for node in range(1, parents.shape[1]):
-            depth[:, node] = np.take_along_axis(depth, up[:, node : node + 1], 1)[:, 0] + (
-                parents[:, node] > 0)
-        tried = tried & (depth < self.tried.shape[0])
+        depth = host_node_depths(parents) - 1  # a table row per draft depth
+        tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
         scale = self.decay ** parents.shape[0]
         for counts in (self.tried, self.accepted, self.claimed):
             counts *= scale

@@ -265,12 +265,18 @@ def packed_nodes(counts: Sequence[int], width: int, num_tokens: int) -> np.ndarr
     return packed
 
 
+def nodes_per_row(packed: jax.Array, nodes: tuple[int, int]) -> jax.Array:
+    """i32[B]: the nodes (the root included) each row of a [B, N] round verifies in a packed
+    round of `packed` i32[T] (padding, B * N, counts for none)."""
+    batch, width = nodes
+    return jnp.zeros(batch, jnp.int32).at[packed // width].add(1, mode="drop")
+
+
 def keep_first_nodes(tree: DraftTree, packed: jax.Array) -> tuple[DraftTree, jax.Array]:
     """The tree [B, N] without the nodes a packed round leaves out (their parents -1, so no
     walk reaches them), and each row's count of verified nodes i32[B]."""
-    batch, width = tree.tokens.shape
-    counts = jnp.zeros(batch, jnp.int32).at[packed // width].add(1, mode="drop")
-    kept = jnp.arange(width)[None, :] < counts[:, None]
+    counts = nodes_per_row(packed, tree.tokens.shape)
+    kept = jnp.arange(tree.tokens.shape[1])[None, :] < counts[:, None]
     return dataclasses.replace(tree, parents=jnp.where(kept, tree.parents, -1)), counts
 
 

@@ -9,6 +9,7 @@ from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
 from sgl_jax.model_executor.model_runner import StepOutput, bitmask_words
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.round import RoundOutput, RoundRows
+from sgl_jax.speculative.tree import host_node_depths
 
 
 def tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
@@ -16,12 +17,7 @@ def tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
     node it verified: the draft positions the round tried (0 where a row had no draft)."""
     if parents is None:
         return [0] * rows
-    depths = np.zeros(parents.shape, np.int32)
-    for node in range(1, parents.shape[1]):
-        parent = parents[:, node]
-        depths[:, node] = np.where(parent >= 0, depths[np.arange(len(parent)),
-                                                        np.maximum(parent, 0)] + 1, 0)
-    return depths.max(axis=1).tolist()
+    return host_node_depths(parents).max(axis=1).tolist()
 
 
 def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -25,7 +26,8 @@ class DraftTree:
     child_q: jax.Array | None = None
     # f32[B, N] or None: each node's log-survival by the draft's own estimate (its path's
     # summed draft log-probabilities, or a confidence head's; 0 at the root): what a packed
-    # round allocates its nodes by (verify_lengths.confident_nodes). None: no estimate (NGRAM)
+    # round allocates its nodes by (verify_lengths.confident_nodes). None: no estimate (the
+    # host's allocation then stands)
     scores: jax.Array | None = None
 
     def structure(self) -> DraftTree:
@@ -42,6 +44,16 @@ def node_depths(parents: jax.Array) -> jax.Array:
         above = jnp.take_along_axis(depth, jnp.maximum(parent, 0)[:, None], axis=1)[:, 0]
         depth = depth.at[:, i].set(jnp.where(parent < 0, 0, above + 1))
     return depth
+
+
+def host_node_depths(parents: np.ndarray) -> np.ndarray:
+    """node_depths on the host, for a round's results: parents i32[B, N] -> i32[B, N]."""
+    depths = np.zeros(parents.shape, np.int32)
+    rows = np.arange(parents.shape[0])
+    for node in range(1, parents.shape[1]):
+        parent = parents[:, node]
+        depths[:, node] = np.where(parent >= 0, depths[rows, np.maximum(parent, 0)] + 1, 0)
+    return depths
 
 
 def limit_depth(tree: DraftTree, max_depths: jax.Array) -> DraftTree:

@@ -39,7 +39,7 @@ import numpy as np
 
 from sgl_jax.speculative.acceptance import Calibration
 from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.round import RoundRows, packed_nodes
+from sgl_jax.speculative.round import RoundRows, nodes_per_row, packed_nodes
 from sgl_jax.speculative.tree import DraftTree, node_depths
 
 
@@ -159,6 +159,4 @@ def round_packing(tree: DraftTree, rows: RoundRows) -> jax.Array | None:
 def packed_counts(packed: jax.Array, nodes: tuple[int, int]) -> jax.Array:
     """i32[B]: the draft nodes (the root not counted) each row of a [B, N] round verifies
     in a packed round of `packed` i32[T]."""
-    batch, width = nodes
-    counts = jnp.zeros(batch, jnp.int32).at[packed // width].add(1, mode="drop")
-    return jnp.maximum(counts - 1, 0)
+    return jnp.maximum(nodes_per_row(packed, nodes) - 1, 0)

@@ -119,14 +119,15 @@ PACKED_COSTS_MS = {"plain": 10, "1/1/2": 11, "7/1/8": 40, "7/1/8:2": 12, "7/1/8:
 def record_shares(engine) -> list[dict[str, int]]:
     """Every packed round's draft nodes per request id, as its program chose them."""
     decoder, shares = engine.runtime.scheduler.decoding, []
-    settle = decoder._settle_round
+    settle = decoder.settle
 
     def recording(launched):
-        if launched.shape.verify_width:
-            nodes = launched.output.result().verified_nodes
-            shares.append({req.rid: int(n) for req, n in zip(launched.reqs, nodes, strict=True)})
+        round_ = launched.output  # a decode step's LaunchedRound
+        if launched.kind == "decode" and round_.shape.verify_width:
+            nodes = round_.output.result().verified_nodes
+            shares.append({req.rid: int(n) for req, n in zip(round_.reqs, nodes, strict=True)})
         return settle(launched)
-    decoder._settle_round = recording
+    decoder.settle = recording
     return shares
 
 
