@@ -1,6 +1,10 @@
 """GGUF checkpoints against two oracles: transformers on the safetensors checkpoint a float
 GGUF was converted from, and transformers reading the same (quantized) GGUF file."""
 
+import json
+import logging
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -9,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import ModelRunner
-from sgl_jax.models.gguf import SUPPORTED_TYPES, GGUFError, find_gguf_file
+from sgl_jax.models import gguf as gguf_module
+from sgl_jax.models.gguf import SUPPORTED_TYPES, GGUFCheckpoint, GGUFError, find_gguf_file
 from sgl_jax.models.loader import load_model
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.gguf import write_gguf_from_checkpoint
@@ -62,6 +67,42 @@ def test_quantized_gguf_equals_transformers_reading_it(tensor_type, tmp_path):
     # float32 sums in another order): 4e-5 still catches any dequantization error.
     atol = 4e-5 * np.abs(expected).max()
     np.testing.assert_allclose(our_logits(path), expected, atol=atol, rtol=0)
+
+
+def test_a_later_load_maps_the_dequantized_copy_the_first_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = write_tiny_checkpoint(tmp_path / "hf", "llama", **QUANT_SHAPE)
+    path = write_gguf_from_checkpoint(source, tmp_path / "model.gguf", "Q4_1")
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    expected = reference_logits(reference)
+    atol = 4e-5 * np.abs(expected).max()
+    np.testing.assert_allclose(our_logits(path), expected, atol=atol, rtol=0)
+    [kept] = (tmp_path / "cache").rglob("dequantized.f32")
+    table = json.loads((kept.parent / "gguf_tensors.json").read_text())
+    assert kept.stat().st_size == 4 * sum(np.prod(entry["shape"]) for entry in table.values())
+
+    def no_dequantizing(self, names):
+        raise AssertionError("the second load dequantized the file again")
+    monkeypatch.setattr(GGUFCheckpoint, "_dequantize", no_dequantizing)
+    np.testing.assert_allclose(our_logits(path), expected, atol=atol, rtol=0)
+
+
+def test_a_copy_too_large_or_unwritable_is_not_kept(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_module, "_KEPT_LIMIT", 1024)
+    source = write_tiny_checkpoint(tmp_path / "hf", "llama")
+    path = write_gguf_from_checkpoint(source, tmp_path / "model.gguf", "F16")
+    first = our_logits(path)
+    [metadata] = (tmp_path / "cache").rglob("gguf_tensors.json")
+    assert not list(metadata.parent.glob("dequantized.*"))
+    # Within the limit but unwritable (a directory where the copy goes): the load goes on.
+    monkeypatch.setattr(gguf_module, "_KEPT_LIMIT", 2 << 30)
+    (metadata.parent / f"dequantized.f32.{os.getpid()}.partial").mkdir()
+    with caplog.at_level(logging.WARNING, "sgl_jax.models.gguf"):
+        np.testing.assert_array_equal(our_logits(path), first)
+    assert "Not keeping the dequantized weights" in caplog.text
+    assert not list(metadata.parent.glob("dequantized.json"))
 
 
 def test_metadata_gives_config_tokenizer_and_chat_template(tmp_path, monkeypatch):
