@@ -137,7 +137,7 @@ class GGUFCheckpoint:
         if total > _KEPT_LIMIT:
             yield from self._dequantize(names)
             return
-        writer = kept.writer()
+        writer = _KeptWriter(self.model_dir)
         try:
             for name, array in self._dequantize(names):
                 writer.keep(name, array)
@@ -192,7 +192,7 @@ class _KeptTensors:
         self._values: np.ndarray | None = None
 
     def has(self, names: list[str]) -> bool:
-        return (bool(self._index) and all(name in self._index for name in names)
+        return (all(name in self._index for name in names)
                 and (self._directory / _KEPT_TENSORS).is_file())
 
     def tensor(self, name: str) -> np.ndarray:
@@ -201,9 +201,6 @@ class _KeptTensors:
             self._values = np.memmap(self._directory / _KEPT_TENSORS, np.float32, mode="r")
         offset, shape = self._index[name]
         return self._values[offset:offset + int(np.prod(shape))].reshape(shape)
-
-    def writer(self) -> _KeptWriter:
-        return _KeptWriter(self._directory)
 
 
 class _KeptWriter:
