@@ -60,6 +60,10 @@
 #              with an fp8 KV cache, batch 1 and 32 (the llama8b stage is the bf16
 #              baseline), then the quality of each on the demo model (KL over held-out
 #              ShareGPT)
+#   scan       scanning over layers against the unrolled stack on the Llama-3.1-8B shape, bf16:
+#              trace, lower, compile and load seconds, and decode at batch 1 and 32 (on a
+#              CPU the scanned stack decodes up to 1.6x slower: XLA:CPU copies each layer's
+#              weights out of the stack; whether a GPU does is what this settles)
 # Random checkpoints are written once under $CKPT_DIR (default /tmp/sgl_jax_ckpt).
 # A machine without a package index gets the demo model and the datasets from
 # `python benchmark/gpu_carry.py` (run here first): the demo GGUF comes in three parts, one a
@@ -68,7 +72,7 @@
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn dflash dflashdemo dspark quant}
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn dflash dflashdemo dspark quant scan}
 ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" "$ckpt"
@@ -281,6 +285,10 @@ if not (path.parent / "llama8b_eagle3").is_dir():
           --json "$out/quant_${variant##* }.json"
       done
       python3 "$here/bench_quant_quality.py" --json "$out/quant_quality.json" ;;
+    scan)
+      one_batch llama8b "${llama8b[@]}" --batch-sizes 1 --output-len 4 >/dev/null  # the checkpoint
+      python3 "$here/bench_layer_scan.py" --model-path "$ckpt/llama8b" --batch-sizes 1,32 \
+        --context 1024 --prefill-len 1024 --steps 10 --json "$out/scan.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
