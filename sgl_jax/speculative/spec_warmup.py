@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
+from sgl_jax.model_executor.programs import build_in_pairs
 from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN
@@ -36,7 +36,9 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     the programs few batches need (grammar-masked rounds, prefills of one-token chunks)
     are left to compile on first use, as are the buckets left out of `sizes`
     (`time_bucket` times those when the policy first meets them). `token_sizes`: the prefill
-    token buckets to build (default: every one)."""
+    token buckets to build (default: every one). With a background builder, a bucket's
+    shapes beyond its base ones are built now only where the executable store holds them:
+    on a first start their compiles go to the builder, and the policy takes each once built."""
     buckets = spec.buckets
     sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
     token_sizes = buckets.token_paddings if token_sizes is None else token_sizes
@@ -44,22 +46,22 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     if rare_programs:  # prefills of one-token chunks
         prefills += [buckets.decode_shape(size) for size in buckets.bs_paddings]
     _warm_undrafted_steps(spec, sizes)
-    # Built (or loaded) two at a time first: loading a kept executable and compiling both
-    # leave the GIL to the other thread.
-    builds = [build for size in sizes for build in _bucket_builds(spec, size)]
-    builds += [functools.partial(build_prefill, spec, tokens) for tokens in token_sizes]
-    with ThreadPoolExecutor(2) as pool:
-        for _ in pool.map(lambda build: build(), builds):
-            pass
-    total = len(sizes) * (len(spec.shapes) + 1) + len(prefills)
-    forecast = WarmupForecast(total)
-    with tqdm(total=total, desc="Compiling speculative buckets", unit="bucket") as bar:
+    extra = _extra_shapes(spec)
+    now = {size: _shapes_now(spec, size) for size in sizes}
+    build_in_pairs([build for size in sizes
+                    for build in _base_builds(spec, size) + _round_builds(spec, now[size], size)]
+                   + [functools.partial(build_prefill, spec, tokens) for tokens in token_sizes])
+    timed = {size: [s for s in spec.shapes if s not in extra or s in now[size]]
+             for size in sizes}
+    forecast = WarmupForecast(sum(len(timed[size]) + 1 for size in sizes) + len(prefills))
+    with tqdm(total=forecast.programs, desc="Compiling speculative buckets",
+              unit="bucket") as bar:
         def compiled() -> None:
             forecast.compiled()
             bar.update()
         for size in sizes:
             rows = _dummy_rows(spec, size)
-            _time_rounds(spec, rows, after_each=compiled)
+            _time_rounds(spec, rows, shapes=timed[size], after_each=compiled)
             _keep_timings(spec)
             if rare_programs:
                 _warm_masked_round(spec, rows)
@@ -68,6 +70,10 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
         for shape in prefills:
             _warm_prefill(spec, shape)
             compiled()
+    for size, shape in [(size, s) for size in sizes for s in extra if s not in now[size]]:
+        spec.target.builder.submit(  # a job a shape: a burst's bucket may go in between
+            ("speculative shape", size, shape.name), priority=-1,
+            build=lambda size=size, shape=shape: _build_all(_round_builds(spec, [shape], size)))
     # Warm-up rounds wrote scratch into the slots; no request reads a slot before its
     # prefill writes its root.
 
@@ -174,7 +180,8 @@ def queue_bucket(spec: SpecRunner, size: int, *, first: bool = False) -> None:
     later = len(spec.buckets.bs_paddings)
     builder.submit(("speculative bucket", size),
                    lambda: _build_all(_base_builds(spec, size)), priority=-2 if first else index)
-    builder.submit(("speculative shapes", size), lambda: _build_all(_shape_builds(spec, size)),
+    builder.submit(("speculative shapes", size),
+                   lambda: _build_all(_round_builds(spec, _extra_shapes(spec), size)),
                    priority=-1 if first else later + index)
 
 
@@ -197,12 +204,22 @@ def masked_ready(spec: SpecRunner, bucket: int) -> bool:
 def build_bucket(spec: SpecRunner, size: int) -> None:
     """Build, never run, every program a round of batch bucket `size` may run but the
     grammar-masked pair (build_masked): from any thread, while the engine serves."""
-    _build_all(_bucket_builds(spec, size))
+    _build_all(_base_builds(spec, size) + _round_builds(spec, _extra_shapes(spec), size))
 
 
-def _bucket_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
-    """build_bucket's programs, one call each: the base ones first."""
-    return _base_builds(spec, size) + _shape_builds(spec, size)
+def _shapes_now(spec: SpecRunner, size: int) -> list[TreeShape]:
+    """The round shapes of batch bucket `size` beyond its base ones that warm_up builds:
+    every one without a background builder, else those the executable store holds."""
+    rows, extra = _padding_rows(spec, size), _extra_shapes(spec)
+    if spec.target.builder is None:
+        return extra
+    return [shape for shape in extra
+            if spec.rounds[shape].loadable(size, *_round_args(spec, shape, rows))]
+
+
+def _extra_shapes(spec: SpecRunner) -> list[TreeShape]:
+    base = base_shapes(spec)
+    return [shape for shape in spec.shapes if shape not in base]
 
 
 def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
@@ -218,20 +235,18 @@ def _base_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
     return builds
 
 
-def _shape_builds(spec: SpecRunner, size: int) -> list[Callable[[], object]]:
-    """The round programs of batch bucket `size` beyond its base shapes."""
-    base = base_shapes(spec)
-    return _round_builds(spec, [shape for shape in spec.shapes if shape not in base], size)
-
-
 def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
                   ) -> list[Callable[[], object]]:
     """The round programs of `shapes` in batch bucket `size`, one call each (padding rows)."""
     rows = _padding_rows(spec, size)
-    sampling = greedy_sampling_batch(size, spec.vocab_size)
-    return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
-                              rows_for(shape, rows), sampling, np.bool_(False))
+    return [functools.partial(spec.rounds[shape].build, size, *_round_args(spec, shape, rows))
             for shape in shapes]
+
+
+def _round_args(spec: SpecRunner, shape: TreeShape, rows: RoundRows) -> tuple:
+    """A round program's arguments after its bucket (Programs.build's) for `rows`."""
+    sampling = greedy_sampling_batch(len(rows.slots), spec.vocab_size)
+    return (*spec.state_args(), rows_for(shape, rows), sampling, np.bool_(False))
 
 
 def build_masked(spec: SpecRunner, size: int) -> None:
