@@ -140,21 +140,10 @@ def signature(args: tuple, static: Mapping[str, Any]) -> str:
     leaves, treedef = jax.tree.flatten(args)
     described = [str(treedef), repr(sorted(static.items()))]
     for leaf in leaves:
-        described.append(f"{leaf.shape}{leaf.dtype}{leaf.weak_type}"
-                         f"{_placement(leaf.sharding, len(leaf.shape))}"
+        described.append(f"{leaf.shape}{leaf.dtype}{leaf.weak_type}{leaf.sharding}"
+                         f"{_device_ids(leaf.sharding)}"
                          if isinstance(leaf, jax.ShapeDtypeStruct) else repr(leaf))
     return hashlib.sha256("\n".join(described).encode()).hexdigest()[:32]
-
-
-def _placement(sharding: Any, ndim: int) -> str:
-    """Where a sharding puts an array's parts, and on which devices: equivalent shardings
-    read alike. XLA hands a one-device mesh's state back with another spec than it was
-    given (P('tp', None) for P()), which must not make its programs look new."""
-    try:
-        parts = str(sharding._to_xla_hlo_sharding(ndim))
-    except (AttributeError, TypeError, ValueError):  # None, or JAX without the method
-        parts = str(sharding)
-    return f"{parts}{getattr(sharding, 'memory_kind', None)}{_device_ids(sharding)}"
 
 
 def _device_ids(sharding: Any) -> tuple[int, ...]:
@@ -212,9 +201,6 @@ class ExecutableStore:
         except Exception as exc:  # a torn or foreign file: build it again
             logger.warning("executable %s unreadable (%s): building it again", path.name, exc)
             return None
-
-    def holds(self, name: str, signature: str) -> bool:
-        return self._path(name, signature).exists()
 
     def note_found_in_jax_cache(self, name: str, signature: str) -> None:
         """The program came from JAX's cache, unstorable: the next build compiles it afresh."""
@@ -295,14 +281,6 @@ class Programs:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._built
-
-    def loadable(self, key: Hashable, *args, **static) -> bool:
-        """Whether the key's executable is built or the store holds it (building it would
-        load, not compile); `args` as build's."""
-        if key in self._built:
-            return True
-        return self._store is not None and self._store.holds(
-            self.name, signature(abstract(args), static))
 
     def __call__(self, key: Hashable, *args, **static):
         """Run the key's executable on `args`, building it first if nothing has."""

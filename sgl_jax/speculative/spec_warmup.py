@@ -37,8 +37,9 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     are left to compile on first use, as are the buckets left out of `sizes`
     (`time_bucket` times those when the policy first meets them). `token_sizes`: the prefill
     token buckets to build (default: every one). With a background builder, a bucket's
-    shapes beyond its base ones are built now only where the executable store holds them:
-    on a first start their compiles go to the builder, and the policy takes each once built."""
+    shapes beyond its base ones are left to it (loaded from the store, or compiled), and
+    the policy takes each once built and timed: the server answers sooner, with plain
+    rounds meanwhile."""
     buckets = spec.buckets
     sizes = buckets.bs_paddings if sizes is None else tuple(sizes)
     token_sizes = buckets.token_paddings if token_sizes is None else token_sizes
@@ -46,14 +47,13 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     if rare_programs:  # prefills of one-token chunks
         prefills += [buckets.decode_shape(size) for size in buckets.bs_paddings]
     _warm_undrafted_steps(spec, sizes)
-    extra = _extra_shapes(spec)
-    now = {size: _shapes_now(spec, size) for size in sizes}
+    builder, extra = spec.target.builder, _extra_shapes(spec)
+    now = extra if builder is None else []  # the builder's, one job a shape (below)
     build_in_pairs([build for size in sizes
-                    for build in _base_builds(spec, size) + _round_builds(spec, now[size], size)]
+                    for build in _base_builds(spec, size) + _round_builds(spec, now, size)]
                    + [functools.partial(build_prefill, spec, tokens) for tokens in token_sizes])
-    timed = {size: [s for s in spec.shapes if s not in extra or s in now[size]]
-             for size in sizes}
-    forecast = WarmupForecast(sum(len(timed[size]) + 1 for size in sizes) + len(prefills))
+    timed = [shape for shape in spec.shapes if shape not in extra or shape in now]
+    forecast = WarmupForecast(len(sizes) * (len(timed) + 1) + len(prefills))
     with tqdm(total=forecast.programs, desc="Compiling speculative buckets",
               unit="bucket") as bar:
         def compiled() -> None:
@@ -61,7 +61,7 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
             bar.update()
         for size in sizes:
             rows = _dummy_rows(spec, size)
-            _time_rounds(spec, rows, shapes=timed[size], after_each=compiled)
+            _time_rounds(spec, rows, shapes=timed, after_each=compiled)
             _keep_timings(spec)
             if rare_programs:
                 _warm_masked_round(spec, rows)
@@ -70,8 +70,8 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
         for shape in prefills:
             _warm_prefill(spec, shape)
             compiled()
-    for size, shape in [(size, s) for size in sizes for s in extra if s not in now[size]]:
-        spec.target.builder.submit(  # a job a shape: a burst's bucket may go in between
+    for size, shape in [(size, shape) for size in sizes for shape in extra if builder]:
+        builder.submit(  # a job a shape: a burst's bucket may go in between
             ("speculative shape", size, shape.name), priority=-1,
             build=lambda size=size, shape=shape: _build_all(_round_builds(spec, [shape], size)))
     # Warm-up rounds wrote scratch into the slots; no request reads a slot before its
@@ -207,16 +207,6 @@ def build_bucket(spec: SpecRunner, size: int) -> None:
     _build_all(_base_builds(spec, size) + _round_builds(spec, _extra_shapes(spec), size))
 
 
-def _shapes_now(spec: SpecRunner, size: int) -> list[TreeShape]:
-    """The round shapes of batch bucket `size` beyond its base ones that warm_up builds:
-    every one without a background builder, else those the executable store holds."""
-    rows, extra = _padding_rows(spec, size), _extra_shapes(spec)
-    if spec.target.builder is None:
-        return extra
-    return [shape for shape in extra
-            if spec.rounds[shape].loadable(size, *_round_args(spec, shape, rows))]
-
-
 def _extra_shapes(spec: SpecRunner) -> list[TreeShape]:
     base = base_shapes(spec)
     return [shape for shape in spec.shapes if shape not in base]
@@ -239,14 +229,10 @@ def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
                   ) -> list[Callable[[], object]]:
     """The round programs of `shapes` in batch bucket `size`, one call each (padding rows)."""
     rows = _padding_rows(spec, size)
-    return [functools.partial(spec.rounds[shape].build, size, *_round_args(spec, shape, rows))
+    sampling = greedy_sampling_batch(size, spec.vocab_size)
+    return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
+                              rows_for(shape, rows), sampling, np.bool_(False))
             for shape in shapes]
-
-
-def _round_args(spec: SpecRunner, shape: TreeShape, rows: RoundRows) -> tuple:
-    """A round program's arguments after its bucket (Programs.build's) for `rows`."""
-    sampling = greedy_sampling_batch(len(rows.slots), spec.vocab_size)
-    return (*spec.state_args(), rows_for(shape, rows), sampling, np.bool_(False))
 
 
 def build_masked(spec: SpecRunner, size: int) -> None:
