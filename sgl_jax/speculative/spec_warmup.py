@@ -47,12 +47,13 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
     if rare_programs:  # prefills of one-token chunks
         prefills += [buckets.decode_shape(size) for size in buckets.bs_paddings]
     _warm_undrafted_steps(spec, sizes)
-    builder, extra = spec.target.builder, _extra_shapes(spec)
-    now = extra if builder is None else []  # the builder's, one job a shape (below)
+    builder = spec.target.builder
+    later = _extra_shapes(spec) if builder else []  # the builder's first jobs (below)
+    now = [shape for shape in _extra_shapes(spec) if shape not in later]
     build_in_pairs([build for size in sizes
                     for build in _base_builds(spec, size) + _round_builds(spec, now, size)]
                    + [functools.partial(build_prefill, spec, tokens) for tokens in token_sizes])
-    timed = [shape for shape in spec.shapes if shape not in extra or shape in now]
+    timed = [shape for shape in spec.shapes if shape not in later]
     forecast = WarmupForecast(len(sizes) * (len(timed) + 1) + len(prefills))
     with tqdm(total=forecast.programs, desc="Compiling speculative buckets",
               unit="bucket") as bar:
@@ -70,7 +71,7 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
         for shape in prefills:
             _warm_prefill(spec, shape)
             compiled()
-    for size, shape in [(size, shape) for size in sizes for shape in extra if builder]:
+    for size, shape in [(size, shape) for size in sizes for shape in later]:
         builder.submit(  # a job a shape: a burst's bucket may go in between
             ("speculative shape", size, shape.name), priority=-1,
             build=lambda size=size, shape=shape: _build_all(_round_builds(spec, [shape], size)))

@@ -74,7 +74,7 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None, observed=None):
             observe, add = policy.observe, policy.add_round_seconds
             policy.observe = lambda shape, bucket, _, outcomes, **kw: observe(
                 shape, bucket, policy.round_seconds[shape, bucket], outcomes, **kw)
-            # shapes a first start builds in the background are timed while serving
+            # drafted shapes, built in the background, are timed while serving
             policy.add_round_seconds = lambda timings, **kw: add(
                 {key: 0.01 * relative_costs[key[0].num_steps] for key in timings}, **kw)
         outputs = engine.generate(input_ids=prompts(),
@@ -200,8 +200,8 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
         scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
         policy = scheduler.decoding.policy
         policy.admits_draft = lambda bucket, rid, *_: False
-        # Past the null page 0, which padding rows write (timing rounds of shapes built in
-        # the background after a first start run while serving).
+        # Past the null page 0, which padding rows write (the timing rounds of shapes built
+        # in the background run while serving).
         before = jax.device_get(spec.draft_state.kv)
         firsts, _ = generate(engine, [1] * 4)  # prefill only
         unchanged = jax.tree.map(lambda a, b: np.array_equal(a[1:], b[1:]), before,
