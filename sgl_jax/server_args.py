@@ -117,7 +117,7 @@ class ServerArgs:
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
     speculative_adaptive: bool = True  # off: every round takes the flags' shape
-    speculative_per_request_lengths: bool = False  # chain rounds' rows verify own prefixes
+    speculative_per_request_lengths: bool = False  # rows verify subtrees of their own sizes
     # NGRAM (SGLang's flags; docs/speculative.md says what each means here)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12

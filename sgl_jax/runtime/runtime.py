@@ -145,7 +145,7 @@ class Runtime:
                     "on" if self.adaptive else "off")
         if spec.per_request_lengths and self.model.config.is_hybrid:
             logger.warning("--speculative-per-request-lengths: a hybrid target's rounds "
-                           "verify whole chains (its state pools take no packed rounds)")
+                           "verify whole trees (its state pools take no packed rounds)")
         thresholds = AcceptThresholds(spec.accept_threshold_single, spec.accept_threshold_acc)
         return SpecRunner(self.runner, setup.drafter, spec.shape, thresholds=thresholds,
                           shapes=round_shapes(spec, self.adaptive,

@@ -105,39 +105,53 @@ def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -
 
 
 def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
-    """Tokens a round of `shape` commits per request of a full batch bucket of requests
-    alike: the bonus plus each depth reached (a packed round's rows verify W - 1 drafts
-    each)."""
-    depth = min(shape.num_steps, shape.verify_width - 1) if shape.verify_width else (
-        shape.num_steps)
-    return 1.0 + float(np.cumprod(rates[:depth]).sum())
+    """Tokens a round of `shape` (not packed: policy.expected_tokens prices those) commits
+    per request: the bonus plus each depth reached."""
+    return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
 
 
 CALIBRATION_BINS = 8  # draft-probability bins of Calibration
-CALIBRATION_PRIOR = 4.0  # a bin's prior (its own draft probability) counts as this many tries
+CALIBRATION_PRIOR = 4.0  # a cell's prior (its own draft probability) counts as this many tries
+
+
+def calibration_cells(scores, parents, bins: int, xp=np):
+    """Each node's column in a Calibration table and its draft probability given its
+    parent, (i32[B, N], f[B, N]), from scores f[B, N] (DraftTree.scores) and parents
+    i32[B, N]; `xp`: numpy on the host, jax.numpy in a round's program. Columns 0..bins-1
+    hold the nodes that are their parent's most probable child, by bin of that probability;
+    bins..2*bins-1 the other children: by probability alone a flat draft's first choice
+    (often right) looks like its siblings (rarely right)."""
+    up = xp.maximum(parents, 0)
+    own = xp.exp(scores - xp.take_along_axis(scores, up, axis=1))
+    which = xp.clip((own * bins).astype(xp.int32), 0, bins - 1)
+    index = xp.arange(parents.shape[1])
+    siblings = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
+    beaten = (scores[:, None, :] > scores[:, :, None]) | (
+        (scores[:, None, :] == scores[:, :, None]) & (index[None, None, :] < index[None, :, None]))
+    first = ~xp.any(siblings & beaten, axis=2)  # [B, N]: no sibling ranks above it
+    return which + bins * (~first).astype(xp.int32), own
 
 
 class Calibration:
     """The server's online calibration of a drafter's own confidence: per draft depth and
-    bin of a node's draft probability given its parent (DraftTree.scores), the decayed
-    counts of verified nodes whose parent was accepted, and of those accepted. A bin's
-    estimate starts at its draft probability and moves to what verification measures."""
+    cell (calibration_cells: whether the node is its parent's most probable child, and the
+    bin of its draft probability given its parent, DraftTree.scores), the decayed counts of
+    verified nodes whose parent was accepted, and of those accepted. A cell's estimate
+    starts at its draft probability and moves to what verification measures."""
 
     def __init__(self, depth: int, decay: float, bins: int = CALIBRATION_BINS):
         self.decay, self.bins = decay, bins
-        self.tried = np.zeros((depth, bins))
-        self.accepted = np.zeros((depth, bins))
-        self.claimed = np.zeros((depth, bins))  # the tried nodes' summed draft probabilities
-        self.midpoints = (np.arange(bins) + 0.5) / bins
+        self.tried = np.zeros((depth, 2 * bins))
+        self.accepted = np.zeros((depth, 2 * bins))
+        self.claimed = np.zeros((depth, 2 * bins))  # the tried nodes' summed draft probabilities
+        self.midpoints = np.tile((np.arange(bins) + 0.5) / bins, 2)
 
     def record(self, scores: np.ndarray, parents: np.ndarray, tried: np.ndarray,
                accepted: np.ndarray) -> None:
         """Rounds' trees: scores f32[R, N] (DraftTree.scores) and parents i32[R, N], and the
         nodes verification tried (its parent accepted) and accepted, bool[R, N] each
         (round_results.node_outcomes)."""
-        up = np.maximum(parents, 0)
-        own = np.exp(np.asarray(scores, np.float64) - np.take_along_axis(scores, up, axis=1))
-        which = np.clip((own * self.bins).astype(np.int64), 0, self.bins - 1)
+        which, own = calibration_cells(np.asarray(scores, np.float64), parents, self.bins)
         depth = host_node_depths(parents) - 1  # a table row per draft depth
         tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
         scale = self.decay ** parents.shape[0]
@@ -149,14 +163,14 @@ class Calibration:
         np.add.at(self.accepted, (depth[hit], which[hit]), 1.0)
 
     def table(self, steps: int) -> np.ndarray:
-        """f32[steps, K]: each depth's acceptance by bin (confident_nodes' calibration)."""
+        """f32[steps, 2K]: each depth's acceptance by cell (confident_packing's calibration)."""
         rates = ((self.accepted + CALIBRATION_PRIOR * self.midpoints)
                  / (self.tried + CALIBRATION_PRIOR))
         return np.clip(rates[:steps], 1e-3, 1.0).astype(np.float32)
 
     def error(self) -> dict[str, float]:
         """The expected calibration error of the raw draft probabilities over the nodes
-        counted (per depth and bin, the gap between the summed draft probabilities and the
+        counted (per depth and cell, the gap between the summed draft probabilities and the
         nodes accepted, over all nodes tried), and the nodes counted."""
         total = float(self.tried.sum())
         if not total:

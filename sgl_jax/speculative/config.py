@@ -13,8 +13,8 @@ class TreeShape:
     topk: int  # K: branching per step
     num_draft_tokens: int  # N: nodes sent to verify, the root included
     # W > 0: a packed round (per-request lengths): a batch bucket of B rows verifies W * B
-    # nodes in all, each row a prefix of its chain as long as its expected acceptance earns
-    # (policy.verify_counts); 0: every row verifies all N nodes.
+    # nodes in all, each row a prefix of its chain (a subtree of its tree) as large as its
+    # expected acceptance earns (verify_lengths); 0: every row verifies all N nodes.
     verify_width: int = 0
 
     @property
@@ -41,8 +41,8 @@ class SpeculativeConfig:
     accept_threshold_acc: float
     adaptive: bool  # each round's shape chosen by the policy, the flags' shape the widest
     ngram: SuffixConfig | None = None  # NGRAM's drafting statistics
-    # Rows of a chain round verify prefixes of their own lengths (packed rounds among the
-    # adaptive policy's shapes); else every row verifies the whole chain.
+    # Rows of a round verify prefixes (subtrees) of their own sizes (packed rounds among the
+    # adaptive policy's shapes); else every row verifies its whole tree.
     per_request_lengths: bool = False
 
     @property

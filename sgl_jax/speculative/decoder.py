@@ -64,6 +64,7 @@ from sgl_jax.speculative.round_results import (
     round_rows,
     tree_depths,
     tree_masks,
+    verified_in,
 )
 from sgl_jax.speculative.spec_runner import SpecRunner
 from sgl_jax.speculative.stats import AcceptanceStats
@@ -236,11 +237,13 @@ class SpecDecoder:
     def verified_depths(self, reqs: list[Req], shape: TreeShape, bucket: int,
                          records: list) -> list[int] | None:
         """A packed round's draft nodes per request: the policy's shares (verify_lengths),
-        within each request's own cap; None for any other round."""
+        a chain's within each request's own cap (a tree's nodes past it are cut by the
+        round's program); None for any other round."""
         if not shape.verify_width:
             return None
         counts = self.policy.verify_counts(records, shape, bucket).tolist()
-        return [min(c, max_depth(r, shape.num_steps)) for c, r in zip(counts, reqs, strict=True)]
+        return counts if shape.topk > 1 else [
+            min(c, max_depth(r, shape.num_steps)) for c, r in zip(counts, reqs, strict=True)]
 
     def _undrafted(self, reqs: list[Req], shape: TreeShape) -> bool:
         """Whether a round of `shape` is the target's own decode step: a plain round where no
@@ -271,20 +274,18 @@ class SpecDecoder:
         accepted = output.num_accepted.tolist()
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
         steps = launched.shape.num_steps
-        verified = (launched.verified if output.verified_nodes is None  # else the device's
-                    else output.verified_nodes.tolist()) or [steps] * len(launched.reqs)
+        nodes, depths = verified_in(output, launched.verified, steps, len(launched.reqs))
         self.policy.observe(launched.shape, launched.bucket, seconds,
-                            [(launched.records[row], accepted[row], verified[row])
+                            [(launched.records[row], accepted[row], depths[row])
                              for row in live],
                             masked=launched.masked, timed=not launched.compiled)
         for req in launched.reqs:
             req.num_inflight -= 1
             req.inflight_extra -= steps
-        drafted = [min(d, v) for d, v in zip(self._drafted_depths(launched, output), verified,
+        drafted = [min(d, v) for d, v in zip(self._drafted_depths(launched, output), depths,
                                              strict=True)]
         if output.tree_scores is not None and live:
-            self.policy.calibration.record(*node_outcomes(
-                output, live, None if output.verified_nodes is None else verified))
+            self.policy.calibration.record(*node_outcomes(output, live, nodes))
         emitted = []
         for row in live:
             req, state = launched.reqs[row], self.states[launched.reqs[row]]

@@ -75,8 +75,8 @@ def make_drafter(spec: SpeculativeConfig, target: LoadedModel, *, attention_back
 def round_shapes(spec: SpeculativeConfig, adaptive: bool, *, hybrid: bool = False
                  ) -> tuple[TreeShape, ...]:
     """Every shape a round may take: the adaptive policy's candidates up to the flags' shape
-    (with per-request lengths, the packed variants of its chains: a hybrid target's state
-    pools verify whole trees), or the flags' shape alone. Plain rounds are always on the
+    (with per-request lengths, their packed variants: a hybrid target's state pools
+    verify whole trees), or the flags' shape alone. Plain rounds are always on the
     menu: batches with a grammar-constrained request take them."""
     shape = spec.shape
     if not adaptive:

@@ -44,10 +44,10 @@ def add_speculative_flags(group: argparse._ArgumentGroup, draft_quantizations: S
                             "--no-speculative-adaptive takes the flags' shape every round")
     group.add_argument("--speculative-per-request-lengths",
                        action=argparse.BooleanOptionalAction, default=False,
-                       help="in chain rounds, each request verifies the prefix of its draft "
-                            "that its measured acceptance earns, the round's token count "
-                            "chosen by the adaptive policy from measured costs (packed "
-                            "rounds); off: every request verifies the whole chain")
+                       help="each request verifies the prefix (subtree) of its draft that "
+                            "its confidence earns, the round's token count chosen by the "
+                            "adaptive policy from measured costs (packed rounds); off: every "
+                            "request verifies its whole draft")
 
 
 def add_ngram_flags(group: argparse._ArgumentGroup) -> None:

@@ -73,13 +73,13 @@ from sgl_jax.speculative.acceptance import (
     Acceptance,
     Calibration,
     batch_rates,
-    expected_length,
     family,
 )
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.verify_lengths import (
     draft_counts,
     expected_packed_tokens,
+    node_survival,
     packed_budget,
 )
 
@@ -92,6 +92,17 @@ MAX_RESIDUAL = math.log(1.5)  # the most one round's log cost residual counts fo
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
 SPECULATION_MARGIN = 1.10  # a speculative shape's rate must exceed plain's by this factor
 EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many gets one
+
+
+def round_tokens(shapes: Sequence[TreeShape], survival: Mapping[str, np.ndarray], bucket: int,
+                 num_rows: int) -> dict[TreeShape, float]:
+    """Per shape, the tokens a round over `num_rows` requests in batch bucket `bucket`
+    commits: one a row, plus the survival of each draft node it verifies (survival f64[R, D]
+    by family, of the R rows with a draft; a packed round's nodes by verify_lengths)."""
+    return {s: expected_packed_tokens(node_survival(s, survival),
+                                      packed_budget(s, bucket, num_rows), num_rows)
+            if s.verify_width else num_rows + float(survival[family(s)][:, : s.num_steps].sum())
+            for s in shapes}
 
 
 def shape_name(shape: TreeShape) -> str:
@@ -186,11 +197,11 @@ class SpeculationPolicy:
         self.finished_requests["with_draft" if drafted else "without_draft"] += 1
 
     def _typical_batch_speculates(self, bucket: int) -> bool:
-        typical = {kind: self.server.rates(kind, None) for kind in ("chain", "tree")}
+        typical = {kind: np.tile(np.cumprod(self.server.rates(kind, None)), (bucket, 1))
+                   for kind in ("chain", "tree")}
         shapes = self._timed(self.shapes, bucket)
-        return bool(beating_plain(
-            {s: expected_length(s, typical[family(s)]) for s in shapes},
-            {s: self.seconds(s, bucket) for s in shapes}))
+        return bool(beating_plain(round_tokens(shapes, typical, bucket, bucket),
+                                  {s: self.seconds(s, bucket) for s in shapes}))
 
     def _timed(self, shapes: Sequence[TreeShape], bucket: int) -> tuple[TreeShape, ...]:
         """Those of `shapes` timed in `bucket`: a shape whose program a CPU server is still
@@ -262,15 +273,14 @@ class SpeculationPolicy:
         """Per shape, the tokens a round in batch bucket `bucket` is expected to commit over
         the whole batch (one per request without a draft, None)."""
         drafted = [r for r in requests if r is not None]
-        n = len(requests)
         if not drafted:
-            return dict.fromkeys(self.shapes, float(n))
-        survival = {kind: np.cumprod(batch_rates(drafted, kind, self.server), axis=1)
-                    for kind in ("chain", "tree")}
-        return {s: expected_packed_tokens(survival["chain"][:, : s.num_steps],
-                                          packed_budget(s, bucket, n), n) if s.verify_width
-                else n + float(survival[family(s)][:, : s.num_steps].sum())
-                for s in self.shapes}
+            return dict.fromkeys(self.shapes, float(len(requests)))
+        return round_tokens(self.shapes, self._survival(drafted), bucket, len(requests))
+
+    def _survival(self, drafted: Sequence[Acceptance]) -> dict[str, np.ndarray]:
+        """f64[R, D] by family: each request's chance of acceptance down to each depth."""
+        return {kind: np.cumprod(batch_rates(drafted, kind, self.server), axis=1)
+                for kind in ("chain", "tree")}
 
     def verify_counts(self, requests: Sequence[Acceptance | None], shape: TreeShape,
                       bucket: int) -> np.ndarray:
@@ -279,10 +289,9 @@ class SpeculationPolicy:
         counts = np.zeros(len(requests), np.int32)
         drafted = [i for i, r in enumerate(requests) if r is not None]
         if drafted:
-            survival = np.cumprod(batch_rates([requests[i] for i in drafted], "chain",
-                                              self.server), axis=1)[:, : shape.num_steps]
-            counts[drafted] = draft_counts(survival, packed_budget(shape, bucket,
-                                                                   len(requests)))
+            survival = self._survival([requests[i] for i in drafted])
+            counts[drafted] = draft_counts(node_survival(shape, survival),
+                                           packed_budget(shape, bucket, len(requests)))
         return counts
 
     def observe(self, shape: TreeShape, bucket: int, seconds: float,

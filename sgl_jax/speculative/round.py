@@ -66,9 +66,9 @@ class RoundRows:
     # node (packed_nodes(); B * N: padding), so its target forward runs over T tokens, not
     # B * N. None: every row verifies its whole tree.
     packed_nodes: np.ndarray | None = None
-    # f32[S, K] or None: a packed round's calibration of the draft's own scores (acceptance
-    # by depth and draft-probability bin, acceptance.Calibration), where the drafter scores
-    # its drafts the round reallocates its nodes by (verify_lengths.confident_nodes)
+    # f32[S, 2K] or None: a packed round's calibration of the draft's own scores (acceptance
+    # by depth and cell, acceptance.Calibration), where the drafter scores
+    # its drafts the round reallocates its nodes by (verify_lengths.confident_packing)
     calibration: np.ndarray | None = None
 
 

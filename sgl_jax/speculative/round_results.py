@@ -20,6 +20,24 @@ def tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
     return host_node_depths(parents).max(axis=1).tolist()
 
 
+def deepest_verified(parents: np.ndarray, counts: list[int]) -> list[int]:
+    """Per row of a packed round's trees (parents i32[B, N], in the order the round verified
+    them), the deepest of the first counts[r] draft nodes it verified: a chain's count."""
+    kept = np.arange(parents.shape[1])[None, :] <= np.asarray(counts)[:, None]
+    return np.where(kept, host_node_depths(parents), 0).max(axis=1).tolist()
+
+
+def verified_in(output: RoundOutput, host_counts: list[int] | None, steps: int, rows: int
+                ) -> tuple[list[int] | None, list[int]]:
+    """What each row of a round verified: its draft nodes (a packed round's, by the round's
+    program where it chose them, else the host's `host_counts`; None: every node) and the
+    deepest of them (the shape's depth `steps` for a round not packed)."""
+    nodes = host_counts if output.verified_nodes is None else output.verified_nodes.tolist()
+    if nodes is None:
+        return None, [steps] * rows
+    return nodes, deepest_verified(output.tree_parents, nodes)
+
+
 def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For acceptance.Calibration: `rows`' draft scores f32[R, N] and parents i32[R, N], and

@@ -308,7 +308,7 @@ class SpecRunner:
         self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, last_tokens, rows, sampling)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
-        packed = round_packing(tree, rows)
+        tree, packed = round_packing(tree, rows)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
                                            want_top, shape, packed=packed)
         features = slot_rows = None

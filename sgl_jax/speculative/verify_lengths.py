@@ -1,9 +1,9 @@
-"""Verification lengths per request: packed chain rounds.
+"""Verification lengths per request: packed rounds, for chains and trees.
 
-A round of chain shape S/1/N verifies N nodes in every row of its batch bucket B: B * N
-target tokens, whatever each row's chance of getting that deep. Its packed variant of width
-W verifies W * B nodes in all (the round's token count, static per program): every real row
-its root, and the rest go to the (row, depth) pairs of highest survival
+A round of shape S/K/N verifies N nodes in every row of its batch bucket B: B * N target
+tokens, whatever each row's chance of getting that deep. Its packed variant of width W
+verifies W * B nodes in all (the round's token count, static per program): every real row
+its root, and the rest go to the (row, node) pairs of highest survival, for a chain
 
     S_r(d) = prod_{j<=d} q_r(j),
 
@@ -18,9 +18,12 @@ acceptance and the measured cost of each count.
 
 Where the drafter scores its own drafts (DraftTree.scores: its path's draft probability,
 or DSpark's confidence head), the round's program reallocates the same budget by them
-(`confident_nodes`): q_r(d) is then the calibrated acceptance of the node's own draft
-probability at its depth (acceptance.Calibration, measured online over earlier rounds), so
-a request verifies deep exactly where this round's draft is sure of itself. The width (the
+(`confident_packing`): a node's survival is then the product down its path of each node's
+calibrated acceptance given its parent (acceptance.Calibration, by depth, by the node's
+draft probability and by whether it is its parent's first choice, measured online over
+earlier rounds), so a request verifies deep exactly where this round's draft is sure of
+itself. A tree is first put in best-first order (a child never outranks its parent), so a
+row's share, its first nodes, is the subtree of its most probable paths. The width (the
 budget) stays the host's choice from a round-old estimate, so the loop never waits.
 
 The decision uses only the draft and the outcomes of earlier rounds, never the target's
@@ -31,31 +34,49 @@ verdict on the tokens it is about to verify, so the output distribution is the t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.speculative.acceptance import Calibration
+from sgl_jax.speculative.acceptance import Calibration, calibration_cells
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.round import RoundRows, nodes_per_row, packed_nodes
 from sgl_jax.speculative.tree import DraftTree, node_depths
 
 
 def packed_shapes(shapes: Sequence[TreeShape]) -> tuple[TreeShape, ...]:
-    """The packed variants of the chain shapes among `shapes` that have two draft depths or
-    more: widths 2, 4, 8, ... below their N (a width of N is the chain itself)."""
+    """The packed variants of the shapes among `shapes` with two draft nodes or more (chains
+    of two steps or more, and trees): widths 2, 4, 8, ... below their N (a width of N is the
+    shape itself)."""
     variants = []
     for shape in shapes:
-        chain = shape.topk == 1 and shape.num_draft_tokens == shape.num_steps + 1
-        if not chain or shape.verify_width or shape.num_steps < 2:
+        valid = shape.topk > 1 or shape.num_draft_tokens == shape.num_steps + 1
+        if not valid or shape.verify_width or shape.num_draft_tokens < 3:
             continue
         width = 2
         while width < shape.num_draft_tokens:
-            variants.append(TreeShape(shape.num_steps, 1, shape.num_draft_tokens, width))
+            variants.append(dataclasses.replace(shape, verify_width=width))
             width *= 2
     return tuple(variants)
+
+
+def node_survival(shape: TreeShape, survival: Mapping[str, np.ndarray]) -> np.ndarray:
+    """f64[R, N-1]: what each draft node a row of `shape` may verify is worth, best first
+    (each row non-increasing), from its request's survival by depth (f64[R, D] for each
+    family, "chain" and "tree"). A chain's nodes are its depths. A tree is modelled as its
+    top-1 chain, whose depths are the first nodes, plus the other nodes sharing evenly what
+    the whole tree commits beyond that chain: the host's estimate for choosing a width; the
+    round's program allocates a tree's nodes by their own draft scores (confident_packing)."""
+    chain = survival["chain"][:, : min(shape.num_steps, shape.num_draft_tokens - 1)]
+    if shape.topk == 1:
+        return chain
+    others = shape.num_draft_tokens - 1 - chain.shape[1]
+    whole = survival["tree"][:, : shape.num_steps].sum(axis=1)
+    gain = np.maximum(whole - chain.sum(axis=1), 0.0) / max(others, 1)
+    nodes = np.concatenate([chain, np.repeat(gain[:, None], others, axis=1)], axis=1)
+    return -np.sort(-nodes, axis=1)
 
 
 def draft_counts(survival: np.ndarray, budget: int) -> np.ndarray:
@@ -84,38 +105,71 @@ def expected_packed_tokens(survival: np.ndarray, budget: int, num_rows: int) -> 
     return num_rows + float(survival[verified].sum())
 
 
-def confident_nodes(
-    scores: jax.Array,  # f32[B, N]: each node's draft log-survival (DraftTree.scores)
-    parents: jax.Array,  # i32[B, N]: the tree (-1: the root, and nodes cut or unused)
-    calibration: jax.Array,  # f32[S, K]: acceptance by depth and draft-probability bin
+def calibrated_survival(
+    tree: DraftTree,  # [B, N] with scores: each node's draft log-survival
+    calibration: jax.Array,  # f32[S, 2K]: acceptance by depth and cell (calibration_cells)
     max_depths: jax.Array,  # i32[B]: the deepest node each row may verify (0: no draft)
     real: jax.Array,  # bool[B]: rows holding a request
-    num_tokens: int,  # T: the packed round's tokens
 ) -> jax.Array:
-    """i32[T]: the packed round's nodes (round.packed_nodes' layout) chosen on the device:
-    every real row's root, then the draft nodes of highest calibrated survival (the product
-    down its path of each node's calibrated acceptance given its parent), ties to the
-    earlier node. A row's share is its first nodes (keep_first_nodes), so a node counts
-    with the least survival of the nodes before it: in a chain that is its own."""
-    batch, width = scores.shape
-    steps, bins = calibration.shape
-    up = jnp.maximum(parents, 0)
-    own = jnp.exp(scores - jnp.take_along_axis(scores, up, axis=1))  # given its parent
-    which = jnp.clip((own * bins).astype(jnp.int32), 0, bins - 1)
-    depth = node_depths(parents)
+    """f32[B, N]: each node's chance of being accepted, the product down its path of each
+    node's calibrated acceptance given its parent (the root 1); -1 for a node the round may
+    not verify (a padding row's, one cut from the tree or past its row's cap) and every node
+    below it. A child's survival never exceeds its parent's (the table is at most 1)."""
+    batch, width = tree.parents.shape
+    steps, cells = calibration.shape
+    up = jnp.maximum(tree.parents, 0)
+    which, _ = calibration_cells(tree.scores, tree.parents, cells // 2, jnp)
+    depth = node_depths(tree.parents)
     accept = calibration[jnp.clip(depth, 1, steps) - 1, which]  # f32[B, N]
+    allowed = real[:, None] & (tree.parents >= 0) & (depth <= max_depths[:, None])
     survival = jnp.ones((batch, width), jnp.float32)
     for node in range(1, width):  # parents come first; N is static and small
         above = jnp.take_along_axis(survival, up[:, node : node + 1], axis=1)[:, 0]
-        survival = survival.at[:, node].set(above * accept[:, node])
-    allowed = real[:, None] & (parents >= 0) & (depth <= max_depths[:, None])
-    survival = jax.lax.cummin(jnp.where(allowed, survival, -1.0)[:, 1:], axis=1)
-    by_rank = survival.T.reshape(-1)  # node-major: a stable sort prefers the earlier node
+        survival = survival.at[:, node].set(
+            jnp.where(allowed[:, node] & (above >= 0), above * accept[:, node], -1.0))
+    return survival
+
+
+def best_first(tree: DraftTree, survival: jax.Array) -> tuple[DraftTree, jax.Array]:
+    """The tree with each row's nodes in order of survival f32[B, N], highest first, and
+    the survival in that order. The root stays first; a stable sort keeps parents before
+    children (a child's survival is at most its parent's, a tie keeps the earlier index),
+    so every prefix of a row is a subtree. A sampled chain (child_q) is already in order."""
+    if tree.child_q is not None:
+        return tree, survival
+    order = jnp.argsort(-survival.at[:, 0].set(2.0), axis=1, stable=True)  # i32[B, N]
+    position = jnp.argsort(order, axis=1)  # where each old node went
+
+    def take(values: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(values, order, axis=1)
+
+    parents = take(tree.parents)
+    parents = jnp.where(parents >= 0, jnp.take_along_axis(
+        position, jnp.maximum(parents, 0), axis=1), -1)
+    return dataclasses.replace(tree, tokens=take(tree.tokens), parents=parents,
+                               scores=take(tree.scores)), take(survival)
+
+
+def confident_packing(
+    tree: DraftTree,  # [B, N] with scores (DraftTree.scores)
+    calibration: jax.Array,  # f32[S, 2K]
+    max_depths: jax.Array,  # i32[B]
+    real: jax.Array,  # bool[B]
+    num_tokens: int,  # T: the packed round's tokens
+) -> tuple[DraftTree, jax.Array]:
+    """The round's tree in best-first order and its packed nodes i32[T] (round.packed_nodes'
+    layout), chosen on the device: every real row's root, then the draft nodes of highest
+    calibrated survival (calibrated_survival), ties to the earlier node. In best-first
+    order each row's share is its first nodes (keep_first_nodes): a prefix of a chain, a
+    subtree of a tree, the most probable paths first."""
+    tree, survival = best_first(tree, calibrated_survival(tree, calibration, max_depths, real))
+    batch, width = survival.shape
+    by_rank = survival[:, 1:].T.reshape(-1)  # node-major: a stable sort prefers the earlier
     order = jnp.argsort(-by_rank, stable=True)
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     budget = num_tokens - real.sum()
     chosen = ((rank < budget) & (by_rank >= 0)).reshape(width - 1, batch)
-    return first_nodes(real.astype(jnp.int32) + chosen.sum(0), width, num_tokens)
+    return tree, first_nodes(real.astype(jnp.int32) + chosen.sum(0), width, num_tokens)
 
 
 def first_nodes(counts: jax.Array, width: int, num_tokens: int) -> jax.Array:
@@ -146,14 +200,15 @@ def rows_for(shape: TreeShape, rows: RoundRows) -> RoundRows:
     return rows
 
 
-def round_packing(tree: DraftTree, rows: RoundRows) -> jax.Array | None:
-    """i32[T] or None (not packed): the nodes a round verifies, inside its program: by the
-    draft's own scores where it has them (confident_nodes, the host's calibration), else the
-    host's choice (rows.packed_nodes, from the requests' measured acceptance)."""
+def round_packing(tree: DraftTree, rows: RoundRows) -> tuple[DraftTree, jax.Array | None]:
+    """The round's tree and the nodes it verifies, i32[T] or None (not packed), inside its
+    program: by the draft's own scores where it has them (confident_packing, with the
+    host's calibration; the tree comes back best first), else the host's choice
+    (rows.packed_nodes, from the requests' measured acceptance) over the tree as drafted."""
     if rows.packed_nodes is None or tree.scores is None:
-        return rows.packed_nodes
-    return confident_nodes(tree.scores, tree.parents, rows.calibration, rows.max_depths,
-                           rows.slots >= 0, rows.packed_nodes.shape[0])
+        return tree, rows.packed_nodes
+    return confident_packing(tree, rows.calibration, rows.max_depths, rows.slots >= 0,
+                             rows.packed_nodes.shape[0])
 
 
 def packed_counts(packed: jax.Array, nodes: tuple[int, int]) -> jax.Array:

@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.acceptance import Acceptance, Calibration, expected_length
+from sgl_jax.speculative.acceptance import Acceptance, Calibration
 from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
+from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes, round_tokens
 from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.speculative.verify_lengths import (
-    confident_nodes,
+    confident_packing,
     draft_counts,
     expected_packed_tokens,
+    node_survival,
     packed_budget,
     packed_shapes,
 )
@@ -65,7 +66,7 @@ def test_ties_go_to_the_shallower_depth_so_every_share_is_a_prefix():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_round_program_allocates_by_the_drafts_calibrated_scores(seed):
-    """confident_nodes (inside the round's program) against the host's allocation of the
+    """confident_packing (inside the round's program) against the host's allocation of the
     survival computed here: the calibrated acceptance of each node's own draft probability
     at its depth, multiplied down the chain; padding rows and depths past a row's cap get
     nothing, every real row its root."""
@@ -74,7 +75,8 @@ def test_the_round_program_allocates_by_the_drafts_calibrated_scores(seed):
     own = rng.uniform(0.05, 1.0, (batch, width - 1))
     scores = np.concatenate([np.zeros((batch, 1)), np.cumsum(np.log(own), 1)], 1)
     chain = np.tile(np.arange(-1, width - 1, dtype=np.int32), (batch, 1))
-    table = rng.uniform(0.1, 1.0, (3, bins)).astype(np.float32)  # depths past 3 take row 3's
+    # depths past 3 take row 3's; a chain's nodes are first choices: the left half
+    table = rng.uniform(0.1, 1.0, (3, 2 * bins)).astype(np.float32)
     table[0, 0] = table[0, 1]  # a tie across rows
     max_depths = np.array([5, 2, 0, 5, 5], np.int32)
     real = np.array([True, True, True, False, True])
@@ -90,62 +92,160 @@ def test_the_round_program_allocates_by_the_drafts_calibrated_scores(seed):
 
 
 def allocated(scores, parents, table, max_depths, real, tokens) -> list[int]:
-    return np.asarray(confident_nodes(
-        jnp.asarray(scores, jnp.float32), jnp.asarray(parents), jnp.asarray(table),
-        jnp.asarray(max_depths), jnp.asarray(real), tokens)).tolist()
+    return packing(scores, parents, table, max_depths, real, tokens)[1]
 
 
-def test_a_trees_share_is_its_first_nodes_by_the_least_survival_before_them():
-    """A tree row (NGRAM's): a node's survival is the product down its path; a row's share
-    is its first nodes, so a node counts with the least survival among those before it.
-    Uncalibrated bins of 0.1 (each at its midpoint). Row 0: nodes 1 (p 0.93) and 2 (0.23)
-    under the root, 3 (0.93) under 1: 0.95, 0.25, 0.9025 -> 0.95, 0.25, 0.25. Row 1, a
-    chain of 0.55s: 0.55, 0.3025, 0.166."""
-    table = np.tile((np.arange(10) + 0.5) / 10, (3, 1)).astype(np.float32)
+def packing(scores, parents, table, max_depths, real, tokens, node_tokens=None):
+    """confident_packing on a tree of these scores and parents (tokens: each node's index
+    unless given): the tree it returns as numpy arrays, and its packed nodes."""
+    parents = jnp.asarray(parents)
+    node_tokens = (jnp.broadcast_to(jnp.arange(parents.shape[1]), parents.shape)
+                   if node_tokens is None else jnp.asarray(node_tokens))
+    tree = DraftTree(node_tokens.astype(jnp.int32), parents,
+                     scores=jnp.asarray(scores, jnp.float32))
+    tree, packed = confident_packing(tree, jnp.asarray(table), jnp.asarray(max_depths),
+                                     jnp.asarray(real), tokens)
+    return jax.tree.map(np.asarray, tree), np.asarray(packed).tolist()
+
+
+def test_a_tree_is_verified_best_first_so_a_share_is_its_most_probable_subtree():
+    """Uncalibrated bins of 0.1 (each at its midpoint). Row 0: nodes 1 (p 0.93) and 2 (0.23)
+    under the root, 3 (0.93) under 1: survival 0.95, 0.25, 0.9025, so the round verifies
+    it as root, 1, 3, 2 (node 3's parent now 1, node 2's 0) and its second share is node 3,
+    not the weak sibling. Row 1, a chain of 0.55s (0.55, 0.3025, 0.166), keeps its order."""
+    table = np.tile((np.arange(10) + 0.5) / 10, (3, 2)).astype(np.float32)
     scores = np.log([[1, 0.93, 0.23, 0.93 ** 2], [1, 0.55, 0.55 ** 2, 0.55 ** 3]])
     parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2]], np.int32)
     args = (table, np.array([3, 3], np.int32), np.array([True, True]))
-    assert allocated(scores, parents, *args, 5) == [0, 1, 4, 5, 6]  # 0.95, 0.55, 0.3025
-    assert allocated(scores, parents, *args, 6) == [0, 1, 2, 4, 5, 6]  # then node 2's 0.25
-    assert allocated(scores, parents, *args, 7) == [0, 1, 2, 3, 4, 5, 6]  # node 3 after it
+    tree, packed = packing(scores, parents, *args, 5)
+    assert tree.tokens.tolist() == [[0, 1, 3, 2], [0, 1, 2, 3]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 0], [-1, 0, 1, 2]]
+    assert tree.scores[0] == pytest.approx(np.log([1, 0.93, 0.93 ** 2, 0.23]), abs=1e-6)
+    assert packed == [0, 1, 2, 4, 5]  # 0.95, 0.9025, then row 1's 0.55
+    assert allocated(scores, parents, *args, 6) == [0, 1, 2, 4, 5, 6]  # then 0.3025
+    assert allocated(scores, parents, *args, 7) == [0, 1, 2, 3, 4, 5, 6]  # the sibling's 0.25
 
 
-def test_calibration_learns_each_bins_acceptance_and_the_raw_error():
-    """Rounds whose drafts claim 0.9 at depth 1 but are accepted 60% of the time: the bin
-    moves from its prior to 0.6, the raw draft's calibration error shows the 0.3 gap; an
-    untried bin keeps its own probability."""
+def survival_reference(scores, parents, table, max_depths, real) -> np.ndarray:
+    """calibrated_survival in numpy, node by node: -1 where a node may not be verified (a
+    padding row, a node cut from the tree, past the row's cap) and below such a node. A
+    node's column: its probability's bin, plus `bins` unless it is its parent's first
+    choice (no sibling scores higher, or as high at a smaller index)."""
+    batch, width = parents.shape
+    steps, bins = table.shape[0], table.shape[1] // 2
+    survival = np.ones((batch, width))
+    depth = np.zeros((batch, width), int)
+    for r, i in itertools.product(range(batch), range(1, width)):
+        p = parents[r, i]
+        depth[r, i] = 0 if p < 0 else depth[r, p] + 1
+        own = np.exp(scores[r, i] - scores[r, max(p, 0)])
+        first = p < 0 or not any(parents[r, j] == p and (scores[r, j], -j) > (scores[r, i], -i)
+                                 for j in range(width))
+        column = min(int(own * bins), bins - 1) + (0 if first else bins)
+        accept = table[min(max(depth[r, i], 1), steps) - 1, column]
+        ok = real[r] and p >= 0 and depth[r, i] <= max_depths[r] and survival[r, p] >= 0
+        survival[r, i] = survival[r, p] * accept if ok else -1.0
+    return survival
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trees_are_verified_best_first_with_shares_that_are_subtrees(seed):
+    """Random trees (parents first, a child's draft probability below its parent's, a node
+    cut, caps, a padding row): the round's order is the descending survival of the
+    reference (the root first), every parent comes before its children, and each row's
+    share is a subtree holding the budget's highest survivals across rows."""
+    rng = np.random.default_rng(seed)
+    batch, width, bins = 4, 7, 4
+    parents = np.full((batch, width), -1, np.int32)
+    for i in range(1, width):
+        parents[:, i] = rng.integers(0, i, batch)
+    parents[0, 3] = -1  # cut (its children, if any, go with it)
+    own = rng.uniform(0.05, 1.0, (batch, width))
+    scores = np.zeros((batch, width))
+    for i in range(1, width):
+        scores[:, i] = scores[np.arange(batch), np.maximum(parents[:, i], 0)] + np.log(own[:, i])
+    table = rng.uniform(0.1, 1.0, (3, 2 * bins)).astype(np.float32)
+    max_depths = np.array([3, 1, 3, 3], np.int32)
+    real = np.array([True, True, False, True])
+    survival = survival_reference(scores, parents, table, max_depths, real)
+    for tokens in (4, 7, 11, 28):
+        tree, packed = packing(scores, parents, table, max_depths, real, tokens)
+        counts = np.bincount(np.asarray(packed) // width, minlength=batch + 1)[:batch]
+        for r in range(batch):
+            order = tree.tokens[r]  # each node's old index
+            assert order[0] == 0
+            assert np.all(np.diff(survival[r, order[1:]]) <= 1e-6), (r, order)
+            new_parents = tree.parents[r]
+            for i in range(1, width):
+                if parents[r, order[i]] >= 0:
+                    assert order[new_parents[i]] == parents[r, order[i]] and new_parents[i] < i
+            kept = order[: counts[r]]
+            assert all(parents[r, n] in kept for n in kept[1:])  # a subtree
+        chosen = [survival[r, tree.tokens[r, i]] for r in range(batch)
+                  for i in range(1, counts[r])]
+        left = [survival[r, tree.tokens[r, i]] for r in range(batch)
+                for i in range(max(counts[r], 1), width)]
+        budget = tokens - real.sum()
+        assert len(chosen) == min(budget, int((survival[:, 1:] >= 0).sum()))
+        assert min(chosen, default=2.0) >= max([x for x in left if x >= 0], default=-1.0) - 1e-6
+
+
+def test_calibration_learns_each_cells_acceptance_and_the_raw_error():
+    """Rounds whose first choice at depth 1 claims 0.3 but is accepted 60% of the time, and
+    whose second choice claims 0.25 (the same bin) and is accepted 5%: each cell moves from
+    its prior to what it measures, apart although their bins are the same; the raw draft's
+    calibration error shows the gaps (0.3 and 0.2); an untried cell keeps its probability."""
     rng = np.random.default_rng(0)
     calibration = Calibration(depth=2, decay=1.0, bins=4)
-    scores = np.log([[1.0, 0.9, 0.9 * 0.1]])  # depth 1 claims 0.9, depth 2 0.1
-    parents = np.array([[-1, 0, 1]])
-    tried = np.array([[False, True, False]])  # depth 2 unverified
+    scores = np.log([[1.0, 0.3, 0.25, 0.3 * 0.9]])  # depth 2 (under node 1) claims 0.9
+    parents = np.array([[-1, 0, 0, 1]])
+    tried = np.array([[False, True, True, False]])  # depth 2 unverified
     for _ in range(400):
-        hit = np.array([[False, rng.random() < 0.6, False]])
+        draw = rng.random()
+        hit = np.array([[False, draw < 0.6, 0.6 <= draw < 0.65, False]])
         calibration.record(scores, parents, tried, hit)
     table = calibration.table(2)
-    assert table[0, 3] == pytest.approx(0.6, abs=0.06)
-    assert table[1].tolist() == pytest.approx([0.125, 0.375, 0.625, 0.875])
-    assert calibration.error()["ece"] == pytest.approx(0.3, abs=0.06)
-    assert calibration.error()["nodes"] == 400
+    assert table.shape == (2, 8)
+    assert table[0, 1] == pytest.approx(0.6, abs=0.06)  # first choices, bin [0.25, 0.5)
+    assert table[0, 4 + 1] == pytest.approx(0.05, abs=0.03)  # other children, same bin
+    assert table[1].tolist() == pytest.approx([0.125, 0.375, 0.625, 0.875] * 2)
+    assert calibration.error()["ece"] == pytest.approx(0.25, abs=0.04)
+    assert calibration.error()["nodes"] == 800
 
 
-def test_packed_variants_of_the_chains_only():
+def test_packed_variants_of_chains_and_trees():
     assert packed_shapes(candidate_shapes(CHAIN7)) == (TreeShape(7, 1, 8, 2),
                                                        TreeShape(7, 1, 8, 4))
-    assert packed_shapes(candidate_shapes(TreeShape(3, 4, 8))) == (TreeShape(3, 1, 4, 2),)
+    assert packed_shapes(candidate_shapes(TreeShape(3, 4, 8))) == (
+        TreeShape(3, 1, 4, 2), TreeShape(3, 4, 8, 2), TreeShape(3, 4, 8, 4))
     assert packed_shapes([PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 6)]) == ()
     assert TreeShape(7, 1, 8, 4).name == "7/1/8:4"
 
 
 def test_a_full_bucket_of_alike_requests_shares_a_packed_rounds_nodes_evenly():
     """The admission rule's typical batch: at width W every row verifies W - 1 drafts."""
-    rates = np.full(7, 0.5)
-    assert expected_length(CHAIN7, rates) == pytest.approx(2 - 0.5**7)
-    assert expected_length(TreeShape(7, 1, 8, 2), rates) == pytest.approx(1.5)
-    assert expected_length(TreeShape(7, 1, 8, 4), rates) == pytest.approx(1.875)
-    counts = draft_counts(np.tile(np.cumprod(rates), (8, 1)), packed_budget(
-        TreeShape(7, 1, 8, 4), 8, 8))
+    alike = np.tile(np.cumprod(np.full(7, 0.5)), (8, 1))
+    shapes = [CHAIN7, TreeShape(7, 1, 8, 2), TreeShape(7, 1, 8, 4)]
+    tokens = round_tokens(shapes, {"chain": alike, "tree": alike}, 8, 8)
+    assert [tokens[s] / 8 for s in shapes] == pytest.approx([2 - 0.5**7, 1.5, 1.875])
+    counts = draft_counts(alike, packed_budget(TreeShape(7, 1, 8, 4), 8, 8))
     assert counts.tolist() == [3] * 8
+
+
+def test_a_packed_tree_is_priced_as_its_top_chain_then_the_rest_of_the_tree():
+    """The host's model of a tree's nodes: its first nodes are the top-1 chain's depths, the
+    others share what the whole tree adds; all of them together are the whole tree."""
+    tree_shape = TreeShape(3, 2, 6)
+    survival = {"chain": np.array([[0.5, 0.25, 0.125], [0.9, 0.8, 0.7]]),
+                "tree": np.array([[0.7, 0.5, 0.3], [0.95, 0.9, 0.85]])}
+    nodes = node_survival(tree_shape, survival)
+    assert nodes[0].tolist() == pytest.approx([0.5, 0.3125, 0.3125, 0.25, 0.125])
+    assert nodes[1].tolist() == pytest.approx([0.9, 0.8, 0.7, 0.15, 0.15])
+    whole = round_tokens([tree_shape, TreeShape(3, 2, 6, 4)], survival, 4, 2)
+    assert whole[tree_shape] == pytest.approx(2 + 1.5 + 2.7)
+    assert whole[TreeShape(3, 2, 6, 4)] == pytest.approx(2 + 1.5 + 2.7)  # 14 nodes for 10
+    narrow = round_tokens([TreeShape(3, 2, 6, 2)], survival, 2, 2)
+    assert narrow[TreeShape(3, 2, 6, 2)] == pytest.approx(2 + 0.9 + 0.8)  # the 2 best
 
 
 def test_a_packed_round_teaches_only_the_depths_it_verified():
@@ -247,21 +347,38 @@ def reference(target):
             input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
 
 
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM"])
-def test_packed_rounds_give_plain_decodings_greedy_output(target, reference, algorithm):
+PACKED_TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=6, speculative_per_request_lengths=True)
+# The same for a tree of 3 levels, 2 branches, 6 nodes: only its packed round of width 4 is
+# cheap, so every round verifies a best-first subtree of each row's tree.
+PACKED_TREE_COSTS_MS = {"plain": 10, "1/1/2": 11, "3/1/4": 40, "3/1/4:2": 40, "3/2/6": 40,
+                        "3/2/6:2": 40, "3/2/6:4": 8}
+CASES = {"STANDALONE chain": ("STANDALONE", PACKED_CHAIN, PACKED_COSTS_MS, "3/1/4"),
+         "NGRAM chain": ("NGRAM", PACKED_CHAIN, PACKED_COSTS_MS, "3/1/4"),
+         "STANDALONE tree": ("STANDALONE", PACKED_TREE, PACKED_TREE_COSTS_MS, "3/2/6")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_rounds_give_plain_decodings_greedy_output(target, reference, case):
+    algorithm, flags, costs_ms, whole = CASES[case]
     draft = {"speculative_draft_model_path": str(target)} if algorithm == "STANDALONE" else {}
     with Engine(model_path=str(target), speculative_algorithm=algorithm, **draft,
-                **PACKED_CHAIN, **BASE) as engine:
+                **flags, **BASE) as engine:
         assert engine.runtime.builder.wait_idle(timeout=600)
-        believe_round_costs(engine, PACKED_COSTS_MS)
+        believe_round_costs(engine, costs_ms)
         out = engine.generate(input_ids=prompts(),
                               sampling_params=[greedy(n) for n in MAX_NEW])
         info = engine.get_server_info()
         assert engine.flush_cache() and engine.get_server_info()["kv_pages_in_use"] == 0
     assert [o["output_ids"] for o in out] == reference
     rounds = info["spec_rounds_by_shape"]
-    assert rounds["3/1/4:2"] > 0 and rounds["3/1/4"] == 0, rounds
+    packed = min(costs_ms, key=costs_ms.get)
+    assert rounds[packed] > 0 and rounds[whole] == 0, rounds
     verified = np.sum([o["meta_info"]["spec_verified_per_position"] for o in out], axis=0)
     assert verified[0] > 0, verified
-    if algorithm == "STANDALONE":  # its drafts are the target's: packed rows went deep
-        assert verified[-1] > 0 and info["spec_accepted_per_position"][-1] > 0, info
+    if algorithm == "STANDALONE":  # its drafts are the target's: packed rows went deep and
+        # what they verified was accepted (a tree's share the best-first subtree); a tiny
+        # target's flat distribution keeps a tree of 6 nodes two levels deep
+        depth = -1 if flags["speculative_eagle_topk"] == 1 else 1
+        accepted = info["spec_accepted_per_position"][depth]
+        assert accepted >= 0.8 * verified[depth] > 0, (verified, info)
