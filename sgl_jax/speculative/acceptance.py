@@ -144,6 +144,7 @@ class Calibration:
         self.tried = np.zeros((depth, 2 * bins))
         self.accepted = np.zeros((depth, 2 * bins))
         self.claimed = np.zeros((depth, 2 * bins))  # the tried nodes' summed draft probabilities
+        self.predicted = np.zeros((depth, 2 * bins))  # ... and their calibrated estimates
         self.midpoints = np.tile((np.arange(bins) + 0.5) / bins, 2)
 
     def record(self, scores: np.ndarray, parents: np.ndarray, tried: np.ndarray,
@@ -154,11 +155,13 @@ class Calibration:
         which, own = calibration_cells(np.asarray(scores, np.float64), parents, self.bins)
         depth = host_node_depths(parents) - 1  # a table row per draft depth
         tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
+        estimate = self.table(self.tried.shape[0])[depth[tried], which[tried]]  # before
         scale = self.decay ** parents.shape[0]
-        for counts in (self.tried, self.accepted, self.claimed):
+        for counts in (self.tried, self.accepted, self.claimed, self.predicted):
             counts *= scale
         np.add.at(self.tried, (depth[tried], which[tried]), 1.0)
         np.add.at(self.claimed, (depth[tried], which[tried]), own[tried])
+        np.add.at(self.predicted, (depth[tried], which[tried]), estimate)
         hit = tried & accepted
         np.add.at(self.accepted, (depth[hit], which[hit]), 1.0)
 
@@ -169,11 +172,16 @@ class Calibration:
         return np.clip(rates[:steps], 1e-3, 1.0).astype(np.float32)
 
     def error(self) -> dict[str, float]:
-        """The expected calibration error of the raw draft probabilities over the nodes
-        counted (per depth and cell, the gap between the summed draft probabilities and the
-        nodes accepted, over all nodes tried), and the nodes counted."""
+        """The expected calibration error over the nodes counted (per depth and cell, the
+        gap between the summed estimates and the nodes accepted, over all nodes tried) of
+        the raw draft probabilities ("ece") and of the table's estimates as each round
+        found them ("calibrated_ece"), and the nodes counted."""
         total = float(self.tried.sum())
         if not total:
-            return {"ece": 0.0, "nodes": 0.0}
-        gap = np.abs(self.accepted - self.claimed)
-        return {"ece": round(float(gap.sum()) / total, 4), "nodes": round(total, 1)}
+            return {"ece": 0.0, "calibrated_ece": 0.0, "nodes": 0.0}
+
+        def gap(estimates: np.ndarray) -> float:
+            return round(float(np.abs(self.accepted - estimates).sum()) / total, 4)
+
+        return {"ece": gap(self.claimed), "calibrated_ece": gap(self.predicted),
+                "nodes": round(total, 1)}
