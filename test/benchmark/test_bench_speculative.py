@@ -53,7 +53,7 @@ def test_bench_speculative_reports_every_shape_and_batch_size(tmp_path, capsys):
 
 def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     """The adaptive row with per-request lengths: the policy's shapes include the packed
-    round of its 3-step chain."""
+    rounds of its 3-step chain and of its tree."""
     out_json = tmp_path / "adaptive.json"
     assert load_bench().main(["--hidden-size", "64", "--num-layers", "4", "--batch-sizes", "2",
                               "--input-len", "16", "--output-len", "12", "--shapes",
@@ -61,7 +61,8 @@ def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
                               str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())
     assert row["shape"] == "per-request" and row["outputs_differing"] == 0
-    assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/1/4:2", "3/4/8"}
+    assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/1/4:2", "3/4/8",
+                                           "3/4/8:2", "3/4/8:4"}
     assert sum(row["rounds_by_shape"].values()) >= 11  # 12 tokens, at most one per plain round
     # the batch's two requests, in the untimed warm-up before the paired run and in each of
     # the two timed passes, every output compared with plain decoding's
