@@ -231,13 +231,13 @@ def lower_for_accelerators(config, params, label: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from sgl_jax.model_executor.programs import outside_jax_cache
+
     args = parse_args(argv)
-    cache_was_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # every compile measured afresh
-    try:
+    # Every compile measured afresh, and serializable: turning JAX's cache off after a
+    # process used it leaves it on, and a program it loads serializes without machine code.
+    with outside_jax_cache():
         results = measure(args)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was_on)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

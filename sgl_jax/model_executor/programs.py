@@ -84,7 +84,7 @@ _install_store_key_hook()
 
 
 @contextlib.contextmanager
-def _outside_jax_cache() -> Iterator[None]:
+def outside_jax_cache() -> Iterator[None]:
     """This thread's compiles under a key of their own, so JAX's cache has nothing for them,
     and not written to it (its minimum compile time raised past any)."""
     try:
@@ -311,7 +311,7 @@ class Programs:
                 # Only the compile's own hit counts: tracing may run small eager programs
                 # that JAX's cache does hold.
                 _compiling.cache_hit = False
-                with _outside_jax_cache() if afresh else contextlib.nullcontext():
+                with outside_jax_cache() if afresh else contextlib.nullcontext():
                     program = lowered.compile()
                 self.traced += 1
                 if self._store and _compiling.cache_hit:
