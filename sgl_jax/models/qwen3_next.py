@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net as gdn
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata
+from sgl_jax.layers.attention.metadata import from_windows, to_windows
 from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import llama, qwen3_moe
 from sgl_jax.models.config import ModelConfig, dense_config_from_hf, moe_fields_from_hf
@@ -124,7 +125,11 @@ def verify_forward(
     run = linear_attention or partial(gdn.verify_slots, config=config.linear_attention)
 
     def linear(p: Params, x: jax.Array, pool: gdn.GdnState) -> tuple[jax.Array, gdn.GdnState]:
-        return run(p["linear_attn"], x, pool, tree)
+        # A packed batch's tokens go to their window slots: the recurrence walks each tree
+        # by node index (the nodes left out are invalid in `tree`), and the states stay per
+        # window slot for commit_node.
+        y, nodes = run(p["linear_attn"], to_windows(x, metadata), pool, tree)
+        return from_windows(y, metadata), nodes
 
     mixers = [linear if config.is_linear_layer(i) else attend for i in range(config.num_layers)]
     return llama.decoder(params, cache, input_ids, mixers, config=config,

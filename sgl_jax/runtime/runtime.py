@@ -127,8 +127,7 @@ class Runtime:
             return None
         return make_drafter(spec, self.model, attention_backend=self.args.attention_backend,
                             page_size=self.args.page_size,
-                            shapes=round_shapes(spec, self.adaptive,
-                                               hybrid=self.model.config.is_hybrid))
+                            shapes=round_shapes(spec, self.adaptive))
 
     def _model_runner(self, buckets: Buckets, pools: PoolSizes) -> ModelRunner:
         return ModelRunner(
@@ -143,13 +142,9 @@ class Runtime:
                     "adaptive %s", spec.algorithm, spec.num_steps, spec.eagle_topk,
                     spec.num_draft_tokens, setup.drafter.capture_layers,
                     "on" if self.adaptive else "off")
-        if spec.per_request_lengths and self.model.config.is_hybrid:
-            logger.warning("--speculative-per-request-lengths: a hybrid target's rounds "
-                           "verify whole trees (its state pools take no packed rounds)")
         thresholds = AcceptThresholds(spec.accept_threshold_single, spec.accept_threshold_acc)
         return SpecRunner(self.runner, setup.drafter, spec.shape, thresholds=thresholds,
-                          shapes=round_shapes(spec, self.adaptive,
-                                               hybrid=self.model.config.is_hybrid))
+                          shapes=round_shapes(spec, self.adaptive))
 
     def _device_views(self) -> tuple[ModelRunner, SpecRunner | None]:
         """The runners as the scheduler calls them: with several nodes, rank 0's view of

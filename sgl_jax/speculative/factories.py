@@ -72,17 +72,15 @@ def make_drafter(spec: SpeculativeConfig, target: LoadedModel, *, attention_back
     return setup
 
 
-def round_shapes(spec: SpeculativeConfig, adaptive: bool, *, hybrid: bool = False
-                 ) -> tuple[TreeShape, ...]:
+def round_shapes(spec: SpeculativeConfig, adaptive: bool) -> tuple[TreeShape, ...]:
     """Every shape a round may take: the adaptive policy's candidates up to the flags' shape
-    (with per-request lengths, their packed variants: a hybrid target's state pools
-    verify whole trees), or the flags' shape alone. Plain rounds are always on the
-    menu: batches with a grammar-constrained request take them."""
+    (with per-request lengths, their packed variants), or the flags' shape alone. Plain
+    rounds are always on the menu: batches with a grammar-constrained request take them."""
     shape = spec.shape
     if not adaptive:
         return tuple(dict.fromkeys((PLAIN, shape)))
     shapes = tuple(dict.fromkeys((*candidate_shapes(shape), shape)))
-    if spec.per_request_lengths and not hybrid:
+    if spec.per_request_lengths:
         shapes += packed_shapes(shapes)
     return shapes
 

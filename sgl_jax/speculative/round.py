@@ -302,13 +302,13 @@ def verify_trees(
     each request's row applies). A hybrid target's linear layers run the trees from each
     request's committed state without writing the pools; the state after the last accepted
     node is then committed to the request's slot (padding rows write nothing). A packed
-    round runs the target over the `packed` nodes alone and leaves the others unverified."""
+    round runs the target over the `packed` nodes alone and leaves the others unverified
+    (a hybrid target's linear layers run their recurrence in the window layout, the nodes
+    left out marked invalid)."""
     batch, n = tree.tokens.shape
     kv_lens, active = inputs.kv_lens, inputs.active
     counts = jnp.full(batch, n, jnp.int32)
     if packed is not None:
-        if forward.hybrid:
-            raise ValueError("a hybrid target verifies whole trees (no packed rounds)")
         tree, counts = keep_first_nodes(tree, packed)
     depths = node_depths(tree.parents)
     metadata = window_metadata(page_table, kv_lens, jnp.where(active, counts, 0), n,
@@ -317,8 +317,8 @@ def verify_trees(
     slots = jnp.where(active, state_slots, 0)
     layout = None
     if forward.hybrid:
-        layout = gated_delta_net.TreeLayout(
-            slots, tree.parents, jnp.broadcast_to(active[:, None], tree.parents.shape))
+        verified = jnp.arange(n)[None, :] < counts[:, None]  # bool[B, N]
+        layout = gated_delta_net.TreeLayout(slots, tree.parents, active[:, None] & verified)
     pools = list(kv)
     hidden, kv, captured = forward(params, kv, from_windows(tree.tokens.reshape(-1), metadata),
                                    from_windows((kv_lens[:, None] + depths).reshape(-1),

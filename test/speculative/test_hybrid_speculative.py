@@ -25,7 +25,7 @@ from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
-from sgl_jax.speculative.round import RoundInputs, verify_trees
+from sgl_jax.speculative.round import RoundInputs, packed_nodes, verify_trees
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft, write_tiny_dflash_draft
@@ -225,15 +225,18 @@ def _pools(runner, slot):
             for i in range(config.num_layers) if config.is_linear_layer(i)]
 
 
-@pytest.mark.parametrize("shape,accepted", [(LONG_CHAIN, (9, 5)), (TREE, (3, 3))],
-                         ids=["chain15", "tree"])
+@pytest.mark.parametrize("shape,accepted,counts", [(LONG_CHAIN, (9, 5), None),
+                                                   (TREE, (3, 3), None), (TREE, (2, 3), (3, 5))],
+                         ids=["chain15", "tree", "tree-packed"])
 def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, shape,
-                                                            accepted):
+                                                            accepted, counts):
     """Trees holding the target's own greedy continuation g1, g2, ...: a chain of 15 (DFLASH's
     length) whose token after g9 (g5 in the other row) is wrong, and a tree with decoys around
     its greedy path g1, g2, g3. Each row accepts its greedy tokens and commits the state that
     decoding the root, g1 ... ga one token at a time leaves: the chain's state is rolled back
-    to a node inside it."""
+    to a node inside it. Packed (per-request lengths), the tree is in best-first order and a
+    row verifies its first `counts` nodes alone: the first row's share, root, g1, g2, stops
+    its path at g2 (the bonus g3 read from g2's logits), the second's runs to g3."""
     with spec_engine(paths, shape, 16) as engine:
         runner, spec = engine.runtime.runner, engine.runtime.spec_runner
         ids = [prompts()[i] for i in (2, 5)]
@@ -260,6 +263,10 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                 wrong = [(f[a] + 1 + i) % 500 for i in range(n - 1 - a)]
                 tokens, parents = [p[-1], *f[:a], *wrong], list(range(-1, n - 1))
                 path = list(range(a + 1))
+            elif counts:  # best first: the greedy path, then the decoys
+                decoy = [(t + 1) % 500 for t in f[:3]]
+                tokens = [p[-1], *f[:3], decoy[0], decoy[1], decoy[2], decoy[2]]
+                parents, path = [-1, 0, 1, 2, 0, 1, 2, 4], list(range(a + 1))
             else:  # decoys beside and below the greedy path, which lies at nodes 0, 2, 4, 7
                 decoy = [(t + 1) % 500 for t in f[:3]]
                 tokens = [p[-1], decoy[0], f[0], decoy[1], f[1], decoy[2], decoy[2], f[2]]
@@ -282,16 +289,21 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
         padding = [(trees[0][0], list(range(-1, n - 1)))] * (len(kv_lens) - len(trees))
         tree = DraftTree(*(np.array(part, np.int32) for part in zip(*trees, *padding,
                                                                       strict=True)))
+        # a packed round of 2 nodes a row: each row's first counts[r] nodes, then padding
+        packed = None if counts is None else packed_nodes(
+            [*counts, *[0] * (padded - len(counts))], n, 2 * padded)
+
         def verify(params, kv, page_table, kv_lens, active, tree, sampling, suppress,
-                   state_slots):
+                   state_slots, packed):
             inputs = RoundInputs(active, kv_lens, tree.tokens[:, 0], None, sampling, suppress)
             return verify_trees(spec.forward, params, kv, page_table, inputs, tree,
                                 np.bool_(False), state_slots, num_steps=spec.shape.num_steps,
                                 chain=spec.shape.topk == 1, page_size=spec.page_size,
-                                thresholds=spec.thresholds, features="")
+                                thresholds=spec.thresholds, features="", packed=packed)
 
         kv, verified = jax.jit(verify)(runner.model.params, runner.state.kv_cache, page_table,
-                                       kv_lens, active, tree, sampling, suppress, state_slots)
+                                       kv_lens, active, tree, sampling, suppress, state_slots,
+                                       packed)
         runner.state.kv_cache = kv
         verdict = jax.device_get(verified.verdict)
         for j, (f, a) in enumerate(zip(follow, accepted, strict=True)):
