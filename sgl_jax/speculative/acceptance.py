@@ -104,12 +104,6 @@ def batch_rates(requests: Sequence[Acceptance], kind: str, server: Acceptance) -
     return _shrink(*stacked(kind), base)
 
 
-def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
-    """Tokens a round of `shape` (not packed: policy.expected_tokens prices those) commits
-    per request: the bonus plus each depth reached."""
-    return 1.0 + float(np.cumprod(rates[: shape.num_steps]).sum())
-
-
 CALIBRATION_BINS = 8  # draft-probability bins of Calibration
 CALIBRATION_PRIOR = 4.0  # a cell's prior (its own draft probability) counts as this many tries
 

@@ -226,7 +226,7 @@ class SpecDecoder:
         start = time.perf_counter()
         undrafted = self._undrafted(reqs, shape)
         masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
-        verified = self.verified_depths(reqs, shape, bucket, records)
+        verified = self.verified_nodes(reqs, shape, bucket, records)
         output = (dispatch_decode_step(self.runner, self.slot_table, reqs, padded=bucket)
                   if undrafted else self._dispatch(reqs, bucket, shape, masked, hints, verified))
         return LaunchedRound(
@@ -234,7 +234,7 @@ class SpecDecoder:
             shape == PLAIN and self.spec.defers_draft and not undrafted, output, start,
             compiled=self.spec.target.num_compilations != compilations, verified=verified)
 
-    def verified_depths(self, reqs: list[Req], shape: TreeShape, bucket: int,
+    def verified_nodes(self, reqs: list[Req], shape: TreeShape, bucket: int,
                          records: list) -> list[int] | None:
         """A packed round's draft nodes per request: the policy's shares (verify_lengths),
         a chain's within each request's own cap (a tree's nodes past it are cut by the

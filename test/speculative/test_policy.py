@@ -41,11 +41,14 @@ def test_candidates_stay_under_the_flags():
     assert candidate_shapes(TreeShape(1, 1, 2)) == (PLAIN, CHAIN1)
 
 
-def test_expected_length_is_one_plus_the_cumulative_products():
-    rates = np.array([0.8, 0.5, 0.25])
-    assert A.expected_length(PLAIN, rates) == 1.0
-    assert A.expected_length(CHAIN1, rates) == pytest.approx(1.8)
-    assert A.expected_length(CHAIN3, rates) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+def expected_length(shape: TreeShape, rates: np.ndarray) -> float:
+    """The policy's formula, written out: a round of `shape` (not packed) commits the bonus
+    token plus each depth d reached, with chance q(1) ... q(d)."""
+    length, survival = 1.0, 1.0
+    for depth in range(shape.num_steps):
+        survival *= rates[depth]
+        length += survival
+    return length
 
 
 def test_depth_counts_record_tried_and_accepted_depths():
@@ -127,7 +130,7 @@ def test_the_choice_maximises_expected_tokens_per_second():
     chosen = policy.choose(reqs, 1)
     expected = {}
     for shape in candidate_shapes(TREE):
-        tokens = sum(A.expected_length(shape, r.rates(A.family(shape), policy.server))
+        tokens = sum(expected_length(shape, r.rates(A.family(shape), policy.server))
                      for r in reqs)
         expected[shape] = tokens / SMALL_AND_LARGE[shape, 1]
     assert chosen == max(expected, key=expected.__getitem__)
@@ -336,7 +339,7 @@ def typical_batch_speculates(policy, bucket):
     by the margin."""
     rates = {kind: policy.server.rates(kind, None) for kind in ("chain", "tree")}
     plain = 1 / policy.seconds(PLAIN, bucket)
-    return any(A.expected_length(s, rates[A.family(s)]) / policy.seconds(s, bucket)
+    return any(expected_length(s, rates[A.family(s)]) / policy.seconds(s, bucket)
                > P.SPECULATION_MARGIN * plain for s in policy.shapes if s != PLAIN)
 
 
