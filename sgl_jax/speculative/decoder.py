@@ -235,7 +235,7 @@ class SpecDecoder:
             compiled=self.spec.target.num_compilations != compilations, verified=verified)
 
     def verified_nodes(self, reqs: list[Req], shape: TreeShape, bucket: int,
-                         records: list) -> list[int] | None:
+                       records: list) -> list[int] | None:
         """A packed round's draft nodes per request: the policy's shares (verify_lengths),
         a chain's within each request's own cap (a tree's nodes past it are cut by the
         round's program); None for any other round."""
