@@ -16,6 +16,10 @@ random Llama with a random EAGLE3 head (tree 3/4/8) instead of the demo model:
 
     python benchmark/bench_startup.py --tiny-eagle3-tree --soak 400 --starts 1
 
+With `--settle S`, each start waits (up to S s) before it stops for its background builder
+to finish what serving asked of it, so the next start is the restart of a server that ran a
+while rather than of one stopped mid-build; `--log-dir D` keeps each start's server log.
+
 With `--programs`, no server starts: the programs an accelerator start builds are counted
 and traced and lowered for TPU and CUDA on this host (sgl_jax.testing.lowering's recorder), for
 the README's plain and EAGLE3 demo servers and for Llama-3.1-8B's layer structure with an
@@ -62,19 +66,29 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--programs", action="store_true",
                         help="count and lower an accelerator start's programs instead")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--settle", type=float, default=0,
+                        help="before stopping a start, wait up to this many seconds for its "
+                             "background builds to finish (a restart of a server that ran a "
+                             "while, rather than of one stopped mid-build)")
+    parser.add_argument("--log-dir", default=None,
+                        help="keep each start's server log here (start-N.log)")
     return parser.parse_args(argv), server_flags
 
 
 def time_one_start(command: list[str], env: dict[str, str], port: int, timeout: float,
-                   bursts: list[int], soak: tuple[int, int] = (0, 0)) -> dict:
+                   bursts: list[int], soak: tuple[int, int] = (0, 0),
+                   log_path: str | None = None, settle: float = 0) -> dict:
     started = time.perf_counter()
-    with tempfile.TemporaryFile() as log:
+    with open(log_path, "w+b") if log_path else tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             ready = _wait_healthy(process, port, started + timeout) - started
             first_token = _first_streamed_token(port) - started
             slowest = {size: round(_slowest_of_burst(port, size), 2) for size in bursts}
             soaks = [round(_soak(port, *soak), 1) for _ in range(2)] if soak[0] else []
+            settle_started = time.perf_counter()
+            settled = _wait_for_builds(port, settle) if settle else None
+            settle_s = time.perf_counter() - settle_started
         except BaseException:
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace")[-4000:])
@@ -84,10 +98,25 @@ def time_one_start(command: list[str], env: dict[str, str], port: int, timeout: 
             process.wait(timeout=60)
     figures = {"ready_s": round(ready, 2), "first_token_s": round(first_token, 2),
                "burst_slowest_s": slowest}
+    if settled is not None:
+        figures.update(builds_pending_at_stop=settled, settle_s=round(settle_s, 1))
     if soaks:
         figures.update(soak_s=soaks[0], soak_warm_s=soaks[1],
                        soak_ratio=round(soaks[0] / soaks[1], 2))
     return figures
+
+
+def _wait_for_builds(port: int, timeout: float) -> int:
+    """Wait up to `timeout` s for the server's background builder to finish what it was
+    given; the build jobs still pending then."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info",
+                                    timeout=30) as response:
+            pending = json.loads(response.read())["programs_building"]
+        if pending == 0 or time.perf_counter() > deadline:
+            return pending
+        time.sleep(1)
 
 
 def _soak(port: int, count: int, concurrency: int) -> float:
@@ -247,8 +276,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]] | dict:
         if args.tiny_eagle3_tree:
             command += tiny_eagle3_tree(cache)
         for index in range(args.starts):
+            log_path = (os.path.join(args.log_dir, f"start-{index + 1}.log")
+                        if args.log_dir else None)
             figures = time_one_start(command, env, port, args.timeout, bursts,
-                                     (args.soak, args.soak_concurrency))
+                                     (args.soak, args.soak_concurrency), log_path, args.settle)
             figures["start"] = "first (cold caches)" if index == 0 else f"#{index + 1} (warm)"
             results.append(figures)
             waits = ", ".join(f"{size}: {s:.1f} s" for size, s in
@@ -256,6 +287,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]] | dict:
             soak = (f"; soak of {args.soak}: {figures['soak_s']:.1f} s, again warm "
                     f"{figures['soak_warm_s']:.1f} s ({figures['soak_ratio']:.2f}x)"
                     if args.soak else "")
+            if args.settle:
+                soak += (f"; builds settled in {figures['settle_s']:.0f} s, "
+                         f"{figures['builds_pending_at_stop']} left at stop")
             print(f"start {figures['start']}: ready {figures['ready_s']:.1f} s, first streamed "
                   f"token {figures['first_token_s']:.1f} s"
                   + (f"; slowest answer of each burst {waits}" if waits else "") + soak,

@@ -371,8 +371,12 @@ class BackgroundBuilder:
 
     def idle(self) -> bool:
         """No job waiting or running."""
+        return self.pending() == 0
+
+    def pending(self) -> int:
+        """Jobs waiting or running."""
         with self._wake:
-            return not self._jobs and not self._busy
+            return len(self._jobs) + int(self._busy)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

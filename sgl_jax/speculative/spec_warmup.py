@@ -71,10 +71,8 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
         for shape in prefills:
             _warm_prefill(spec, shape)
             compiled()
-    for size, shape in [(size, shape) for size in sizes for shape in later]:
-        builder.submit(  # a job a shape: a burst's bucket may go in between
-            ("speculative shape", size, shape.name), priority=-1,
-            build=lambda size=size, shape=shape: _build_all(_round_builds(spec, [shape], size)))
+    for size in sizes if builder else ():
+        queue_shapes(spec, size, priority=-1)  # ahead of every bucket not yet asked for
     # Warm-up rounds wrote scratch into the slots; no request reads a slot before its
     # prefill writes its root.
 
@@ -174,16 +172,23 @@ def batch_limit(spec: SpecRunner, wanted: int) -> int:
 
 def queue_bucket(spec: SpecRunner, size: int, *, first: bool = False) -> None:
     """Queue batch bucket `size` on the background builder: its base programs
-    (bucket_usable), and after every bucket's base programs its other round
-    shapes; `first`: both ahead of every other bucket (the one a waiting batch needs). A
-    bucket queued before keeps its place."""
+    (bucket_usable), and behind every bucket's base programs its other round shapes, a job
+    a shape (a drafted shape may take a CPU 10 s to compile: a burst that needs another
+    bucket waits for one, not for all); `first`: ahead of every other bucket's (the one a
+    waiting batch needs). A job queued before keeps its place."""
     builder, index = spec.target.builder, spec.buckets.bs_paddings.index(size)
     later = len(spec.buckets.bs_paddings)
     builder.submit(("speculative bucket", size),
                    lambda: _build_all(_base_builds(spec, size)), priority=-2 if first else index)
-    builder.submit(("speculative shapes", size),
-                   lambda: _build_all(_round_builds(spec, _extra_shapes(spec), size)),
-                   priority=-1 if first else later + index)
+    queue_shapes(spec, size, priority=later if first else later + 1 + index)
+
+
+def queue_shapes(spec: SpecRunner, size: int, priority: int) -> None:
+    """Queue the round shapes of batch bucket `size` beyond its base ones, a job each."""
+    for shape in _extra_shapes(spec):
+        spec.target.builder.submit(
+            ("speculative shape", size, shape.name), priority=priority,
+            build=lambda shape=shape: _build_all(_round_builds(spec, [shape], size)))
 
 
 def _build_all(builds: Sequence[Callable[[], object]]) -> None:

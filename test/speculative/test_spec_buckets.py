@@ -1,17 +1,24 @@
 """Which batch bucket a speculative round pads to, and which buckets a burst has built, while
 a CPU server builds its larger buckets in the background: the bucket a burst needs is built
-first, and a batch pads to the smallest usable bucket that fits it."""
+first, every bucket's base programs before any drafted shape, and a batch pads to the
+smallest usable bucket that fits it."""
 
 from __future__ import annotations
 
+import functools
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from sgl_jax.model_executor.forward_batch import Buckets
+from sgl_jax.model_executor.programs import BackgroundBuilder
 from sgl_jax.speculative import spec_warmup
+from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.policy import PLAIN
 
 SIZES = (1, 2, 4, 8)
+SHAPES = (PLAIN, TreeShape(3, 1, 4), TreeShape(3, 4, 8))  # an adaptive menu: two drafted
 
 
 class RecordingBuilder:
@@ -22,7 +29,10 @@ class RecordingBuilder:
         self.jobs.append((priority, *job_id))
 
     def build_order(self) -> list[tuple[str, int]]:
-        return [(job.split()[1], bucket) for _, job, bucket in sorted(self.jobs)]
+        """(base programs: "bucket", or a drafted "shape", batch bucket), the shapes of one
+        bucket named once."""
+        return list(dict.fromkeys((job.split()[1], bucket)
+                                  for _, job, bucket, *_ in sorted(self.jobs)))
 
 
 def fake_spec(usable: set[int], builder: RecordingBuilder | None, built: set[int] = frozenset(),
@@ -31,15 +41,16 @@ def fake_spec(usable: set[int], builder: RecordingBuilder | None, built: set[int
     monkeypatch.setattr(spec_warmup, "bucket_usable", lambda spec, size: size in usable)
     monkeypatch.setattr(spec_warmup, "bucket_built", lambda spec, size: size in built)
     buckets = Buckets((64,), SIZES, context_len=128, page_size=16)
-    return SimpleNamespace(buckets=buckets, target=SimpleNamespace(builder=builder))
+    return SimpleNamespace(buckets=buckets, target=SimpleNamespace(builder=builder),
+                           shapes=SHAPES)
 
 
 @pytest.mark.parametrize("usable, wanted, limit, order", [
-    # the burst's bucket first (its base programs, then its other shapes), then those below
-    ({1}, 6, 1, [("bucket", 8), ("shapes", 8), ("bucket", 2), ("bucket", 4),
-                 ("shapes", 2), ("shapes", 4)]),
-    ({1, 8}, 3, 8, [("bucket", 4), ("shapes", 4), ("bucket", 2),
-                    ("shapes", 2)]),  # 3 pad to 8 meanwhile: no wait for 4
+    # the burst's bucket first, then those below; drafted shapes behind every base
+    ({1}, 6, 1, [("bucket", 8), ("bucket", 2), ("bucket", 4),
+                 ("shape", 8), ("shape", 2), ("shape", 4)]),
+    ({1, 8}, 3, 8, [("bucket", 4), ("bucket", 2), ("shape", 4),
+                    ("shape", 2)]),  # 3 pad to 8 meanwhile: no wait for 4
     ({1, 2}, 2, 2, []),
     (set(), 8, 8, []),  # not even the smallest: everything compiles when due
 ])
@@ -54,7 +65,42 @@ def test_the_needed_bucket_is_built_first(usable, wanted, limit, order, monkeypa
 def test_a_usable_bucket_still_gets_its_other_shapes(monkeypatch):
     builder = RecordingBuilder()
     assert spec_warmup.batch_limit(fake_spec({1, 2}, builder, {1}, monkeypatch), 2) == 2
-    assert builder.build_order() == [("bucket", 2), ("shapes", 2)]
+    assert builder.build_order() == [("bucket", 2), ("shape", 2)]
+
+
+def test_a_burst_waits_for_one_drafted_shape_not_for_a_bucket_of_them(monkeypatch):
+    """A drafted shape takes a CPU seconds to compile. A burst that needs a larger bucket
+    while the builder compiles one of another bucket's shapes has its bucket's base
+    programs built next, ahead of that bucket's other shapes."""
+    built, usable, compiling, gate = [], {1}, threading.Event(), threading.Event()
+
+    def build_shape(shape, size):
+        if not gate.is_set():  # the first one compiles until the second burst has come
+            compiling.set()
+            gate.wait(10)
+        built.append((shape.name, size))
+
+    def build_base(size):
+        built.append(("base", size))
+        usable.add(size)
+
+    monkeypatch.setattr(spec_warmup, "_round_builds", lambda spec, shapes, size: [
+        functools.partial(build_shape, shape, size) for shape in shapes])
+    monkeypatch.setattr(spec_warmup, "_base_builds", lambda spec, size: [
+        functools.partial(build_base, size)])
+    builder = BackgroundBuilder()
+    spec = fake_spec(usable, builder, built={1}, monkeypatch=monkeypatch)
+    try:
+        assert spec_warmup.batch_limit(spec, 4) == 1  # a burst of 4
+        builder.resume()
+        assert compiling.wait(10) and built == [("base", 4), ("base", 2)]
+        assert spec_warmup.batch_limit(spec, 8) == 4  # a burst of 8 while a shape compiles
+        gate.set()
+        assert builder.wait_idle(10)
+    finally:
+        builder.stop()
+    assert built[2:5] == [("3/1/4", 4), ("base", 8), ("3/4/8", 4)], built
+    assert spec_warmup.batch_limit(spec, 8) == 8
 
 
 @pytest.mark.parametrize("built, rows, padded", [

@@ -307,8 +307,10 @@ def test_a_batch_is_answered_while_its_bucket_builds_in_the_background(checkpoin
         assert answers() == references["qwen3"][:2]
         assert batch_sizes and max(batch_sizes) == 1, batch_sizes
         assert not spec_warmup.bucket_built(spec, 2)
+        assert engine.get_server_info()["programs_building"] >= 2  # the held job and bucket 2
         held.set()
         assert runtime.builder.wait_idle(timeout=600) and spec_warmup.bucket_built(spec, 2)
+        assert engine.get_server_info()["programs_building"] == 0
         batch_sizes.clear()
         compiled = engine.get_server_info()["num_compilations"]
         assert answers() == references["qwen3"][:2]
