@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]] | dict:
         command += ["--model-path", args.model_path]
     results = []
     bursts = [int(size) for size in args.bursts.split(",") if size]
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "XDG_CACHE_HOME": cache}
         if args.tiny_eagle3_tree:
