@@ -174,6 +174,9 @@ class Row:
     # (spec_round_ms), and its price at the row's end (spec_believed_round_ms)
     round_ms: dict[str, float] = field(default_factory=dict)
     believed_round_ms: dict[str, float] = field(default_factory=dict)
+    # the drafter's own scores against verification at the row's end (spec_draft_confidence:
+    # ece of the raw scores, calibrated_ece of the policy's estimates; {} where none count)
+    draft_confidence: dict[str, float] = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -684,7 +687,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                                         algorithm, speculated_share(rounds),
                                         *(bucket_round_ms(engine.get_server_info(), b, key)
                                           for key in ("spec_round_ms",
-                                                      "spec_believed_round_ms"))))
+                                                      "spec_believed_round_ms")),
+                                        draft_confidence(engine.get_server_info())))
                         print_row(rows[-1])
                         save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
@@ -698,6 +702,13 @@ def bucket_round_ms(info: dict, batch_size: int, key: str = "spec_round_ms"
     table = info.get(key) or {}
     fitting = sorted(int(bucket) for bucket in table if int(bucket) >= batch_size)
     return table[str(fitting[0])] if fitting else {}
+
+
+def draft_confidence(info: dict) -> dict[str, float]:
+    """The calibration of the drafter's scores since the engine started ({} where no node
+    was scored: a drafter without scores, or no per-request lengths)."""
+    error = info.get("spec_draft_confidence") or {}
+    return error if error.get("nodes") else {}
 
 
 def save_rows(args: argparse.Namespace, rows: list[Row]) -> None:
@@ -726,6 +737,9 @@ def print_row(row: Row) -> None:
              + " (priced at the end: "
              + ", ".join(f"{k} {v:.2f}" for k, v in row.believed_round_ms.items()) + ")"
              if len(row.round_ms) > 1 else "")
+          + (f"  draft confidence ece {row.draft_confidence['ece']:.3f}, calibrated "
+             f"{row.draft_confidence['calibrated_ece']:.3f} over "
+             f"{row.draft_confidence['nodes']:.0f} nodes" if row.draft_confidence else "")
           + (f"  passes {min(row.repeat_speedups):.2f}-{max(row.repeat_speedups):.2f}x"
              if len(row.repeat_speedups) > 1 else ""),
           flush=True)
