@@ -678,6 +678,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                         differing = sum(a != c for a, c in zip(outputs, base_outputs,
                                                                strict=True))
                         rounds = counts_since(engine, before, "spec_rounds_by_shape")
+                        after = engine.get_server_info()
                         rows.append(Row(shape, b, base_tok_s, tok_s, tok_s / base_tok_s,
                                         length / draft_tokens, length, rates, args.dataset,
                                         len(chosen), differing, rounds,
@@ -685,10 +686,10 @@ def run(args: argparse.Namespace) -> list[Row]:
                                                      "spec_finished_requests"),
                                         [r / p for r, p in zip(runs, base_runs, strict=True)],
                                         algorithm, speculated_share(rounds),
-                                        *(bucket_round_ms(engine.get_server_info(), b, key)
+                                        *(bucket_round_ms(after, b, key)
                                           for key in ("spec_round_ms",
                                                       "spec_believed_round_ms")),
-                                        draft_confidence(engine.get_server_info())))
+                                        draft_confidence(after)))
                         print_row(rows[-1])
                         save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
@@ -705,8 +706,8 @@ def bucket_round_ms(info: dict, batch_size: int, key: str = "spec_round_ms"
 
 
 def draft_confidence(info: dict) -> dict[str, float]:
-    """The calibration of the drafter's scores since the engine started ({} where no node
-    was scored: a drafter without scores, or no per-request lengths)."""
+    """The calibration of the drafter's scores since the engine started, decayed as the
+    server keeps it ({} where no node was scored: a drafter that gives no scores)."""
     error = info.get("spec_draft_confidence") or {}
     return error if error.get("nodes") else {}
 
