@@ -4,6 +4,7 @@ finish and write their figures, so a GPU's minutes are not spent on a broken com
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,7 +28,11 @@ def test_first_parts_run_on_a_cpu_and_write_their_figures(tmp_path):
 
     overhead = json.loads((out / "first_overhead.json").read_text())["rows"]
     assert [(row["model"], row["batch"]) for row in overhead] == [("tiny", 1), ("tiny", 4)]
-    assert all(row["decode_kernels"] > 0 and row["engine_ms"] > 0 for row in overhead)
+    # Its 8 timed steps were counted; the figures are differences of two timed runs, which a
+    # busy 2-core host can push below zero at these sizes, so only their presence is checked.
+    assert all(row["decode_kernels"] > 0 and row["steps"] == 8 for row in overhead)
+    assert all(math.isfinite(row[key]) for row in overhead
+               for key in ("engine_ms", "device_ms", "floor_ms"))
 
     [attention] = json.loads((out / "first_attention.json").read_text())["rows"]
     # Our kernel and JAX's, both against the reference on the same decode problem.
