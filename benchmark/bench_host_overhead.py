@@ -32,6 +32,12 @@ to --json as each finishes.
     python benchmark/bench_host_overhead.py --json /tmp/overhead.json
     python benchmark/bench_host_overhead.py --rows demo --model-path <8B-shaped checkpoint> \
         --dtype bfloat16 --demo-batch-sizes 1,32
+    python benchmark/bench_host_overhead.py --rows demo,ngram --demo-batch-sizes 8 \
+        --context 1024 --spec-shape 5,1,6          # a round's cost over long contexts
+
+Prompts are 8 random tokens (NGRAM's: those repeated four times), or `--context` tokens in
+every row (NGRAM's: a random phrase of a quarter of that, repeated four times), so plain
+steps and drafted rounds can be priced over the same context.
 """
 
 from __future__ import annotations
@@ -80,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the EAGLE3 head of the spec rows (default: the demo's)")
     parser.add_argument("--dtype", default="float32", help="of the demo, spec and ngram rows")
     parser.add_argument("--quantization", default=None, help="of the demo, spec and ngram rows")
+    parser.add_argument("--context", type=int, default=None,
+                        help="prompt tokens of every row (default: 8, NGRAM's 32)")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="time the synchronous engine loop instead (the rows say 'sync')")
@@ -89,9 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the engine
 
 
-def make_engine(model_path: str | None, batches: list[int], dtype: str = "float32", **extra):
-    """An engine whose only decode buckets are `batches` (start-up compiles little)."""
-    prefill_tokens = sorted({max(64, 16 * b) for b in batches})
+def make_engine(model_path: str | None, batches: list[int], dtype: str = "float32",
+                context: int | None = None, **extra):
+    """An engine whose only decode buckets are `batches` (start-up compiles little), whose
+    prefill takes prompts of `context` tokens in chunks of at most 1024."""
+    prefill_tokens = sorted({max(64, 16 * b, min(context or 0, 1024)) for b in batches})
     engine = sgl_jax.Engine(
         model_path, dtype=dtype, max_running_requests=max(batches),
         precompile_bs_paddings=tuple(sorted(batches)),
@@ -185,13 +195,12 @@ def replay_seconds(calls: list[tuple], read_each: bool) -> float:
 def bench_plain(model_path: str | None, label: str, batches: list[int], args,
                 **model_args) -> Iterator[dict]:
     """A row per batch size from one engine, with its decode program's kernel count."""
-    engine = make_engine(model_path, batches,
+    engine = make_engine(model_path, batches, context=args.context,
                          disable_overlap_schedule=args.disable_overlap_schedule, **model_args)
     try:
         runner = engine.runtime.runner
         for batch in batches:
-            prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size,
-                                     seed=batch)
+            prompts = bench_prompts(batch, args.context, engine.model.config.vocab_size)
             timings = engine_and_replay_ms(engine, runner, ("launch",), prompts,
                                            args.short, args.steps)
             row = result_row(label, _kind("decode", args), batch, *timings)
@@ -253,7 +262,8 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
     steps, topk, draft_tokens = (int(x) for x in args.spec_shape.split(","))
     draft = {} if algorithm == "NGRAM" or args.draft_model_path is None else {
         "speculative_draft_model_path": args.draft_model_path}
-    engine = make_engine(args.model_path, batches, args.dtype, quantization=args.quantization,
+    engine = make_engine(args.model_path, batches, args.dtype, args.context,
+                         quantization=args.quantization,
                          disable_overlap_schedule=args.disable_overlap_schedule,
                          speculative_algorithm=algorithm, **draft,
                          speculative_num_steps=steps, speculative_eagle_topk=topk,
@@ -263,15 +273,21 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
     kind = _kind(f"round {args.spec_shape.replace(',', '/')}", args)
     try:
         for batch in batches:
-            prompts = random_prompts(batch, PROMPT_LEN, engine.model.config.vocab_size,
-                                     seed=batch)
-            if algorithm == "NGRAM":
-                prompts = [prompt * 4 for prompt in prompts]
+            prompts = bench_prompts(batch, args.context, engine.model.config.vocab_size,
+                                    repeats=4 if algorithm == "NGRAM" else 1)
             yield result_row(label, kind, batch, *engine_and_replay_ms(
                 engine, engine.runtime.spec_runner, ("prefill", "round"), prompts, args.short,
                 args.steps))
     finally:
         engine.shutdown()
+
+
+def bench_prompts(batch: int, context: int | None, vocab: int, repeats: int = 1
+                  ) -> list[list[int]]:
+    """`batch` prompts of a random phrase repeated `repeats` times (so NGRAM's lookups find
+    matches): PROMPT_LEN tokens a phrase, or `context` tokens a prompt."""
+    phrase = PROMPT_LEN if context is None else max(context // repeats, 1)
+    return [prompt * repeats for prompt in random_prompts(batch, phrase, vocab, seed=batch)]
 
 
 def model_label(args) -> str:
@@ -287,6 +303,8 @@ def result_row(model: str, kind: str, batch: int, engine_ms: float, device_ms: f
 
 
 def _kind(step: str, args) -> str:
+    """The rows' step name, saying how the loop ran and over what prompts if not the default."""
+    step = step if args.context is None else f"{step}, {args.context}-token prompts"
     return f"{step} (sync)" if args.disable_overlap_schedule else step
 
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
 import importlib
 import inspect
 import json
@@ -133,6 +134,9 @@ ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN", "DFLASH", "DSPA
 
 DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")
 SHAREGPT_PROMPTS = 200
+# --concurrent: prompts per engine turn, in batch sizes (the more, the less of a turn is its
+# tail, where fewer than a batch of requests are left).
+CONCURRENT_GROUP = 4
 
 # Pure-Python standard library modules whose functions the code-edits prompts rewrite.
 CODE_EDIT_MODULES = ("textwrap", "json.decoder", "json.encoder", "shlex", "csv", "difflib",
@@ -177,6 +181,7 @@ class Row:
     # the drafter's own scores against verification at the row's end (spec_draft_confidence:
     # ece of the raw scores, calibrated_ece of the policy's estimates; {} where none count)
     draft_confidence: dict[str, float] = field(default_factory=dict)
+    concurrent: bool = False  # served at a concurrency of batch_size, not in waves
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -217,6 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run every prompt this many times per engine (from an emptied prefix "
                         "cache each time): a row's speedup is over all of them, and the spread "
                         "of each pass's own is printed")
+    p.add_argument("--concurrent", action="store_true",
+                   help="serve each batch size as a server at that concurrency (a request "
+                        "starts as one finishes, in turns of 4 batches of prompts) instead "
+                        "of in waves that each run to their end")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -334,36 +343,56 @@ def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
 
 
 def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: int,
-                    batch_size: int, *, ignore_eos: bool, repeats: int = 1
+                    batch_size: int, *, ignore_eos: bool, repeats: int = 1,
+                    concurrent: bool = False
                     ) -> list[tuple[float, list[list[int]], list[float]]]:
-    """Per engine: output tokens per second over all prompts, run batch_size at a time, `repeats`
-    times (each from an emptied prefix cache, as the first); the outputs of every repeat; and
-    each repeat's tokens per second. The engines take turns wave by wave, so a machine whose
-    speed drifts over minutes (a shared VM's memory bandwidth does) weighs on each alike, and
-    in alternating order. `outputs` keep the prompts' order whatever the turns."""
+    """Per engine: output tokens per second over all prompts, `repeats` times (each from an
+    emptied prefix cache, as the first); the outputs of every repeat; and each repeat's
+    tokens per second. The prompts run in turns: waves of batch_size, each to its end, or
+    (`concurrent`) groups of CONCURRENT_GROUP * batch_size served with batch_size requests
+    in flight, the next starting as one finishes. The engines take turns, so a machine
+    whose speed drifts over minutes (a shared VM's memory bandwidth does) weighs on each
+    alike, and in alternating order. `outputs` keep the prompts' order whatever the turns."""
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
     for engine in engines:
         warm_up(engine, prompts, batch_size)
     seconds = np.zeros((repeats, len(engines)))
     tokens = np.zeros((repeats, len(engines)))
     outputs: list[list[list[int]]] = [[] for _ in engines]
+    turn_size = batch_size * (CONCURRENT_GROUP if concurrent else 1)
     for repeat in range(repeats):
         if repeat:
             for engine in engines:
                 engine.flush_cache()
-        for wave, first in enumerate(range(0, len(prompts), batch_size)):
+        for turn, first in enumerate(range(0, len(prompts), turn_size)):
             # Who goes first alternates, so neither engine always meets a drifting machine
             # right after the other.
-            turns = list(enumerate(engines))
-            for i, engine in turns if (repeat + wave) % 2 == 0 else turns[::-1]:
+            order = list(enumerate(engines))
+            for i, engine in order if (repeat + turn) % 2 == 0 else order[::-1]:
                 start = time.perf_counter()
-                outs = engine.generate(input_ids=prompts[first: first + batch_size],
-                                       sampling_params=params)
+                outs = serve(engine, prompts[first: first + turn_size], params, batch_size)
                 seconds[repeat, i] += time.perf_counter() - start
                 outputs[i] += [o["output_ids"] for o in outs]
                 tokens[repeat, i] += sum(len(o["output_ids"]) for o in outs)
     return [(tokens[:, i].sum() / seconds[:, i].sum(), outputs[i],
              list(tokens[:, i] / seconds[:, i])) for i in range(len(engines))]
+
+
+def serve(engine: Any, prompts: list[list[int]], params: dict[str, Any], in_flight: int
+          ) -> list[dict[str, Any]]:
+    """The outputs of `prompts`, in their order, with at most `in_flight` requests running:
+    all at once when there are no more (a wave), else each next as one finishes."""
+    if len(prompts) <= in_flight:
+        return engine.generate(input_ids=prompts, sampling_params=params)
+
+    async def all_of_them() -> list[dict[str, Any]]:
+        slots = asyncio.Semaphore(in_flight)
+
+        async def one(prompt: list[int]) -> dict[str, Any]:
+            async with slots:
+                return await engine.async_generate(input_ids=prompt, sampling_params=params)
+        return await asyncio.gather(*(one(prompt) for prompt in prompts))
+    return asyncio.run(all_of_them())
 
 
 def acceptance_since(engine: Any, before: dict[str, Any]) -> tuple[float, list[float]]:
@@ -672,7 +701,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                         before = engine.get_server_info()
                         (base_tok_s, base_outputs, base_runs), (tok_s, outputs, runs) = (
                             paired_generate([plain, engine], chosen, args.output_len, b,
-                                            ignore_eos=not real, repeats=args.repeats))
+                                            ignore_eos=not real, repeats=args.repeats,
+                                            concurrent=args.concurrent))
                         length, rates = acceptance_since(engine, before)
                         draft_tokens = settings[shape]["speculative_num_draft_tokens"]
                         differing = sum(a != c for a, c in zip(outputs, base_outputs,
@@ -689,7 +719,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                                         *(bucket_round_ms(after, b, key)
                                           for key in ("spec_round_ms",
                                                       "spec_believed_round_ms")),
-                                        draft_confidence(after)))
+                                        draft_confidence(after), args.concurrent))
                         print_row(rows[-1])
                         save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
@@ -724,7 +754,8 @@ HEADER = (f"{'dataset':11} {'shape':6} {'bs':>3} {'baseline tok/s':>15} {'spec t
 
 def print_row(row: Row) -> None:
     rates = " ".join("-" if r is None else f"{r:.2f}" for r in row.position_rates)
-    print(f"{row.dataset:11} {row.shape:6} {row.batch_size:>3} {row.baseline_tok_s:>15.1f} "
+    print(f"{row.dataset:11} {row.shape:6} {row.batch_size:>3}{'c' if row.concurrent else ' '}"
+          f"{row.baseline_tok_s:>15.1f} "
           f"{row.speculative_tok_s:>11.1f} {row.speedup:>7.2f}x {row.accept_rate:>11.1%} "
           f"{row.accept_length:>11.2f} {row.outputs_differing:>6}  [{rates}]"
           + (f"  rounds {row.rounds_by_shape}" if len(row.rounds_by_shape) > 1 else "")

@@ -246,3 +246,35 @@ def test_num_steps_sets_every_shapes_depth_and_a_chains_tokens():
              s["speculative_num_draft_tokens"]) for s in shapes.values()] == [
         (3, 1, 4), (3, 3, 16), (3, 3, 16), (3, 3, 16)]
     assert bench.with_depth(bench.DFLASH_SHAPES, None) is bench.DFLASH_SHAPES
+
+
+def test_serve_keeps_the_concurrency_and_the_prompts_order():
+    """--concurrent's turn: never more than `in_flight` requests running, a new one started as
+    soon as one finishes, outputs in the prompts' order; a wave when the turn fits."""
+    import asyncio
+
+    class CountingEngine:
+        def __init__(self):
+            self.running = self.most = 0
+            self.waves = []
+
+        async def async_generate(self, input_ids, sampling_params):
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.001 * (input_ids[0] % 3))  # finishing out of order
+            self.running -= 1
+            return {"output_ids": input_ids[::-1]}
+
+        def generate(self, input_ids, sampling_params):
+            self.waves.append(len(input_ids))
+            return [{"output_ids": p[::-1]} for p in input_ids]
+
+    serve = load_bench().serve
+    engine = CountingEngine()
+    prompts = [[i, i + 100] for i in range(11)]
+    outs = serve(engine, prompts, {}, in_flight=3)
+    assert [o["output_ids"] for o in outs] == [p[::-1] for p in prompts]
+    assert engine.most == 3 and engine.running == 0 and engine.waves == []
+    assert [o["output_ids"] for o in serve(engine, prompts[:3], {}, 3)] == [
+        p[::-1] for p in prompts[:3]]
+    assert engine.waves == [3]
