@@ -224,8 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of each pass's own is printed")
     p.add_argument("--concurrent", action="store_true",
                    help="serve each batch size as a server at that concurrency (a request "
-                        "starts as one finishes, in turns of 4 batches of prompts) instead "
-                        "of in waves that each run to their end")
+                        f"starts as one finishes, in turns of {CONCURRENT_GROUP} batches of "
+                        "prompts) instead of in waves that each run to their end")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
