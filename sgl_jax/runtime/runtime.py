@@ -174,7 +174,9 @@ class Runtime:
         limits = PrefillLimits(
             max_prefill_tokens=min(args.max_prefill_tokens, buckets.max_tokens),
             chunk_size=min(args.chunk_size, buckets.max_tokens),
-            max_running_requests=buckets.max_seqs, completion_lookahead=self.lookahead,
+            # below the smallest batch bucket, the flag still caps the batch (padded up)
+            max_running_requests=min(args.max_running_requests, buckets.max_seqs),
+            completion_lookahead=self.lookahead,
             prompt_ends_in_prefill=self.spec_runner is not None)
         return Scheduler(runner, cache, limits, self.slot_table, self.decoding,
                          on_output=on_output, decode_log_interval=args.decode_log_interval,

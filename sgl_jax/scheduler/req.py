@@ -89,6 +89,12 @@ class Req:
                 or len(self.prompt_ids) + sampled >= self.context_len)
 
     @property
+    def tokens_left(self) -> int:
+        """The most tokens it may still sample: up to max_new_tokens or the context's end."""
+        return (min(self.params.max_new_tokens, self.context_len - len(self.prompt_ids))
+                - self.num_sampled)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -125,6 +125,7 @@ class SpecDecoder:
         late. A host-side drafter starts reading the request here: every admitted request
         ends in finish(), which lets go of it."""
         self.proposer.add_request(req)
+        self.policy.refills.joined()
         state = self.states[req]
         if not req.params.speculative:
             state.drafting = False  # it asked for none
@@ -147,7 +148,7 @@ class SpecDecoder:
     def finish(self, req: Req) -> None:
         state = self.states.pop(req)
         req.decoding_info = state.meta_info()
-        self.policy.count_finished(state.drafting)
+        self.policy.count_finished(state.drafting, len(self.states) > 0, held_slot=req.slot >= 0)
         self.proposer.finish(req)
 
     def _drafting(self, reqs: list[Req]) -> list[bool]:
@@ -207,7 +208,8 @@ class SpecDecoder:
         bucket = self._timed_bucket(len(reqs))
         hints = self.proposer.hints(reqs, bucket)
         records = self._offered_records(reqs, hints)
-        shape = self.policy.choose(records, bucket, menu=self._constrained_menu(reqs, bucket))
+        shape = self.policy.choose(records, bucket, menu=self._constrained_menu(reqs, bucket),
+                                   remaining=[req.tokens_left for req in reqs])
         unread = in_flight.output if in_flight is not None and in_flight.kind == "decode" \
             else None
         settle_first = self._needs_settled(reqs, shape, unread, self._undrafted(reqs, shape))

@@ -42,6 +42,11 @@ estimates come from:
   tens of rounds. Without the clip one outlier could price a shape out for good: a shape
   never chosen is never measured again.
 
+The batch's end: where slots that requests free by finishing stay free (an offline batch run
+to its end), speeding up some requests does not end the batch sooner; there each shape is
+scored by how much of the batch's remaining work a round does, which the request expected
+to end last decides (batch_end.py), in place of sum_r L_r(X).
+
 Probes: plain rounds measure no acceptance, and a policy that keeps speculating never times
 plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
 round on the other (the best speculative shape, or plain), and doubles the run before the next
@@ -75,12 +80,13 @@ from sgl_jax.speculative.acceptance import (
     batch_rates,
     family,
 )
+from sgl_jax.speculative.batch_end import Refills, batch_end_progress
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.verify_lengths import (
     draft_counts,
-    expected_packed_tokens,
     node_survival,
     packed_budget,
+    packed_row_tokens,
 )
 
 PLAIN = TreeShape(num_steps=0, topk=1, num_draft_tokens=1)  # the root alone: one token
@@ -94,15 +100,23 @@ SPECULATION_MARGIN = 1.10  # a speculative shape's rate must exceed plain's by t
 EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many gets one
 
 
+def row_tokens(shape: TreeShape, survival: Mapping[str, np.ndarray], bucket: int,
+               num_rows: int) -> np.ndarray:
+    """f64[R]: the tokens a round of `shape` over `num_rows` requests in batch bucket
+    `bucket` commits for each of the R with a draft (survival f64[R, D] by family): its root,
+    plus the survival of each draft node it verifies (a packed round's by verify_lengths)."""
+    if shape.verify_width:
+        return packed_row_tokens(node_survival(shape, survival),
+                                 packed_budget(shape, bucket, num_rows))
+    return 1.0 + survival[family(shape)][:, : shape.num_steps].sum(axis=1)
+
+
 def round_tokens(shapes: Sequence[TreeShape], survival: Mapping[str, np.ndarray], bucket: int,
                  num_rows: int) -> dict[TreeShape, float]:
-    """Per shape, the tokens a round over `num_rows` requests in batch bucket `bucket`
-    commits: one a row, plus the survival of each draft node it verifies (survival f64[R, D]
-    by family, of the R rows with a draft; a packed round's nodes by verify_lengths)."""
-    return {s: expected_packed_tokens(node_survival(s, survival),
-                                      packed_budget(s, bucket, num_rows), num_rows)
-            if s.verify_width else num_rows + float(survival[family(s)][:, : s.num_steps].sum())
-            for s in shapes}
+    """Per shape, the tokens a round over `num_rows` requests commits: one for each request
+    without a draft, row_tokens for the others."""
+    undrafted = num_rows - len(survival["chain"])
+    return {s: undrafted + float(row_tokens(s, survival, bucket, num_rows).sum()) for s in shapes}
 
 
 def shape_name(shape: TreeShape) -> str:
@@ -134,7 +148,8 @@ class Choice:
     probe: bool  # chosen to measure the other side (acceptance or cost), not on its rate
     accept_lengths: dict[str, float]  # mean expected tokens per request and round, by shape
     round_ms: dict[str, float]  # believed cost of a round, by shape
-    tokens_per_s: dict[str, float]  # the score, by shape
+    tokens_per_s: dict[str, float]  # expected tokens a second over the batch, by shape
+    judged_by: str  # "tokens": tokens_per_s; "batch end": batch_end.progress a second
 
 
 class SpeculationPolicy:
@@ -159,6 +174,7 @@ class SpeculationPolicy:
         self.streak = 0  # rounds in a row whose best shape was on the same side
         self.streak_plain = True  # that side: plain, or speculating
         self.finished_requests = {"with_draft": 0, "without_draft": 0}
+        self.refills = Refills()  # whether freed slots are taken: see batch_end
         self.last: Choice | None = None
 
     def add_round_seconds(self, round_seconds: Mapping[tuple[TreeShape, int], float], *,
@@ -193,8 +209,13 @@ class SpeculationPolicy:
         return (zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0 and bool(self._could_win(
             bucket, drafted_peers + 1, self._timed(self.shapes, bucket), bucket)))
 
-    def count_finished(self, drafted: bool) -> None:
+    def count_finished(self, drafted: bool, batch_left: bool = True, *,
+                       held_slot: bool = True) -> None:
+        """A request finished; where it `held_slot` in the running batch, that slot is free
+        (Refills.freed; `batch_left`: others are running or waiting)."""
         self.finished_requests["with_draft" if drafted else "without_draft"] += 1
+        if held_slot:
+            self.refills.freed(batch_left)
 
     def _typical_batch_speculates(self, bucket: int) -> bool:
         typical = {kind: np.tile(np.cumprod(self.server.rates(kind, None)), (bucket, 1))
@@ -213,22 +234,30 @@ class SpeculationPolicy:
                 * self.correction.get((shape, bucket), 1.0))
 
     def choose(self, requests: Sequence[Acceptance | None], bucket: int, *,
-               menu: Sequence[TreeShape] | None = None) -> TreeShape:
+               menu: Sequence[TreeShape] | None = None,
+               remaining: Sequence[int] | None = None) -> TreeShape:
         """The shape of the next round for requests' records (None: a request without a
         draft), among `menu` when given (plain always allowed): a batch holding a
         grammar-constrained request may take only plain rounds and the flags' shape, whose
-        trees the host masks. Only shapes timed in `bucket` are taken (_timed)."""
+        trees the host masks. Only shapes timed in `bucket` are taken (_timed). With
+        `remaining` (the tokens each request may still generate), a round is judged by the
+        batch's end while freed slots stay free (batch_end), else by its tokens a second."""
         shapes = self.shapes if menu is None else tuple(
             s for s in self.shapes if s in menu or s == PLAIN)
         if not self.adaptive:
             return shapes[0] if shapes else PLAIN
+        self.refills.count_round()
         shapes = self._timed(shapes, bucket)
         if set(shapes) <= {PLAIN} or all(r is None for r in requests):
             return PLAIN  # nothing to measure either: no row has a draft
-        lengths = self.expected_tokens(requests, bucket)
+        per_row = self.expected_row_tokens(requests, bucket)
+        lengths = {s: float(per_row[s].sum()) for s in shapes}
         seconds = {s: self.seconds(s, bucket) for s in shapes}
-        rates = {s: lengths[s] / seconds[s] for s in shapes}
-        winners = beating_plain({s: lengths[s] for s in shapes}, seconds)
+        by_end = remaining is not None and self.refills.batch_runs_to_its_end
+        judged = (batch_end_progress({s: per_row[s] for s in shapes}, remaining) if by_end
+                  else lengths)
+        rates = {s: judged[s] / seconds[s] for s in shapes}
+        winners = beating_plain(judged, seconds)
         best = max(winners, key=rates.__getitem__) if winners else PLAIN
         drafted = sum(r is not None for r in requests)
         probe = self._probe(best, rates, self._could_win(len(requests), drafted, shapes, bucket))
@@ -238,7 +267,8 @@ class SpeculationPolicy:
             chosen, bucket, probe is not None,
             accept_lengths={shape_name(s): lengths[s] / n for s in shapes},
             round_ms={shape_name(s): 1000 * self.seconds(s, bucket) for s in shapes},
-            tokens_per_s={shape_name(s): rates[s] for s in shapes})
+            tokens_per_s={shape_name(s): lengths[s] / seconds[s] for s in shapes},
+            judged_by="batch end" if by_end else "tokens")
         return chosen
 
     def _could_win(self, rows: int, drafted: int, shapes: Sequence[TreeShape], bucket: int
@@ -272,10 +302,20 @@ class SpeculationPolicy:
                         ) -> dict[TreeShape, float]:
         """Per shape, the tokens a round in batch bucket `bucket` is expected to commit over
         the whole batch (one per request without a draft, None)."""
-        drafted = [r for r in requests if r is not None]
-        if not drafted:
-            return dict.fromkeys(self.shapes, float(len(requests)))
-        return round_tokens(self.shapes, self._survival(drafted), bucket, len(requests))
+        return {s: float(t.sum()) for s, t in self.expected_row_tokens(requests, bucket).items()}
+
+    def expected_row_tokens(self, requests: Sequence[Acceptance | None], bucket: int
+                            ) -> dict[TreeShape, np.ndarray]:
+        """Per shape, f64[R]: the tokens a round in batch bucket `bucket` is expected to
+        commit for each request (one for a request without a draft, None)."""
+        drafted = [i for i, r in enumerate(requests) if r is not None]
+        survival = self._survival([requests[i] for i in drafted]) if drafted else None
+        tokens = {}
+        for shape in self.shapes:
+            tokens[shape] = np.ones(len(requests))
+            if drafted:
+                tokens[shape][drafted] = row_tokens(shape, survival, bucket, len(requests))
+        return tokens
 
     def _survival(self, drafted: Sequence[Acceptance]) -> dict[str, np.ndarray]:
         """f64[R, D] by family: each request's chance of acceptance down to each depth."""
@@ -333,9 +373,12 @@ class SpeculationPolicy:
                 for kind in ("chain", "tree")},
             "spec_last_choice": None if last is None else {
                 "shape": shape_name(last.shape), "batch_bucket": last.batch_bucket,
-                "probe": last.probe, "accept_length": last.accept_lengths,
+                "probe": last.probe, "judged_by": last.judged_by,
+                "accept_length": last.accept_lengths,
                 "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
             "spec_probe_interval": self.probe_interval,
+            "spec_refill_rate": round(self.refills.rate, 4),
+            "spec_freed_slots": dict(self.refills.counts),
             "spec_draft_confidence": self.calibration.error(),
             "spec_round_ms": self.round_ms(),
             "spec_believed_round_ms": self.round_ms(believed=True),

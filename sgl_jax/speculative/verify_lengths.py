@@ -97,12 +97,12 @@ def packed_budget(shape: TreeShape, bucket: int, num_rows: int) -> int:
     return shape.verify_width * bucket - num_rows
 
 
-def expected_packed_tokens(survival: np.ndarray, budget: int, num_rows: int) -> float:
-    """Tokens a packed round commits over the batch: one per row, plus the survival of every
-    draft node it verifies (survival f64[R, D] of the rows with a draft)."""
+def packed_row_tokens(survival: np.ndarray, budget: int) -> np.ndarray:
+    """f64[R]: the tokens a packed round commits for each row with a draft (survival
+    f64[R, D]): its root, plus the survival of every draft node the round verifies of it."""
     counts = draft_counts(survival, budget)
     verified = np.arange(survival.shape[1])[None, :] < counts[:, None]
-    return num_rows + float(survival[verified].sum())
+    return 1.0 + np.where(verified, survival, 0.0).sum(axis=1)
 
 
 def calibrated_survival(

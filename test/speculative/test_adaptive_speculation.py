@@ -116,6 +116,10 @@ def test_a_draft_that_predicts_everything_speculates_deepest_when_rounds_cost_al
     assert info["spec_accept_rates"] == [1.0, 1.0, 1.0]
     assert info["spec_believed_accept_rates"]["chain"][0] > 0.9
     assert info["spec_last_choice"]["accept_length"]["3/1/4"] > 3.5
+    # A wave of four run to its end: three slots freed while others ran, none taken
+    # (batch_end.Refills), so the batch's end judged the rounds of its last requests.
+    assert info["spec_freed_slots"] == {"taken": 0, "untaken": 3}
+    assert info["spec_refill_rate"] == pytest.approx(0.5 ** 3)
 
 
 def test_a_draft_that_predicts_everything_stays_lossless_at_measured_costs(paths, reference):
@@ -242,6 +246,20 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
     assert drafted == reference and drafted_cached == [0, 16, 0, 48]
 
 
+def test_a_slot_freed_with_requests_queued_is_taken(paths, reference):
+    """Two running, two queued (MAX_NEW 40, 33 | 48, 25): the 2nd and then the 1st finish,
+    each letting a queued request in; the 4th finishes with the 3rd still running and
+    nothing queued, and its slot stays free until the end."""
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="NGRAM",
+                max_running_requests=2, **TREE, **BASE) as engine:
+        outputs = engine.generate(input_ids=prompts(), sampling_params=[greedy(n) for n in
+                                                                       MAX_NEW])
+        info = engine.get_server_info()
+    assert [o["output_ids"] for o in outputs] == reference
+    assert info["spec_freed_slots"] == {"taken": 2, "untaken": 1}
+    assert info["spec_refill_rate"] == pytest.approx(0.5)
+
+
 def test_forcing_the_flags_shape_turns_the_policy_off(paths, reference):
     with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=str(paths["eagle3"]), speculative_adaptive=False,
@@ -284,6 +302,8 @@ def test_the_server_shows_its_choices(paths):
     finished = re.findall(r'^sgl_jax_spec_finished_requests\{draft="(with|without)_draft",'
                           r'model_name="tiny"\} ([0-9.]+)$', metrics, re.M)
     assert len(finished) == 2 and sum(float(n) for _, n in finished) == 1
+    # one request alone frees no slot another could take: rounds stay judged by tokens
+    assert re.search(r'^sgl_jax_spec_refill_rate\{model_name="tiny"\} 1\.0$', metrics, re.M)
 
 
 def test_drafted_shapes_are_built_in_the_background(paths, reference, tmp_path):

@@ -1,13 +1,21 @@
 """The adaptive speculation policy on synthetic acceptance and costs: the formula, the choice
-it implies at small and large batches, per-request estimates, cost drift and probing."""
+it implies at small and large batches, per-request estimates, cost drift and probing; rounds
+judged by the batch's end where freed slots stay free (batch_end.py)."""
 
 import numpy as np
 import pytest
 
 from sgl_jax.speculative import acceptance as A
+from sgl_jax.speculative import batch_end as E
 from sgl_jax.speculative import policy as P
+from sgl_jax.speculative.batch_end import Refills, batch_end_progress
 from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
+from sgl_jax.speculative.policy import (
+    PLAIN,
+    SPECULATION_MARGIN,
+    SpeculationPolicy,
+    candidate_shapes,
+)
 
 TREE = TreeShape(3, 4, 8)
 CHAIN1, CHAIN3 = TreeShape(1, 1, 2), TreeShape(3, 1, 4)
@@ -402,3 +410,124 @@ def test_no_speculative_probe_where_no_acceptance_could_win():
     chosen = [(policy.choose(hopeless, 64), policy.last.probe) for _ in range(100)]
     speculative = [probe for shape, probe in chosen if shape != PLAIN]
     assert len(speculative) >= 3 and all(speculative)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_rounds(refills: Refills, clock: Clock, count: int, seconds: float) -> None:
+    for _ in range(count):
+        clock.now += seconds
+        refills.count_round()
+
+
+def test_slots_taken_at_once_keep_the_rate_at_one():
+    clock = Clock()
+    refills = Refills(clock)
+    for _ in range(20):
+        refills.freed(batch_left=True)
+        run_rounds(refills, clock, 2, 0.05)
+        refills.joined()
+    assert refills.rate == 1.0 and not refills.free and not refills.batch_runs_to_its_end
+
+
+def test_a_slot_counts_as_untaken_only_after_both_its_rounds_and_its_seconds():
+    clock = Clock()
+    refills = Refills(clock)
+    refills.freed(batch_left=True)
+    run_rounds(refills, clock, 3 * E.REFILL_ROUNDS, E.REFILL_SECONDS / (4 * E.REFILL_ROUNDS))
+    assert refills.rate == 1.0 and len(refills.free) == 1  # fast rounds: not yet
+    refills.freed(batch_left=True)
+    run_rounds(refills, clock, E.REFILL_ROUNDS - 1, 1.0)
+    assert refills.rate == 1.0 - E.REFILL_RATE and len(refills.free) == 1  # the older one
+    assert not refills.batch_runs_to_its_end  # one untaken slot of one: not yet
+    run_rounds(refills, clock, 1, 1.0)
+    assert refills.rate == pytest.approx((1.0 - E.REFILL_RATE) ** 2)
+    assert refills.batch_runs_to_its_end
+    refills.joined()  # a request admitted later takes no slot still counted free
+    assert refills.rate == pytest.approx((1.0 - E.REFILL_RATE) ** 2)
+
+
+def test_a_batch_that_empties_leaves_its_free_slots_untaken_and_refills_win_it_back():
+    refills = Refills(Clock())
+    refills.freed(batch_left=True)
+    refills.freed(batch_left=True)
+    refills.freed(batch_left=False)  # the last request of the batch
+    assert not refills.free and refills.rate == pytest.approx((1.0 - E.REFILL_RATE) ** 2)
+    assert refills.batch_runs_to_its_end
+    refills.joined()  # the next batch starts: no free slot to take
+    assert refills.batch_runs_to_its_end
+    for _ in range(2):
+        refills.freed(batch_left=True)
+        refills.joined()
+    assert not refills.batch_runs_to_its_end
+
+
+def test_progress_is_one_over_the_rounds_the_last_request_needs():
+    tokens = {"a": [3.0, 1.0, 2.0], "b": [1.0, 1.0, 1.0]}
+    remaining = [30, 20, 0]  # a request with nothing left counts one token
+    rounds = {"a": max(30 / 3.0, 20 / 1.0, 1 / 2.0), "b": 30.0}
+    progress = batch_end_progress({k: np.array(v) for k, v in tokens.items()}, remaining)
+    assert progress == {k: pytest.approx(1.0 / v) for k, v in rounds.items()}
+
+
+def reference_choice(policy, requests, remaining, table, bucket):
+    """The rule written out: each shape's rounds to the batch's end from each request's
+    expected tokens (the policy's formula), the fastest end unless plain is within the
+    margin."""
+    ends = {}
+    for shape in candidate_shapes(TREE):
+        tokens = [expected_length(shape, r.rates(A.family(shape), policy.server))
+                  for r in requests]
+        ends[shape] = max(left / t for left, t in zip(remaining, tokens, strict=True)) * table[
+            shape, bucket]
+    best = min(ends, key=ends.__getitem__)
+    return best if ends[PLAIN] > SPECULATION_MARGIN * ends[best] else PLAIN
+
+
+def finish_a_wave(policy):
+    """Two requests finish while others run, and the batch then empties: neither slot was
+    taken, so the policy judges rounds by the batch's end."""
+    policy.count_finished(True, batch_left=True)
+    policy.count_finished(True, batch_left=True)
+    policy.count_finished(True, batch_left=False)
+    assert policy.refills.batch_runs_to_its_end
+
+
+@pytest.mark.parametrize("hopeless_left", [100, 60, 5])
+def test_a_batch_run_to_its_end_drafts_only_where_it_ends_the_batch_sooner(hopeless_left):
+    """Seven requests the draft predicts and one it does not, 100 tokens left each but the
+    hopeless one's `hopeless_left`. Judged by tokens the round drafts whatever; judged by the
+    batch's end it drafts only where the hopeless request will not be the last to end."""
+    table = costs({8: 10}, {8: {CHAIN1: 14, CHAIN3: 18, TREE: 30}}, buckets=(8,))
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    predictable = requests_with(policy, [[(CHAIN3, 3), (TREE, 3)] * 10] * 7)
+    hopeless = requests_with(policy, [[(CHAIN3, 0), (TREE, 0)] * 10])
+    batch, remaining = predictable + hopeless, [100] * 7 + [hopeless_left]
+    assert policy.choose(batch, 8, remaining=remaining) != PLAIN
+    assert policy.last.judged_by == "tokens"
+    finish_a_wave(policy)
+    chosen = policy.choose(batch, 8, remaining=remaining)
+    assert policy.last.judged_by == "batch end" and not policy.last.probe
+    assert chosen == reference_choice(policy, batch, remaining, table, 8)
+    assert (chosen == PLAIN) == (hopeless_left == 100)
+    # Without the tokens left (a caller that does not know them) rounds stay judged by tokens.
+    assert policy.choose(batch, 8) != PLAIN and policy.last.judged_by == "tokens"
+
+
+def test_one_request_is_judged_alike_either_way():
+    table = costs({1: 10}, {1: {CHAIN1: 12, CHAIN3: 13, TREE: 16}}, buckets=(1,))
+    by_tokens = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    by_end = SpeculationPolicy(candidate_shapes(TREE), TREE, table, adaptive=True)
+    finish_a_wave(by_end)
+    for runs in ([(TREE, 3), (CHAIN3, 2)] * 4, [(TREE, 1), (CHAIN3, 0)] * 4,
+                 [(TREE, 0), (CHAIN3, 0)] * 4):
+        choices = [policy.choose(requests_with(policy, [runs]), 1, remaining=[50])
+                   for policy in (by_tokens, by_end)]
+        assert choices[0] == choices[1]
+    assert by_end.last.judged_by == "batch end"

@@ -22,9 +22,9 @@ from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.speculative.verify_lengths import (
     confident_packing,
     draft_counts,
-    expected_packed_tokens,
     node_survival,
     packed_budget,
+    packed_row_tokens,
     packed_shapes,
 )
 from sgl_jax.testing import write_tiny_checkpoint
@@ -54,7 +54,7 @@ def test_the_allocation_covers_the_most_survival_any_prefixes_can(seed):
         assert counts.sum() == min(budget, survival.size)  # every node has a place
         covered = sum(survival[r, :c].sum() for r, c in enumerate(counts))
         assert covered == pytest.approx(best_prefixes(survival, budget))
-        assert expected_packed_tokens(survival, budget, 3) == pytest.approx(3 + covered)
+        assert packed_row_tokens(survival, budget).sum() == pytest.approx(3 + covered)
 
 
 def test_ties_go_to_the_shallower_depth_so_every_share_is_a_prefix():

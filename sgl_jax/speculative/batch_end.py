@@ -1,0 +1,86 @@
+"""What a round is judged by: the batch's tokens a second, or how soon its last request ends.
+
+The policy scores a shape by the tokens a round of it commits a second over the whole batch
+(policy.py). That is what a server gains where the slot a request frees by finishing early
+takes another request at once: a queue, or clients that send their next request as one
+ends. Where nobody takes it (an offline batch run to its end, a server between bursts), the
+batch is done only when its last request is, and a drafted round that speeds up the requests
+the draft predicts well, while a request it does not predict gains one token at a drafted
+round's price, ends the batch later. So the policy watches whether freed slots are taken
+(Refills) and, while they mostly are not, scores a shape X by how much of the batch's
+remaining work one round of it does. With r_i the tokens request i may still generate (its
+max_new_tokens or the context, whichever ends first) and L_i(X) its expected tokens in a
+round of X, the batch needs about max_i r_i / L_i(X) more rounds of X, so a round does
+
+    progress(X) = 1 / max_i (r_i / L_i(X))
+
+of it, and progress(X) / T(X, b) replaces the tokens a second. A request's end by a stop
+token cannot be foreseen, so r_i is an upper bound, and the rule is a cautious one: a round
+drafts only where it speeds up the request expected to end last. For one request the two
+scores pick the same shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+REFILL_RATE = 0.5  # how far one freed slot's fate moves the refill average
+# A freed slot counts as not taken once it has stayed free this many rounds and seconds: a
+# client that sends its next request as one ends takes well under both.
+REFILL_ROUNDS, REFILL_SECONDS = 8, 0.1
+
+
+class Refills:
+    """How often a slot that a finished request frees, while others still run, is taken by a
+    new request within REFILL_ROUNDS rounds and REFILL_SECONDS: a decayed average over freed
+    slots, starting at 1 (a server whose batch stays full)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.rate = 1.0
+        self.rounds = 0
+        self.free: list[tuple[int, float]] = []  # (round, time) of each free slot, oldest first
+        self.counts = {"taken": 0, "untaken": 0}  # freed slots settled, for /get_server_info
+        self.clock = clock
+
+    @property
+    def batch_runs_to_its_end(self) -> bool:
+        """Whether freed slots mostly stay free: judge rounds by the batch's end."""
+        return self.rate < 0.5
+
+    def freed(self, batch_left: bool) -> None:
+        """A request finished. `batch_left`: others are running or waiting; without any, the
+        batch is over, and the slots freed before went untaken."""
+        if batch_left:
+            self.free.append((self.rounds, self.clock()))
+        else:
+            self._settle(len(self.free), taken=False)
+
+    def joined(self) -> None:
+        """A request was admitted: it takes the oldest free slot, if any."""
+        if self.free:
+            self._settle(1, taken=True)
+
+    def count_round(self) -> None:
+        self.rounds += 1
+        now = self.clock()
+        expired = sum(self.rounds - start >= REFILL_ROUNDS and now - at >= REFILL_SECONDS
+                      for start, at in self.free)
+        self._settle(expired, taken=False)
+
+    def _settle(self, count: int, taken: bool) -> None:
+        del self.free[:count]
+        self.counts["taken" if taken else "untaken"] += count
+        for _ in range(count):
+            self.rate += REFILL_RATE * (float(taken) - self.rate)
+
+
+def batch_end_progress(row_tokens: Mapping[object, np.ndarray], remaining: Sequence[int]
+                       ) -> dict[object, float]:
+    """Per shape, the share of the batch's remaining rounds one round of it does (the
+    module's progress), from each request's expected tokens in a round, f64[R] by shape,
+    and the tokens each may still generate (R of them)."""
+    left = np.maximum(np.asarray(remaining, np.float64), 1.0)
+    return {shape: float(1.0 / np.max(left / tokens)) for shape, tokens in row_tokens.items()}
