@@ -7,8 +7,8 @@ ends. Where nobody takes it (an offline batch run to its end, a server between b
 batch is done only when its last request is, and a drafted round that speeds up the requests
 the draft predicts well, while a request it does not predict gains one token at a drafted
 round's price, ends the batch later. So the policy watches whether freed slots are taken
-(Refills) and, while they mostly are not, scores a shape X by how much of the batch's
-remaining work one round of it does. With r_i the tokens request i may still generate (its
+(Refills) and, where they are not, scores a shape X by how much of the batch's remaining
+work one round of it does. With r_i the tokens request i may still generate (its
 max_new_tokens or the context, whichever ends first) and L_i(X) its expected tokens in a
 round of X, the batch needs about max_i r_i / L_i(X) more rounds of X, so a round does
 
@@ -27,28 +27,38 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-REFILL_RATE = 0.5  # how far one freed slot's fate moves the refill average
+REFILL_DECAY = 0.95  # the refill share forgets over about twenty freed slots
 # A freed slot counts as not taken once it has stayed free this many rounds and seconds: a
 # client that sends its next request as one ends takes well under both.
 REFILL_ROUNDS, REFILL_SECONDS = 8, 0.1
 
 
 class Refills:
-    """How often a slot that a finished request frees, while others still run, is taken by a
-    new request within REFILL_ROUNDS rounds and REFILL_SECONDS: a decayed average over freed
-    slots, starting at 1 (a server whose batch stays full)."""
+    """Whether the slots that finished requests free, while others still run, are taken by
+    new requests within REFILL_ROUNDS rounds and REFILL_SECONDS. The batch runs to its end
+    while one is left free now (the batch drains: clients stopped sending), and where most
+    of the slots freed lately went untaken (a decayed share, starting from two slots taken):
+    then even a batch that has just begun will likely drain, as batches of an offline run
+    do, where a server's clients take each slot a turn of theirs frees and only its tail
+    drains."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.rate = 1.0
+        self.taken, self.untaken = 2.0, 0.0  # decayed counts of freed slots' fates
+        self.draining = False  # a slot freed since the last admission went untaken
         self.rounds = 0
         self.free: list[tuple[int, float]] = []  # (round, time) of each free slot, oldest first
         self.counts = {"taken": 0, "untaken": 0}  # freed slots settled, for /get_server_info
         self.clock = clock
 
     @property
+    def rate(self) -> float:
+        """The decayed share of freed slots that were taken."""
+        return self.taken / (self.taken + self.untaken)
+
+    @property
     def batch_runs_to_its_end(self) -> bool:
-        """Whether freed slots mostly stay free: judge rounds by the batch's end."""
-        return self.rate < 0.5
+        """Whether to judge rounds by the batch's end (the class's rule)."""
+        return self.draining or self.rate < 0.5
 
     def freed(self, batch_left: bool) -> None:
         """A request finished. `batch_left`: others are running or waiting; without any, the
@@ -57,9 +67,11 @@ class Refills:
             self.free.append((self.rounds, self.clock()))
         else:
             self._settle(len(self.free), taken=False)
+            self.draining = False  # what comes next is a new batch
 
     def joined(self) -> None:
         """A request was admitted: it takes the oldest free slot, if any."""
+        self.draining = False
         if self.free:
             self._settle(1, taken=True)
 
@@ -69,12 +81,17 @@ class Refills:
         expired = sum(self.rounds - start >= REFILL_ROUNDS and now - at >= REFILL_SECONDS
                       for start, at in self.free)
         self._settle(expired, taken=False)
+        self.draining = self.draining or expired > 0
 
     def _settle(self, count: int, taken: bool) -> None:
         del self.free[:count]
         self.counts["taken" if taken else "untaken"] += count
         for _ in range(count):
-            self.rate += REFILL_RATE * (float(taken) - self.rate)
+            self.taken, self.untaken = REFILL_DECAY * self.taken, REFILL_DECAY * self.untaken
+            if taken:
+                self.taken += 1.0
+            else:
+                self.untaken += 1.0
 
 
 def batch_end_progress(row_tokens: Mapping[object, np.ndarray], remaining: Sequence[int]
