@@ -73,9 +73,10 @@ class ServerMetrics:
         self.spec_finished = Gauge("sgl_jax_spec_finished_requests", "Requests finished, by "
                                    "whether admission gave them a draft", [*names, "draft"],
                                    registry=r)
-        self.spec_refill_rate = Gauge("sgl_jax_spec_refill_rate", "Decayed share of slots freed "
-                                      "by finished requests that new ones took; below 0.5 "
-                                      "rounds are judged by the batch's end", names, registry=r)
+        self.spec_freed_slots = Gauge("sgl_jax_spec_freed_slots", "Slots freed by finished "
+                                      "requests while others ran, by whether a new request "
+                                      "took them (the policy's batch-end rule)",
+                                      [*names, "fate"], registry=r)
         self._define_vllm_spec()
 
     def _define_vllm_spec(self) -> None:
@@ -147,7 +148,8 @@ class ServerMetrics:
             self.spec_shape_rounds.labels(**self._label, shape=shape).set(rounds)
         for kind, count in info["spec_finished_requests"].items():
             self.spec_finished.labels(**self._label, draft=kind).set(count)
-        self.spec_refill_rate.labels(**self._label).set(info["spec_refill_rate"])
+        for fate, count in info["spec_freed_slots"].items():
+            self.spec_freed_slots.labels(**self._label, fate=fate).set(count)
         for kind, rates in info["spec_believed_accept_rates"].items():
             for depth, rate in enumerate(rates, start=1):
                 self.spec_believed_rate.labels(**self._label, family=kind,

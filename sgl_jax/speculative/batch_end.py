@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-REFILL_DECAY = 0.95  # the refill share forgets over about twenty freed slots
 # A freed slot counts as not taken once it has stayed free this many rounds and seconds: a
 # client that sends its next request as one ends takes well under both.
 REFILL_ROUNDS, REFILL_SECONDS = 8, 0.1
@@ -36,44 +35,40 @@ REFILL_ROUNDS, REFILL_SECONDS = 8, 0.1
 class Refills:
     """Whether the slots that finished requests free, while others still run, are taken by
     new requests within REFILL_ROUNDS rounds and REFILL_SECONDS. The batch runs to its end
-    while one is left free now (the batch drains: clients stopped sending), and where most
-    of the slots freed lately went untaken (a decayed share, starting from two slots taken):
-    then even a batch that has just begun will likely drain, as batches of an offline run
-    do, where a server's clients take each slot a turn of theirs frees and only its tail
-    drains."""
+    while one freed since the last admission is left free (it drains: its clients stopped
+    sending), and from its first round where the busy period before it (from an idle
+    scheduler to the next) drained without taking any, as each batch of an offline run does:
+    a server's clients take the slots their requests free, and only their last ones drain."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.taken, self.untaken = 2.0, 0.0  # decayed counts of freed slots' fates
         self.draining = False  # a slot freed since the last admission went untaken
+        self.took = False  # a freed slot was taken in this busy period
+        self.took_before = True  # ... in the one before (a new server: as a server's would)
         self.rounds = 0
         self.free: list[tuple[int, float]] = []  # (round, time) of each free slot, oldest first
         self.counts = {"taken": 0, "untaken": 0}  # freed slots settled, for /get_server_info
         self.clock = clock
 
     @property
-    def rate(self) -> float:
-        """The decayed share of freed slots that were taken."""
-        return self.taken / (self.taken + self.untaken)
-
-    @property
     def batch_runs_to_its_end(self) -> bool:
         """Whether to judge rounds by the batch's end (the class's rule)."""
-        return self.draining or self.rate < 0.5
+        return self.draining or not (self.took or self.took_before)
 
     def freed(self, batch_left: bool) -> None:
         """A request finished. `batch_left`: others are running or waiting; without any, the
-        batch is over, and the slots freed before went untaken."""
+        busy period is over, and the slots freed in it and still free went untaken."""
         if batch_left:
             self.free.append((self.rounds, self.clock()))
-        else:
-            self._settle(len(self.free), taken=False)
-            self.draining = False  # what comes next is a new batch
+            return
+        self._settle(len(self.free), taken=False)
+        self.took_before, self.took, self.draining = self.took, False, False
 
     def joined(self) -> None:
         """A request was admitted: it takes the oldest free slot, if any."""
         self.draining = False
         if self.free:
             self._settle(1, taken=True)
+            self.took = True
 
     def count_round(self) -> None:
         self.rounds += 1
@@ -86,12 +81,6 @@ class Refills:
     def _settle(self, count: int, taken: bool) -> None:
         del self.free[:count]
         self.counts["taken" if taken else "untaken"] += count
-        for _ in range(count):
-            self.taken, self.untaken = REFILL_DECAY * self.taken, REFILL_DECAY * self.untaken
-            if taken:
-                self.taken += 1.0
-            else:
-                self.untaken += 1.0
 
 
 def batch_end_progress(row_tokens: Mapping[object, np.ndarray], remaining: Sequence[int]

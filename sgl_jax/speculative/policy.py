@@ -377,7 +377,6 @@ class SpeculationPolicy:
                 "accept_length": last.accept_lengths,
                 "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
             "spec_probe_interval": self.probe_interval,
-            "spec_refill_rate": round(self.refills.rate, 4),
             "spec_freed_slots": dict(self.refills.counts),
             "spec_draft_confidence": self.calibration.error(),
             "spec_round_ms": self.round_ms(),

@@ -432,43 +432,39 @@ def test_slots_taken_at_once_keep_rounds_judged_by_tokens():
     for _ in range(20):
         refills.freed(batch_left=True)
         run_rounds(refills, clock, 2, 0.05)
+        assert not refills.batch_runs_to_its_end
         refills.joined()
-    assert refills.rate == 1.0 and not refills.free and not refills.batch_runs_to_its_end
-    assert refills.counts == {"taken": 20, "untaken": 0}
+    assert not refills.free and refills.counts == {"taken": 20, "untaken": 0}
 
 
 def test_a_slot_left_free_past_its_rounds_and_seconds_drains_the_batch():
     clock = Clock()
     refills = Refills(clock)
-    for _ in range(10):  # a server whose clients refill at once
-        refills.freed(batch_left=True)
-        refills.joined()
     refills.freed(batch_left=True)
     run_rounds(refills, clock, 3 * E.REFILL_ROUNDS, E.REFILL_SECONDS / (4 * E.REFILL_ROUNDS))
     assert len(refills.free) == 1 and not refills.batch_runs_to_its_end  # fast rounds: not yet
     refills.freed(batch_left=True)
     run_rounds(refills, clock, E.REFILL_ROUNDS - 1, 1.0)
     assert len(refills.free) == 1 and refills.counts["untaken"] == 1  # the older one
-    # The batch drains now (the share of slots taken lately is still high): its end counts.
-    assert refills.rate > 0.5 and refills.draining and refills.batch_runs_to_its_end
+    assert refills.draining and refills.batch_runs_to_its_end
     refills.joined()  # a request admitted later takes the slot still free: not draining
-    assert refills.counts == {"taken": 11, "untaken": 1} and not refills.batch_runs_to_its_end
+    assert refills.counts == {"taken": 1, "untaken": 1} and not refills.batch_runs_to_its_end
 
 
-def test_batches_whose_slots_go_untaken_are_judged_by_their_end_from_the_start():
+def test_after_a_batch_that_took_no_freed_slot_the_next_is_judged_by_its_end():
     refills = Refills(Clock())
     refills.freed(batch_left=True)
     refills.freed(batch_left=True)
     refills.freed(batch_left=False)  # the last request of the batch: both slots untaken
-    assert not refills.free and not refills.draining
-    taken, untaken = 2 * E.REFILL_DECAY ** 2, 1 + E.REFILL_DECAY  # two slots taken at start
-    assert refills.rate == pytest.approx(taken / (taken + untaken))
-    assert refills.batch_runs_to_its_end  # the next batch, from its first round
+    assert not refills.free and refills.counts == {"taken": 0, "untaken": 2}
     refills.joined()  # the next batch starts: no free slot to take
-    assert refills.batch_runs_to_its_end
-    for _ in range(2):  # its slots are taken: a server's clients came back
-        refills.freed(batch_left=True)
-        refills.joined()
+    assert refills.batch_runs_to_its_end  # from its first round
+    refills.freed(batch_left=True)
+    refills.joined()  # a freed slot taken: a server's clients came back
+    assert not refills.batch_runs_to_its_end
+    refills.freed(batch_left=True)
+    refills.freed(batch_left=False)  # its tail drained, but it took one
+    refills.joined()
     assert not refills.batch_runs_to_its_end
 
 
