@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from sgl_jax.speculative.config import TreeShape
+
 # A freed slot counts as not taken once it has stayed free this many rounds and seconds: a
 # client that sends its next request as one ends takes well under both.
 REFILL_ROUNDS, REFILL_SECONDS = 8, 0.1
@@ -64,7 +66,9 @@ class Refills:
         self.took_before, self.took, self.draining = self.took, False, False
 
     def joined(self) -> None:
-        """A request was admitted: it takes the oldest free slot, if any."""
+        """A request is being admitted: it takes the oldest free slot, if any. (A request
+        readmitted after retraction, or asking again while pages are short, counts too:
+        either way the queue that fills freed slots is there.)"""
         self.draining = False
         if self.free:
             self._settle(1, taken=True)
@@ -83,8 +87,8 @@ class Refills:
         self.counts["taken" if taken else "untaken"] += count
 
 
-def batch_end_progress(row_tokens: Mapping[object, np.ndarray], remaining: Sequence[int]
-                       ) -> dict[object, float]:
+def batch_end_progress(row_tokens: Mapping[TreeShape, np.ndarray], remaining: Sequence[int]
+                       ) -> dict[TreeShape, float]:
     """Per shape, the share of the batch's remaining rounds one round of it does (the
     module's progress), from each request's expected tokens in a round, f64[R] by shape,
     and the tokens each may still generate (R of them)."""
