@@ -38,6 +38,7 @@ from sgl_jax.tokenizer import load_tokenizer
 from sgl_jax.training import dflash as dflash_lib
 from sgl_jax.training import draft as draft_lib
 from sgl_jax.training import dspark as dspark_lib
+from sgl_jax.training.calibration import calibration_report
 from sgl_jax.training.data import Example, build_examples, iter_conversations, read_records
 from sgl_jax.training.objective import Eagle3Objective, Objective
 from sgl_jax.training.trainer import (
@@ -349,7 +350,7 @@ def _log_eval(trainer: Trainer, state, held_out: list[Example], tp, step: int, o
               ) -> None:
     if not held_out:
         return
-    hits = counts = accepted = 0
+    hits = counts = accepted = confidence_bins = 0
     for start in range(0, len(held_out), 8):
         result = trainer.evaluate(state, collate(held_out[start: start + 8], tp.dp_size))
         batch_counts = np.asarray(result.counts)
@@ -357,9 +358,15 @@ def _log_eval(trainer: Trainer, state, held_out: list[Example], tp, step: int, o
         counts = counts + batch_counts
         if hasattr(result, "accepted"):  # DFlash: per anchor, so weighed by anchors
             accepted += float(result.accepted) * batch_counts[0]
+        if getattr(result, "confidence_bins", None) is not None:  # sums: they add up
+            confidence_bins = confidence_bins + np.asarray(result.confidence_bins, np.float64)
     record = {"step": step, "accuracies": (hits / np.maximum(counts, 1)).round(4).tolist()}
     if hasattr(result, "accepted"):
         record["accept_length"] = float(round(1 + accepted / max(int(counts[0]), 1), 3))
+    if getattr(result, "confidence_bins", None) is not None:
+        record["confidence_calibration"] = {
+            outcome: calibration_report(bins)
+            for outcome, bins in zip(("sampled", "greedy"), confidence_bins, strict=True)}
     logger.info("Held-out metrics at step %d: %s", step, record)
     if jax.process_index() == 0:
         with (out / "eval.jsonl").open("a", encoding="utf-8") as f:

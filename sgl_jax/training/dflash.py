@@ -46,6 +46,9 @@ class BlockLoss(NamedTuple):
     accuracies: jax.Array  # f32[S]: how often the slot's argmax is the token
     counts: jax.Array  # i32[S]: slots scored
     accepted: jax.Array  # f32[]: mean leading correct drafts per anchor (greedy acceptance)
+    # f32[2, 2, G, B, K, 3]: DSpark's confidence head against a sampler's and greedy
+    # acceptance (calibration.confidence_bins each)
+    confidence_bins: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- the head

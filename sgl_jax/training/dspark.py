@@ -28,6 +28,7 @@ from sgl_jax.models.dspark import DSparkConfig
 from sgl_jax.models.loader import LoadedModel, load_params
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.training import dflash as dflash_lib
+from sgl_jax.training.calibration import confidence_bins
 from sgl_jax.training.dflash import BlockLoss
 from sgl_jax.training.draft import INIT_STD, ArraySource, save_head, target_output_rows
 from sgl_jax.training.objective import Batch
@@ -120,10 +121,16 @@ class DSparkObjective:
             lambda row: slot_scores(draft_params, self.config, row[0], row[1],
                                     row[3][row[2]]),  # one row's [A, B, V] logits at a time
             (hidden, tokens, at[..., :-1], outputs.logits))
-        nll, tv, bce, hits = scores
+        nll, tv, bce, hits, confidence = scores
         total = weighted_objective(nll, tv, bce, scored, gamma=self.gamma,
                                    confidence=self.config.confidence)
-        return total, dflash_lib.block_metrics(total, nll, hits, scored)
+        metrics = dflash_lib.block_metrics(total, nll, hits, scored)
+        if not self.config.confidence:
+            return total, metrics
+        # Judged against both acceptances: a sampler's (the head's target) and greedy's.
+        outcomes = (jnp.clip(1 - tv / 2, 0.0, 1.0), hits.astype(jnp.float32))
+        return total, metrics._replace(confidence_bins=jnp.stack(
+            [confidence_bins(confidence, outcome, scored) for outcome in outcomes]))
 
 
 def slot_scores(
@@ -134,7 +141,8 @@ def slot_scores(
     target_logits: jax.Array,  # f[A, B, V]: the target's next-token logits at a .. a + B - 1
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Each slot's cross-entropy, total variation from the target's distribution and
-    confidence BCE f32[A, B], and whether its argmax is the token bool[A, B]."""
+    confidence BCE f32[A, B], whether its argmax is the token bool[A, B], and its confidence
+    logit f32[A, B]."""
     logits, confidence = dspark.teacher_forced_logits(params, config, hidden, tokens[:, :-1])
     labels = tokens[:, 1:]
     log_draft = jax.nn.log_softmax(logits, -1)
@@ -143,7 +151,7 @@ def slot_scores(
     tv = jnp.sum(jnp.abs(jnp.exp(log_draft) - target_probs), -1)
     accepted = jax.lax.stop_gradient(jnp.clip(1 - tv / 2, 0.0, 1.0))
     bce = jax.nn.softplus(confidence) - confidence * accepted
-    return nll, tv, bce, jnp.argmax(logits, -1) == labels
+    return nll, tv, bce, jnp.argmax(logits, -1) == labels, confidence
 
 
 def weighted_objective(nll: jax.Array, tv: jax.Array, bce: jax.Array, scored: jax.Array, *,

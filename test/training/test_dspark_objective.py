@@ -22,9 +22,10 @@ BLOCKS, BLOCK, GAMMA = 3, 5, 4.0
 
 def reference_objective(w, cfg, hidden, tokens, target_logits, scored):
     """The objective and per-slot (CE, TV, BCE) [A, B] from their definitions, block by block."""
-    ce, tv, bce = (torch.zeros(scored.shape) for _ in range(3))
+    ce, tv, bce, logit = (torch.zeros(scored.shape) for _ in range(4))
     for a in range(hidden.shape[0]):
         logits, confidence = dspark_heads(w, cfg, hidden[a], tokens[a, :-1])
+        logit[a] = confidence
         for k in range(hidden.shape[1]):
             draft = torch.softmax(logits[k], -1)
             ce[a, k] = -torch.log(draft[tokens[a, k + 1]])
@@ -34,7 +35,7 @@ def reference_objective(w, cfg, hidden, tokens, target_logits, scored):
                 confidence[k], torch.tensor(accepted))
     weights = torch.exp(-torch.arange(BLOCK) / GAMMA) * scored
     mean = lambda x: (weights * x).sum() / weights.sum()  # noqa: E731
-    return 0.1 * mean(ce) + 0.9 * mean(tv) + 1.0 * mean(bce), (ce, tv, bce)
+    return 0.1 * mean(ce) + 0.9 * mean(tv) + 1.0 * mean(bce), (ce, tv, bce, logit)
 
 
 def test_slot_scores_and_objective_match_the_definition(tmp_path):
@@ -52,8 +53,9 @@ def test_slot_scores_and_objective_match_the_definition(tmp_path):
                      ).astype(np.float32)
     scored = rng.random((BLOCKS, BLOCK)) < 0.8
 
-    nll, tv, bce, _ = dspark_lib.slot_scores(draft.params, draft.config, jnp.asarray(hidden),
-                                             jnp.asarray(tokens), jnp.asarray(target_logits))
+    nll, tv, bce, _, confidence = dspark_lib.slot_scores(
+        draft.params, draft.config, jnp.asarray(hidden), jnp.asarray(tokens),
+        jnp.asarray(target_logits))
     total = dspark_lib.weighted_objective(nll, tv, bce, jnp.asarray(scored), gamma=GAMMA,
                                           confidence=True)
     with torch.no_grad():
@@ -61,14 +63,14 @@ def test_slot_scores_and_objective_match_the_definition(tmp_path):
             torch_tensors(path / "model.safetensors"), cfg, torch.from_numpy(hidden),
             torch.from_numpy(tokens).long(), torch.from_numpy(target_logits),
             torch.from_numpy(scored))
-    for ours, theirs in zip((nll, tv, bce), parts, strict=True):
+    for ours, theirs in zip((nll, tv, bce, confidence), parts, strict=True):
         np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(total), float(expected), rtol=1e-5)
 
     # The confidence target is held fixed: no gradient reaches the draft's logits through it.
     def bce_only(hidden):
-        _, _, bce, _ = dspark_lib.slot_scores(draft.params, draft.config, hidden,
-                                              jnp.asarray(tokens), jnp.asarray(target_logits))
+        _, _, bce, _, _ = dspark_lib.slot_scores(draft.params, draft.config, hidden,
+                                                 jnp.asarray(tokens), jnp.asarray(target_logits))
         return bce.sum()
 
     grad = jax.grad(bce_only)(jnp.asarray(hidden))

@@ -321,6 +321,10 @@ def test_a_dspark_head_trained_here_loads_in_deepspecs_layout_and_serves(trainin
                                   np.asarray(target.params["embed"]))
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["accept_length"] > max(1.1, evals[0]["accept_length"] + 0.05), evals
+    # The confidence head's held-out calibration (test_calibration.py checks the figures).
+    for report in evals[-1]["confidence_calibration"].values():  # sampled, greedy
+        assert len(report["temperatures"]) == 7
+        assert 0 < report["ece"] < 1 and 0 <= report["ece_with_temperatures"] < 1
     _served_answers_are_the_targets(target_dir, out, training_setup[1], "DSPARK")
 
 
