@@ -54,13 +54,15 @@ def expected_calibration_error(bins: np.ndarray) -> np.ndarray:
 def calibration_report(bins: np.ndarray) -> dict:
     """The held-out ECE of the confidence head as it is and with per-slot temperatures:
     `bins` f64[2, G, B, NUM_BINS, 3] summed over the held-out set. Temperatures are fitted
-    slot by slot on the even anchors; both errors are over all slots of the odd ones."""
+    slot by slot on the even anchors; both errors are over all slots of the odd ones, whose
+    number comes with them (an ECE over few slots reads high from noise alone)."""
     fit, judge = np.asarray(bins, np.float64)
     chosen = np.argmin(expected_calibration_error(fit), axis=0)  # i[B]: per slot
     slots = np.arange(judge.shape[1])
     return {"ece": round(_pooled_error(judge[_UNSCALED]), 4),
             "ece_with_temperatures": round(_pooled_error(judge[chosen, slots]), 4),
-            "temperatures": [round(float(t), 3) for t in TEMPERATURES[chosen]]}
+            "temperatures": [round(float(t), 3) for t in TEMPERATURES[chosen]],
+            "judged_slots": int(judge[_UNSCALED, ..., 2].sum())}
 
 
 def _pooled_error(bins: np.ndarray) -> float:

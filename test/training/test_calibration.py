@@ -38,6 +38,7 @@ def test_raw_error_is_the_definition_over_the_odd_anchors():
                              accepted[odd].astype(np.float64))
     report = calibration_report(np.asarray(bins))
     assert abs(report["ece"] - expected) < 1e-4
+    assert report["judged_slots"] == odd.sum()
     assert report["ece"] > 0.05  # random acceptance: far from calibrated
 
 
