@@ -109,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--epochs", type=float, default=1.0)
     g.add_argument("--max-steps", type=int, default=None)
     g.add_argument("--tokens-per-batch", type=int, default=8192,
-                   help="padded tokens per step, across data-parallel groups")
+                   help="padded tokens a step computes, across data-parallel groups "
+                        "(rows of one width each; a longer row alone is a step of its own)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="arithmetic of the target and the draft (master weights stay float32)")
     g.add_argument("--seed", type=int, default=0)

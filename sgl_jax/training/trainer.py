@@ -33,7 +33,7 @@ from sgl_jax.training.objective import Batch, Objective
 
 logger = logging.getLogger(__name__)
 
-ROW_ALIGN = 64  # row lengths are rounded up to this, so few batch shapes are compiled
+ROW_ALIGN = 64  # row lengths are rounded up to a multiple of this (row_width)
 EVAL_SEED = 12345  # what an objective samples at evaluation is the same at every checkpoint
 
 
@@ -58,29 +58,35 @@ class TrainState(NamedTuple):
 def plan_batches(lengths: Sequence[int], tokens_per_batch: int, row_multiple: int,
                  seed: int) -> list[list[int]]:
     """Example indices grouped into batches of similar length (little padding), in a random
-    order set by `seed`. Each batch holds at most tokens_per_batch padded tokens (and at least
-    one row); rows are later padded to a multiple of row_multiple (the data-parallel size)."""
+    order set by `seed`. A batch's shape is collate's: its width the bucket of its longest
+    row (row_width) and as many rows as tokens_per_batch holds at that width (batch_rows),
+    so a step computes at most tokens_per_batch tokens (at least one row's)."""
     order = np.argsort(np.asarray(lengths), kind="stable")
     batches, current, width = [], [], 0
     for i in order:
-        row = _aligned(lengths[i])
-        rows = _round_up(len(current) + 1, row_multiple)
-        if current and rows * max(width, row) > tokens_per_batch:
+        wider = max(width, row_width(lengths[i]))
+        if current and len(current) + 1 > batch_rows(wider, tokens_per_batch, row_multiple):
             batches.append(current)
-            current, width = [], 0
+            current, wider = [], row_width(lengths[i])
         current.append(int(i))
-        width = max(width, row)
+        width = wider
     if current:
         batches.append(current)
     np.random.default_rng(seed).shuffle(batches)
     return batches
 
 
-def collate(examples: Sequence[Example], row_multiple: int) -> Batch:
-    """Rows and width padded to powers of two, so a run compiles a handful of step shapes
-    (compilation costs more than the padding on an accelerator)."""
-    rows = _round_up(_power_of_two(len(examples)), row_multiple)
-    width = _power_of_two(_aligned(max(len(e.input_ids) for e in examples)))
+def collate(examples: Sequence[Example], row_multiple: int,
+            tokens_per_batch: int | None = None) -> Batch:
+    """The examples as one batch, right-padded to their width bucket (row_width) and, with
+    `tokens_per_batch`, to the rows a batch of that width holds (batch_rows: one shape per
+    width, so a run compiles a handful of step shapes), else to a multiple of row_multiple
+    (the data-parallel size)."""
+    width = row_width(max(len(e.input_ids) for e in examples))
+    rows = (_round_up(len(examples), row_multiple) if tokens_per_batch is None
+            else batch_rows(width, tokens_per_batch, row_multiple))
+    if rows < len(examples):
+        raise ValueError(f"{len(examples)} examples do not fit a batch of {rows} rows")
     ids = np.zeros((rows, width), np.int32)
     mask = np.zeros((rows, width), bool)
     for r, e in enumerate(examples):
@@ -89,8 +95,18 @@ def collate(examples: Sequence[Example], row_multiple: int) -> Batch:
     return Batch(ids, mask)
 
 
-def _aligned(length: int) -> int:
-    return _round_up(max(length, 1), ROW_ALIGN)
+def row_width(length: int) -> int:
+    """The padded width of a row of `length` tokens: a multiple of ROW_ALIGN, or of an
+    eighth of the next power of two where that is coarser (past 8 * ROW_ALIGN), so a run
+    compiles at most four widths an octave there and pads a row by under a quarter."""
+    step = max(ROW_ALIGN, _power_of_two(max(length, 1)) // 8)
+    return _round_up(max(length, 1), step)
+
+
+def batch_rows(width: int, tokens_per_batch: int, row_multiple: int) -> int:
+    """Rows of a batch `width` wide: as many as tokens_per_batch holds, in whole multiples
+    of row_multiple, and at least row_multiple."""
+    return max(row_multiple, tokens_per_batch // width // row_multiple * row_multiple)
 
 
 def _power_of_two(n: int) -> int:
@@ -291,7 +307,8 @@ def run_training(trainer: Trainer, state: TrainState, examples: Sequence[Example
             plan_epoch = step // per_epoch
             plan = epoch_plan(plan_epoch, lengths, loop, row_multiple)
         chosen = [examples[i] for i in plan[step % per_epoch]]
-        batch, num_tokens = collate(chosen, row_multiple), sum(len(e.input_ids) for e in chosen)
+        batch = collate(chosen, row_multiple, loop.tokens_per_batch)
+        num_tokens = sum(len(e.input_ids) for e in chosen)
         state, metrics = trainer.train_step(state, batch)
         metrics = jax.tree.map(np.asarray, metrics)
         history.append(metrics)
