@@ -139,7 +139,7 @@ def slot_scores(
     hidden: jax.Array,  # f[A, B, H]: blocks' slot outputs
     tokens: jax.Array,  # i32[A, B + 1]: each block's anchor token, then the B it learns
     target_logits: jax.Array,  # f[A, B, V]: the target's next-token logits at a .. a + B - 1
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Each slot's cross-entropy, total variation from the target's distribution and
     confidence BCE f32[A, B], whether its argmax is the token bool[A, B], and its confidence
     logit f32[A, B]."""
