@@ -62,6 +62,8 @@ conversation (after --sharegpt-skip) and the dataset's reply as history, then a 
 asking to repeat the reply word for word or to quote part of it; conversations whose rendered
 prompt exceeds --max-prompt-tokens (1200: the demo model's context is 2048) are left out.
 MT-Bench is the opposite case: fresh answers that no lookup in the text predicts.
+`edits-and-chat` alternates a code edit with an MT-Bench question, so every batch holds
+requests a lookup drafts well and requests it cannot: the case per-request lengths are for.
 
     python benchmark/bench_speculative.py --model-path demo --algorithm NGRAM \\
         --dataset quote-turns --batch-sizes 1,8,32 --num-prompts 64 --output-len 256
@@ -132,7 +134,8 @@ for _shapes in (SHAPES, NGRAM_SHAPES, NEXTN_SHAPES, DFLASH_SHAPES):
     _shapes["per-request"] = {**_shapes["adaptive"], "speculative_per_request_lengths": True}
 ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM", "NEXTN", "DFLASH", "DSPARK")
 
-DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns")
+DATASETS = ("random", "mtbench", "humaneval", "sharegpt", "mixed", "code-edits", "quote-turns",
+            "edits-and-chat")
 SHAREGPT_PROMPTS = 200
 # --concurrent: prompts per engine turn, in batch sizes (the more, the less of a turn is its
 # tail, where fewer than a batch of requests are left).
@@ -459,9 +462,13 @@ def conversations(args: argparse.Namespace, tokenizer: Any, template: Any
         found = quote_turn_conversations(
             datasets.iter_sharegpt_exchanges(skip=args.sharegpt_skip), measure,
             args.num_prompts or SHAREGPT_PROMPTS, max_tokens=args.max_prompt_tokens)
-    elif args.dataset == "code-edits":
+    elif args.dataset in ("code-edits", "edits-and-chat"):
         found = [m for e in code_edits() if measure(m := [{"role": "user", "content": e.request}])
                  <= args.max_prompt_tokens][: args.num_prompts]
+        if args.dataset == "edits-and-chat":
+            chat = [[{"role": "user", "content": q.turns[0]}] for q in datasets.load_mt_bench()]
+            pairs = zip(found, chat, strict=False)  # as many pairs as the shorter list
+            found = [m for pair in pairs for m in pair][: args.num_prompts]
     else:
         return [[{"role": "user", "content": q}] for q in questions(args, tokenizer)]
     if not found:

@@ -1,6 +1,7 @@
 """benchmark/bench_speculative.py end to end on a tiny random target: rows for every shape and
 batch size, acceptance figures consistent with each other, JSON and PNG written; the prompt
-builders of its code-edits and quote-turns datasets, and its NGRAM wiring (no model run)."""
+builders of its code-edits, edits-and-chat and quote-turns datasets, and its NGRAM wiring (no
+model run)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,25 @@ def test_code_edits_hold_the_whole_function_and_name_one_change():
                 textwrap.dedent(inspect.getsource(obj)))
             checked += 1
     assert set(kinds) == set(CHANGES) and checked > len(edits) // 2
+
+
+def test_edits_and_chat_alternate_a_code_edit_with_an_mt_bench_question(tmp_path):
+    from sgl_jax import datasets
+    from sgl_jax.testing.tokenizer import write_tiny_tokenizer
+    from sgl_jax.tokenizer.chat_template import ChatTemplate
+
+    try:
+        questions = [q.turns[0] for q in datasets.load_mt_bench()]
+    except FileNotFoundError as e:
+        pytest.skip(f"not installed: {e}")
+    bench = load_bench()
+    args = bench.parse_args(["--dataset", "edits-and-chat", "--num-prompts", "7",
+                             "--max-prompt-tokens", "100000"])
+    convs = bench.conversations(args, None, ChatTemplate(write_tiny_tokenizer(tmp_path)))
+    requests = [c[0]["content"] for c in convs]
+    assert len(convs) == 7 and all(len(c) == 1 and c[0]["role"] == "user" for c in convs)
+    assert requests[0::2] == [e.request for e in bench.code_edits()[:4]]
+    assert requests[1::2] == questions[:3]
 
 
 def test_edit_change_picks_among_what_the_function_allows():
