@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     (site / DEMO_PACKAGE / "__init__.py").write_text("")
     copy_data_files(site, args.sharegpt_records)
     gguf_file = demo_model_path()
-    shutil.copytree(GGUFCheckpoint(gguf_file).model_dir, args.out / "meta")
+    shutil.copytree(GGUFCheckpoint(gguf_file).model_dir, args.out / "meta",  # not its weights cache
+                    ignore=shutil.ignore_patterns("dequantized.*"))
     parts = split_file(gguf_file, args.out)
     md5 = hashlib.md5(gguf_file.read_bytes()).hexdigest()
     (args.out / "on.sh").write_text(ON_MACHINE.format(
