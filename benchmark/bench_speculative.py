@@ -185,6 +185,8 @@ class Row:
     # ece of the raw scores, calibrated_ece of the policy's estimates; {} where none count)
     draft_confidence: dict[str, float] = field(default_factory=dict)
     concurrent: bool = False  # served at a concurrency of batch_size, not in waves
+    # each engine's scheduler over its timed turns ("plain", "speculative"): phases_between
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -348,20 +350,20 @@ def warm_up(engine: Any, prompts: list[list[int]], batch_size: int) -> None:
 def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: int,
                     batch_size: int, *, ignore_eos: bool, repeats: int = 1,
                     concurrent: bool = False
-                    ) -> list[tuple[float, list[list[int]], list[float]]]:
+                    ) -> list[tuple[float, list[list[int]], list[float], dict[str, Any]]]:
     """Per engine: output tokens per second over all prompts, `repeats` times (each from an
-    emptied prefix cache, as the first); the outputs of every repeat; and each repeat's
-    tokens per second. The prompts run in turns: waves of batch_size, each to its end, or
+    emptied prefix cache, as the first); the outputs of every repeat; each repeat's
+    tokens per second; and its scheduler's phases over its own timed turns
+    (phases_between). The prompts run in turns: waves of batch_size, each to its end, or
     (`concurrent`) groups of CONCURRENT_GROUP * batch_size served with batch_size requests
     in flight, the next starting as one finishes. The engines take turns, so a machine
     whose speed drifts over minutes (a shared VM's memory bandwidth does) weighs on each
     alike, and in alternating order. `outputs` keep the prompts' order whatever the turns."""
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
-    for engine in engines:
-        warm_up(engine, prompts, batch_size)
     seconds = np.zeros((repeats, len(engines)))
     tokens = np.zeros((repeats, len(engines)))
     outputs: list[list[list[int]]] = [[] for _ in engines]
+    phases: list[dict[str, Any]] = [{} for _ in engines]
     turn_size = batch_size * (CONCURRENT_GROUP if concurrent else 1)
     for repeat in range(repeats):
         if repeat:
@@ -372,13 +374,32 @@ def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: in
             # right after the other.
             order = list(enumerate(engines))
             for i, engine in order if (repeat + turn) % 2 == 0 else order[::-1]:
+                before = engine.get_server_info()["scheduler_phases"]
                 start = time.perf_counter()
                 outs = serve(engine, prompts[first: first + turn_size], params, batch_size)
                 seconds[repeat, i] += time.perf_counter() - start
+                phases[i] = phases_between(
+                    before, engine.get_server_info()["scheduler_phases"], phases[i])
                 outputs[i] += [o["output_ids"] for o in outs]
                 tokens[repeat, i] += sum(len(o["output_ids"]) for o in outs)
     return [(tokens[:, i].sum() / seconds[:, i].sum(), outputs[i],
-             list(tokens[:, i] / seconds[:, i])) for i in range(len(engines))]
+             list(tokens[:, i] / seconds[:, i]), phases[i]) for i in range(len(engines))]
+
+
+def phases_between(before: dict[str, Any], after: dict[str, Any],
+                   total: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`total` plus what the scheduler's phases (/get_server_info's scheduler_phases:
+    idle seconds, and per kind of step its count, rows, launch and settle seconds) added
+    from `before` to `after`."""
+    total = total or {}
+    added = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            added[key] = {k: total.get(key, {}).get(k, 0) + v - before[key][k]
+                          for k, v in value.items()}
+        else:
+            added[key] = total.get(key, 0) + value - before[key]
+    return added
 
 
 def serve(engine: Any, prompts: list[list[int]], params: dict[str, Any], in_flight: int
@@ -704,9 +725,11 @@ def run(args: argparse.Namespace) -> list[Row]:
                     engine.wait_for_programs()  # no timed round shares the host with a compile
                     for b in batch_sizes:
                         chosen = prompts if real else prompts[:b]
-                        warm_up(engine, chosen, b)  # the policy's first rounds: not timed
-                        before = engine.get_server_info()
-                        (base_tok_s, base_outputs, base_runs), (tok_s, outputs, runs) = (
+                        for warmed in (plain, engine):  # the policy's first rounds too
+                            warm_up(warmed, chosen, b)
+                        before = engine.get_server_info()  # the timed turns' counts follow
+                        ((base_tok_s, base_outputs, base_runs, base_phases),
+                         (tok_s, outputs, runs, phases)) = (
                             paired_generate([plain, engine], chosen, args.output_len, b,
                                             ignore_eos=not real, repeats=args.repeats,
                                             concurrent=args.concurrent))
@@ -726,7 +749,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                                         *(bucket_round_ms(after, b, key)
                                           for key in ("spec_round_ms",
                                                       "spec_believed_round_ms")),
-                                        draft_confidence(after), args.concurrent))
+                                        draft_confidence(after), args.concurrent,
+                                        {"plain": base_phases, "speculative": phases}))
                         print_row(rows[-1])
                         save_rows(args, rows)  # a run cut short keeps what it measured
     return rows
@@ -782,6 +806,22 @@ def print_row(row: Row) -> None:
           + (f"  passes {min(row.repeat_speedups):.2f}-{max(row.repeat_speedups):.2f}x"
              if len(row.repeat_speedups) > 1 else ""),
           flush=True)
+    for engine, phases in row.phases.items():
+        print(f"    {engine} engine: {describe_phases(phases)}", flush=True)
+
+
+def describe_phases(phases: dict[str, Any]) -> str:
+    """One line of phases_between: per kind of step its count, rows each, and the engine
+    thread's launch and settle ms each; then the seconds it waited for work."""
+    parts = []
+    for kind in ("decode", "prefill"):
+        phase = phases.get(kind)
+        if phase and phase["steps"]:
+            steps = phase["steps"]
+            parts.append(f"{kind} {steps} steps x {phase['rows'] / steps:.1f} rows, launch "
+                         f"{1e3 * phase['launch_s'] / steps:.2f} + settle "
+                         f"{1e3 * phase['settle_s'] / steps:.2f} ms each")
+    return "; ".join(parts + [f"idle {phases.get('idle_s', 0.0):.2f} s"])
 
 
 def plot(rows: list[Row], path: str) -> None:

@@ -257,6 +257,7 @@ class Runtime:
                     "cache_hit_rate": cache.cache_hit_tokens / max(cache.cache_query_tokens, 1),
                     "num_retractions": scheduler.decode.num_retractions,
                     "num_compilations": scheduler.runner.num_compilations,
+                    "scheduler_phases": scheduler.stats.phases_info(),
                     "programs_building": self.builder.pending() if self.builder else 0,
                     **scheduler.decoding.server_info(), "version": __version__}
         return self.call(info)

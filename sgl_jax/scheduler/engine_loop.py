@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -48,10 +49,13 @@ class EngineLoop:
     def _drain_inbox(self, block: bool) -> bool:
         """Run pending commands; False once asked to stop."""
         while True:
+            waiting_since = time.perf_counter()
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 return True
+            if block:  # the scheduler had nothing to run until this command came
+                self.scheduler.stats.idle_s += time.perf_counter() - waiting_since
             if item is _STOP:
                 return False
             command, future = item

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -46,12 +46,39 @@ OutputCallback = Callable[[Req, str, list[int]], None]
 
 
 @dataclass
+class StepPhase:
+    """One kind of step: how many ran, their rows (requests), and the engine thread's
+    seconds on them: dispatching (launch) and reading the results and acting on them
+    (settle, the wait for the device included). With the loop a step ahead, a launch runs
+    while the device computes the step before, so launch + settle per step above the
+    device's own time is host work the device waited for."""
+
+    steps: int = 0
+    rows: int = 0
+    launch_s: float = 0.0
+    settle_s: float = 0.0
+
+
+@dataclass
 class SchedulerStats:
     num_prefill_tokens: int = 0
     num_generated_tokens: int = 0
     num_decode_steps: int = 0
     last_log_time: float = 0.0
     last_log_tokens: int = 0
+    # by LaunchedStep.kind; idle_s: the engine thread waiting for work (EngineLoop)
+    phases: dict[str, StepPhase] = field(
+        default_factory=lambda: {"prefill": StepPhase(), "decode": StepPhase()})
+    idle_s: float = 0.0
+
+    @property
+    def settle_s(self) -> float:
+        return sum(phase.settle_s for phase in self.phases.values())
+
+    def phases_info(self) -> dict[str, object]:
+        """/get_server_info's `scheduler_phases`: counts and seconds since the start."""
+        return {"idle_s": self.idle_s,
+                **{kind: asdict(phase) for kind, phase in self.phases.items()}}
 
 
 class Scheduler:
@@ -129,7 +156,7 @@ class Scheduler:
 
     def step(self) -> None:
         batch, kind = self._schedule()
-        launched = self._launch(batch, kind) if batch else None
+        launched = self._timed_launch(batch, kind) if batch else None
         self._settle()  # the step before, while the device runs this one
         self._in_flight = launched
         if not self.overlap:
@@ -150,6 +177,17 @@ class Scheduler:
             # Partial prefills hold every page: make room for the others.
             self._retract(self.running.pop())
         return [], "idle"
+
+    def _timed_launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep | None:
+        """_launch, its seconds counted under `kind` (less a settle it ran first)."""
+        start, settled = time.perf_counter(), self.stats.settle_s
+        launched = self._launch(batch, kind)
+        phase = self.stats.phases[kind]
+        phase.launch_s += time.perf_counter() - start - (self.stats.settle_s - settled)
+        if launched is not None:
+            phase.steps += 1
+            phase.rows += len(launched.rows)
+        return launched
 
     def _launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep | None:
         """Dispatch the batch (None when there is nothing left to run); lengths advance now,
@@ -200,12 +238,14 @@ class Scheduler:
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             return False
+        start = time.perf_counter()
         emitted = self.decoding.settle(launched)
         self._emit(emitted)
         if launched.kind == "prefill":
             self._log_prefill(launched.rows)
         else:
             self._log_decode(sum(len(tokens) for _, _, tokens in emitted))
+        self.stats.phases[launched.kind].settle_s += time.perf_counter() - start
         return True
 
     def _emit(self, emitted: Emitted) -> None:

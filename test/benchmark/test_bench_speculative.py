@@ -65,9 +65,13 @@ def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     assert set(row["rounds_by_shape"]) == {"plain", "1/1/2", "3/1/4", "3/1/4:2", "3/4/8",
                                            "3/4/8:2", "3/4/8:4"}
     assert sum(row["rounds_by_shape"].values()) >= 11  # 12 tokens, at most one per plain round
-    # the batch's two requests, in the untimed warm-up before the paired run and in each of
-    # the two timed passes, every output compared with plain decoding's
-    assert sum(row["finished_requests"].values()) == 6
+    # the batch's two requests in each of the two timed passes (the warm-up not counted),
+    # every output compared with plain decoding's
+    assert sum(row["finished_requests"].values()) == 4
+    # each engine's scheduler over its own timed turns: a prefill row per request
+    for engine in ("plain", "speculative"):
+        assert row["phases"][engine]["prefill"]["rows"] == 4
+        assert row["phases"][engine]["decode"]["steps"] >= 1
     assert len(row["repeat_speedups"]) == 2 and all(x > 0 for x in row["repeat_speedups"])
     assert set(row["round_ms"]) == set(row["rounds_by_shape"])  # the policy's bucket-2 costs
     assert all(ms > 0 for ms in row["round_ms"].values())

@@ -181,3 +181,26 @@ def test_hybrid_model_with_state_slots_and_retraction(tmp_path):
             assert info["num_retractions"] > 0 and info["state_slots_in_use"] == 0
             assert pages_all_free(engine)
     assert results[0] == results[1]
+
+
+def test_scheduler_phases_count_each_step_and_the_time_waiting_for_work(engines):
+    """/get_server_info's scheduler_phases: three prompts of known lengths add three prefill
+    rows and a decode row for each token after the first; the seconds are the engine
+    thread's own, so they fit in the wall time between the two reads, and a pause with
+    nothing to run counts as idle."""
+    def phases(engine):
+        return engine.get_server_info()["scheduler_phases"]
+
+    for engine in engines:
+        before, start = phases(engine), time.perf_counter()
+        engine.generate(input_ids=random_prompts(6, [5, 9, 13]), sampling_params=greedy(6))
+        time.sleep(0.3)
+        after, wall = phases(engine), time.perf_counter() - start
+        added = {kind: {key: after[kind][key] - before[kind][key] for key in after[kind]}
+                 for kind in ("prefill", "decode")}
+        idle = after["idle_s"] - before["idle_s"]
+        assert added["prefill"]["rows"] == 3 and added["prefill"]["steps"] >= 1
+        assert added["decode"]["rows"] == 3 * 5 and added["decode"]["steps"] >= 5
+        busy = [added[kind][key] for kind in added for key in ("launch_s", "settle_s")]
+        assert all(seconds > 0 for seconds in busy)
+        assert 0.25 < idle and sum(busy) + idle < wall
