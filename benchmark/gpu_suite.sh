@@ -43,6 +43,10 @@
 #   spec8b     EAGLE3 round cost on the Llama-3.1-8B shape with a random head
 #   specdemo   EAGLE3 with the trained demo pair on MT-Bench, HumanEval and ShareGPT
 #   ngram      NGRAM against plain on the demo model: code edits and MT-Bench, batch 1, 8, 32
+#   editschat  NGRAM on code edits alternating with MT-Bench questions, served at concurrency
+#              8 and 32: the one-shape policy against per-request lengths, each row with
+#              both engines' scheduler phases (on an H200 both read 0.27-0.38x of plain:
+#              docs/benchmarks.md, a seventh lend; these phases say where the time goes)
 #   nextn      NEXTN on a Qwen3-Next-shaped random target (hidden 1024, 16 layers, 8 experts):
 #              the round in parts beside a plain step and an EAGLE3 round of the same shapes,
 #              then end to end with an MTP module fitted to the target's own text
@@ -72,7 +76,7 @@
 set -uo pipefail
 out=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram nextn dflash dflashdemo dspark quant scan}
+stages=${*:-kernels attention matmul llama8b qwen3_8b spec8b specdemo ngram editschat nextn dflash dflashdemo dspark quant scan}
 ckpt=${CKPT_DIR:-/tmp/sgl_jax_ckpt}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" "$ckpt"
@@ -219,6 +223,13 @@ EOF
         python3 "$here/bench_speculative.py" --model-path demo --algorithm NGRAM \
           --dataset "$dataset" --shapes adaptive --num-prompts 32 --batch-sizes 1,8,32 \
           --output-len 256 --output-json "$out/ngram_$dataset.json"
+      done ;;
+    editschat)
+      for concurrency in 8 32; do
+        python3 "$here/bench_speculative.py" --model-path demo --algorithm NGRAM \
+          --dataset edits-and-chat --shapes adaptive,per-request --num-prompts 64 \
+          --batch-sizes "$concurrency" --output-len 128 --concurrent \
+          --output-json "$out/editschat_c$concurrency.json"
       done ;;
     nextn)
       python3 - "$ckpt/qwen3next" <<'EOF'
