@@ -47,6 +47,7 @@ class ServerMetrics:
                                  names, registry=r)
         self.cache_hit_rate = Gauge("sgl_jax_cache_hit_rate", "Prompt tokens served by the "
                                     "prefix cache", names, registry=r)
+        self._define_phases()
         if self.engine.server_args.speculative is None:
             return
         self.spec_rounds = Gauge("sgl_jax_spec_verify_rounds", "Speculative verify rounds so "
@@ -78,6 +79,30 @@ class ServerMetrics:
                                       "took them (the policy's batch-end rule)",
                                       [*names, "fate"], registry=r)
         self._define_vllm_spec()
+
+    def _define_phases(self) -> None:
+        """The engine thread's steps and seconds (get_server_info's scheduler_phases), totals
+        since the start: where a server's time goes, beside the device's."""
+        names, r = ["model_name"], self.registry
+        self.phase_steps = Gauge("sgl_jax_scheduler_steps", "Steps run, by kind",
+                                 [*names, "kind"], registry=r)
+        self.phase_rows = Gauge("sgl_jax_scheduler_step_rows", "Requests in those steps, "
+                                "summed", [*names, "kind"], registry=r)
+        self.phase_seconds = Gauge("sgl_jax_scheduler_seconds", "Engine thread seconds by kind "
+                                   "of step: launch (dispatching) and settle (reading the "
+                                   "results and acting on them, the wait for the device "
+                                   "included)", [*names, "kind", "phase"], registry=r)
+        self.idle_seconds = Gauge("sgl_jax_scheduler_idle_seconds", "Engine thread seconds "
+                                  "with nothing to run", names, registry=r)
+
+    def _render_phases(self, phases: dict) -> None:
+        self.idle_seconds.labels(**self._label).set(phases["idle_s"])
+        for kind in ("prefill", "decode"):
+            label = {**self._label, "kind": kind}
+            self.phase_steps.labels(**label).set(phases[kind]["steps"])
+            self.phase_rows.labels(**label).set(phases[kind]["rows"])
+            for phase in ("launch", "settle"):
+                self.phase_seconds.labels(**label, phase=phase).set(phases[kind][f"{phase}_s"])
 
     def _define_vllm_spec(self) -> None:
         """The acceptance counters under vLLM's names and labels, for dashboards built on
@@ -122,6 +147,7 @@ class ServerMetrics:
         self.queued.labels(**self._label).set(info["num_queued_reqs"])
         self.token_usage.labels(**self._label).set(info["token_usage"])
         self.cache_hit_rate.labels(**self._label).set(info["cache_hit_rate"])
+        self._render_phases(info["scheduler_phases"])
         if "avg_spec_accept_length" in info:
             self.spec_rounds.labels(**self._label).set(info["spec_verify_rounds"])
             self.spec_accept_length.labels(**self._label).set(info["avg_spec_accept_length"])

@@ -393,8 +393,13 @@ def test_metrics_count_requests_and_latencies(server, client):
     assert float(values["sgl_jax_inter_token_latency_seconds_count"]) >= 7
     assert float(values["sgl_jax_e2e_request_latency_seconds_count"]) >= 1
     assert float(values["sgl_jax_generation_tokens_total"]) >= 8
-    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"):
+    for gauge in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate",
+                  "scheduler_idle_seconds"):
         assert f"sgl_jax_{gauge}" in values
+    # the engine thread's steps: the request's prefill, and a decode step per later token
+    steps = dict(re.findall(r'^sgl_jax_scheduler_steps\{kind="(\w+)"[^}]*\} ([0-9.e+]+)$',
+                            metrics_text(server), re.M))
+    assert float(steps["prefill"]) >= 1 and float(steps["decode"]) >= 7
 
 
 # ---------------------------------------------------------------------- concurrency
