@@ -159,16 +159,7 @@ class SpecDecoder:
         return f"accept len: {self.stats.accept_length:.2f}, acc: [{rates}], "
 
     def server_info(self) -> dict[str, Any]:
-        stats = self.stats
-        return {
-            "avg_spec_accept_length": stats.accept_length,
-            "spec_verify_rounds": stats.rounds,
-            "spec_accepted_tokens": stats.accepted_tokens,
-            "spec_accepted_per_position": list(stats.accepted_per_position),
-            "spec_drafted_per_position": list(stats.drafted_per_position),
-            "spec_accept_rates": stats.acceptance_rates,  # acc_0, acc_1, ... by position
-            **self.policy.info(),
-        }
+        return {**self.stats.server_info(), **self.policy.info()}
 
     def _timed_bucket(self, batch_size: int) -> int:
         """The padded size of a batch of `batch_size` (spec_warmup.ready_padding), its round
@@ -203,13 +194,22 @@ class SpecDecoder:
 
     def plan_decode(self, reqs: list[Req], in_flight: LaunchedStep | None) -> DecodePlan:
         """The round's shape (the policy's choice) and whether the round in flight must be
-        read first (see the module's docstring). A host-side drafter proposes now: a request
-        it has nothing to offer counts as one without a draft."""
+        read first (see the module's docstring). A host-side drafter proposes now, where the
+        round may draft: a request it has nothing for counts as one without a draft."""
         bucket = self._timed_bucket(len(reqs))
-        hints = self.proposer.hints(reqs, bucket)
-        records = self._offered_records(reqs, hints)
+        records, hints = self._records(reqs), None
+        def offered() -> list[bool]:  # asked by the policy only where the round may draft
+            nonlocal hints
+            hints = self.proposer.hints(reqs, bucket)
+            return self.proposer.offered(hints, len(reqs))
+
         shape = self.policy.choose(records, bucket, menu=self._constrained_menu(reqs, bucket),
-                                   remaining=[req.tokens_left for req in reqs])
+                                   remaining=[req.tokens_left for req in reqs],
+                                   offered=offered if self.proposer.on_host else None)
+        if shape != PLAIN and hints is None:  # a fixed shape, or not asked
+            offered()
+        if hints is not None:
+            records = self._offered(records, hints)
         unread = in_flight.output if in_flight is not None and in_flight.kind == "decode" \
             else None
         settle_first = self._needs_settled(reqs, shape, unread, self._undrafted(reqs, shape))
@@ -219,9 +219,9 @@ class SpecDecoder:
         """Dispatch one round for `reqs` in the planned shape."""
         shape, bucket = plan.detail.shape, plan.detail.bucket
         hints, records = plan.detail.hints, plan.detail.records
-        if plan.settle_first:  # the host has read more since: propose again
+        if plan.settle_first and shape != PLAIN:  # the host has read more since: propose again
             hints = self.proposer.hints(reqs, bucket)
-            records = self._offered_records(reqs, hints)
+            records = self._offered(self._records(reqs), hints)
         self._catch_up([req for req in reqs if self._pending(req) and (
             shape != PLAIN or self._pending(req) >= CATCH_UP_WIDTH)])
         compilations = self.spec.target.num_compilations
@@ -372,11 +372,11 @@ class SpecDecoder:
             state.pending.clear()
         self.spec.catch_up(rows, spec_warmup.ready_padding(self.spec, len(rows)))
 
-    def _offered_records(self, reqs: list[Req], hints: Any) -> list:
-        """_records, None too for a request the host-side drafter has nothing for."""
-        offered = self.proposer.offered(hints, len(reqs))
+    def _offered(self, records: list, hints: Any) -> list:
+        """`records` (_records), None too where the host-side drafter offers nothing."""
+        offered = self.proposer.offered(hints, len(records))
         return [record if has_draft else None
-                for record, has_draft in zip(self._records(reqs), offered, strict=True)]
+                for record, has_draft in zip(records, offered, strict=True)]
 
     def _records(self, reqs: list[Req]) -> list:
         """Each request's acceptance record, None where its rounds teach the policy nothing:

@@ -120,6 +120,8 @@ class Proposer(Protocol):
     """The host half of a drafter that proposes on the host, fed every token the host reads
     (speculative/decoder.py calls it)."""
 
+    on_host: bool  # whether `hints` does work on the host (then asked only where it may pay)
+
     def add_request(self, req: Req) -> None:
         """A request is admitted (again, after a retraction)."""
 
@@ -139,6 +141,8 @@ class Proposer(Protocol):
 
 class NoProposer:
     """For drafters that propose on the device alone."""
+
+    on_host = False
 
     def add_request(self, req: Req) -> None:
         pass

@@ -115,6 +115,8 @@ class NgramProposer:
     """The host half: the suffix statistics of every request's text and of recent responses,
     fed as tokens are read, asked for a trie as each round is launched."""
 
+    on_host = True
+
     def __init__(self, config: SuffixConfig, shapes: Sequence[TreeShape]):
         self.index = SuffixIndex(config)
         self.num_nodes, self.depth = proposal_shape(shapes)

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,15 +78,16 @@ from sgl_jax.speculative.acceptance import (
     Acceptance,
     Calibration,
     batch_rates,
-    family,
 )
 from sgl_jax.speculative.batch_end import Refills, batch_end_progress
 from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.policy_report import policy_info, shape_name
 from sgl_jax.speculative.verify_lengths import (
     draft_counts,
     node_survival,
     packed_budget,
-    packed_row_tokens,
+    round_tokens,
+    row_tokens,
 )
 
 PLAIN = TreeShape(num_steps=0, topk=1, num_draft_tokens=1)  # the root alone: one token
@@ -98,29 +99,6 @@ MAX_RESIDUAL = math.log(1.5)  # the most one round's log cost residual counts fo
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 4, 256  # rounds on one side between probes
 SPECULATION_MARGIN = 1.10  # a speculative shape's rate must exceed plain's by this factor
 EXPLORE_EVERY = 32  # of the requests the rule refuses a draft, one in this many gets one
-
-
-def row_tokens(shape: TreeShape, survival: Mapping[str, np.ndarray], bucket: int,
-               num_rows: int) -> np.ndarray:
-    """f64[R]: the tokens a round of `shape` over `num_rows` requests in batch bucket
-    `bucket` commits for each of the R with a draft (survival f64[R, D] by family): its root,
-    plus the survival of each draft node it verifies (a packed round's by verify_lengths)."""
-    if shape.verify_width:
-        return packed_row_tokens(node_survival(shape, survival),
-                                 packed_budget(shape, bucket, num_rows))
-    return 1.0 + survival[family(shape)][:, : shape.num_steps].sum(axis=1)
-
-
-def round_tokens(shapes: Sequence[TreeShape], survival: Mapping[str, np.ndarray], bucket: int,
-                 num_rows: int) -> dict[TreeShape, float]:
-    """Per shape, the tokens a round over `num_rows` requests commits: one for each request
-    without a draft, row_tokens for the others."""
-    undrafted = num_rows - len(survival["chain"])
-    return {s: undrafted + float(row_tokens(s, survival, bucket, num_rows).sum()) for s in shapes}
-
-
-def shape_name(shape: TreeShape) -> str:
-    return "plain" if shape == PLAIN else shape.name
 
 
 def candidate_shapes(ceiling: TreeShape) -> tuple[TreeShape, ...]:
@@ -137,6 +115,17 @@ def beating_plain(tokens: Mapping[TreeShape, float], seconds: Mapping[TreeShape,
     plain = tokens[PLAIN] / seconds[PLAIN]
     return [s for s in tokens
             if s != PLAIN and tokens[s] / seconds[s] > SPECULATION_MARGIN * plain]
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """A round's candidate shapes as choose weighs them."""
+
+    lengths: dict[TreeShape, float]  # expected tokens over the batch
+    seconds: dict[TreeShape, float]  # believed cost of a round
+    rates: dict[TreeShape, float]  # what is maximised: tokens (or batch-end progress) a second
+    winners: list[TreeShape]  # the speculative shapes that beat plain (beating_plain)
+    by_end: bool  # judged by the batch's end (batch_end)
 
 
 @dataclass
@@ -235,13 +224,20 @@ class SpeculationPolicy:
 
     def choose(self, requests: Sequence[Acceptance | None], bucket: int, *,
                menu: Sequence[TreeShape] | None = None,
-               remaining: Sequence[int] | None = None) -> TreeShape:
+               remaining: Sequence[int] | None = None,
+               offered: Callable[[], Sequence[bool]] | None = None) -> TreeShape:
         """The shape of the next round for requests' records (None: a request without a
         draft), among `menu` when given (plain always allowed): a batch holding a
         grammar-constrained request may take only plain rounds and the flags' shape, whose
         trees the host masks. Only shapes timed in `bucket` are taken (_timed). With
         `remaining` (the tokens each request may still generate), a round is judged by the
-        batch's end while freed slots stay free (batch_end), else by its tokens a second."""
+        batch's end while freed slots stay free (batch_end), else by its tokens a second.
+
+        `offered`, for a drafter that proposes on the host: which requests have a draft to
+        offer this round (the others count as without one). It is asked only where the round
+        could draft were every record's draft offered (`_may_draft`): a proposal costs host
+        time, and fewer drafts only make speculating worse, so a round that would stay plain
+        with all of them stays plain without asking."""
         shapes = self.shapes if menu is None else tuple(
             s for s in self.shapes if s in menu or s == PLAIN)
         if not self.adaptive:
@@ -250,26 +246,47 @@ class SpeculationPolicy:
         shapes = self._timed(shapes, bucket)
         if set(shapes) <= {PLAIN} or all(r is None for r in requests):
             return PLAIN  # nothing to measure either: no row has a draft
+        judged = self._judge(requests, bucket, shapes, remaining)
+        if offered is not None and self._may_draft(judged, requests, shapes, bucket):
+            requests = [r if has else None for r, has in zip(requests, offered(), strict=True)]
+            if all(r is None for r in requests):
+                return PLAIN
+            judged = self._judge(requests, bucket, shapes, remaining)
+        best = max(judged.winners, key=judged.rates.__getitem__) if judged.winners else PLAIN
+        drafted = sum(r is not None for r in requests)
+        probe = self._probe(best, judged.rates,
+                            self._could_win(len(requests), drafted, shapes, bucket))
+        chosen = best if probe is None else probe
+        n = max(len(requests), 1)
+        self.last = Choice(
+            chosen, bucket, probe is not None,
+            accept_lengths={shape_name(s): judged.lengths[s] / n for s in shapes},
+            round_ms={shape_name(s): 1000 * judged.seconds[s] for s in shapes},
+            tokens_per_s={shape_name(s): judged.lengths[s] / judged.seconds[s]
+                          for s in shapes},
+            judged_by="batch end" if judged.by_end else "tokens")
+        return chosen
+
+    def _judge(self, requests: Sequence[Acceptance | None], bucket: int,
+               shapes: Sequence[TreeShape], remaining: Sequence[int] | None) -> _Judged:
         per_row = self.expected_row_tokens(requests, bucket)
         lengths = {s: float(per_row[s].sum()) for s in shapes}
         seconds = {s: self.seconds(s, bucket) for s in shapes}
         by_end = remaining is not None and self.refills.batch_runs_to_its_end
         judged = (batch_end_progress({s: per_row[s] for s in shapes}, remaining) if by_end
                   else lengths)
-        rates = {s: judged[s] / seconds[s] for s in shapes}
-        winners = beating_plain(judged, seconds)
-        best = max(winners, key=rates.__getitem__) if winners else PLAIN
+        return _Judged(lengths, seconds, {s: judged[s] / seconds[s] for s in shapes},
+                       beating_plain(judged, seconds), by_end)
+
+    def _may_draft(self, judged: _Judged, requests: Sequence[Acceptance | None],
+                   shapes: Sequence[TreeShape], bucket: int) -> bool:
+        """Whether a round judged so could take a speculative shape: one beats plain, or a
+        speculative probe is due (see _probe) and could win."""
+        if judged.winners:
+            return True
+        probe_due = self.streak_plain and self.streak + 1 >= self.probe_interval
         drafted = sum(r is not None for r in requests)
-        probe = self._probe(best, rates, self._could_win(len(requests), drafted, shapes, bucket))
-        chosen = best if probe is None else probe
-        n = max(len(requests), 1)
-        self.last = Choice(
-            chosen, bucket, probe is not None,
-            accept_lengths={shape_name(s): lengths[s] / n for s in shapes},
-            round_ms={shape_name(s): 1000 * self.seconds(s, bucket) for s in shapes},
-            tokens_per_s={shape_name(s): lengths[s] / seconds[s] for s in shapes},
-            judged_by="batch end" if by_end else "tokens")
-        return chosen
+        return probe_due and bool(self._could_win(len(requests), drafted, shapes, bucket))
 
     def _could_win(self, rows: int, drafted: int, shapes: Sequence[TreeShape], bucket: int
                    ) -> list[TreeShape]:
@@ -318,9 +335,11 @@ class SpeculationPolicy:
         return tokens
 
     def _survival(self, drafted: Sequence[Acceptance]) -> dict[str, np.ndarray]:
-        """f64[R, D] by family: each request's chance of acceptance down to each depth."""
+        """f64[R, D] by family (trees only where a shape is one): each request's chance of
+        acceptance down to each depth."""
+        kinds = ("chain", "tree") if any(s.topk > 1 for s in self.shapes) else ("chain",)
         return {kind: np.cumprod(batch_rates(drafted, kind, self.server), axis=1)
-                for kind in ("chain", "tree")}
+                for kind in kinds}
 
     def verify_counts(self, requests: Sequence[Acceptance | None], shape: TreeShape,
                       bucket: int) -> np.ndarray:
@@ -361,36 +380,4 @@ class SpeculationPolicy:
 
     def info(self) -> dict:
         """What /get_server_info and /metrics show: the shapes chosen and why."""
-        last = self.last
-        return {
-            "spec_adaptive": self.adaptive,
-            "spec_shapes": [shape_name(s) for s in self.shapes],
-            "spec_rounds_by_shape": dict(self.rounds_by_shape),
-            "spec_masked_rounds": self.masked_rounds,
-            "spec_finished_requests": dict(self.finished_requests),
-            "spec_believed_accept_rates": {
-                kind: [round(float(x), 4) for x in self.server.rates(kind, None)]
-                for kind in ("chain", "tree")},
-            "spec_last_choice": None if last is None else {
-                "shape": shape_name(last.shape), "batch_bucket": last.batch_bucket,
-                "probe": last.probe, "judged_by": last.judged_by,
-                "accept_length": last.accept_lengths,
-                "round_ms": last.round_ms, "tokens_per_s": last.tokens_per_s},
-            "spec_probe_interval": self.probe_interval,
-            "spec_freed_slots": dict(self.refills.counts),
-            "spec_draft_confidence": self.calibration.error(),
-            "spec_round_ms": self.round_ms(),
-            "spec_believed_round_ms": self.round_ms(believed=True),
-        }
-
-    def round_ms(self, believed: bool = False) -> dict[str, dict[str, float]]:
-        """The warm-up timing of each shape's round by batch bucket, {"8": {"3/4/8": 7.1}};
-        `believed`: as the choice and the admission rule price it now (times the bucket's
-        load and the shape's correction, learnt from the rounds served)."""
-        table: dict[str, dict[str, float]] = {}
-        for (shape, bucket), seconds in sorted(self.round_seconds.items(),
-                                                key=lambda item: item[0][1]):
-            if believed:
-                seconds = self.seconds(shape, bucket)
-            table.setdefault(str(bucket), {})[shape_name(shape)] = round(1000 * seconds, 3)
-        return table
+        return policy_info(self)

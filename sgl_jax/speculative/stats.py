@@ -44,3 +44,14 @@ class AcceptanceStats:
         """acc_i: the fraction of the rounds that drafted position i which accepted it."""
         return [count / max(drafted, 1) for count, drafted
                 in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
+
+    def server_info(self) -> dict:
+        """The server-wide figures /get_server_info shows."""
+        return {
+            "avg_spec_accept_length": self.accept_length,
+            "spec_verify_rounds": self.rounds,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_accepted_per_position": list(self.accepted_per_position),
+            "spec_drafted_per_position": list(self.drafted_per_position),
+            "spec_accept_rates": self.acceptance_rates,  # acc_0, acc_1, ... by position
+        }

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.speculative.acceptance import Calibration, calibration_cells
+from sgl_jax.speculative.acceptance import Calibration, calibration_cells, family
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.round import RoundRows, nodes_per_row, packed_nodes
 from sgl_jax.speculative.tree import DraftTree, node_depths
@@ -103,6 +103,25 @@ def packed_row_tokens(survival: np.ndarray, budget: int) -> np.ndarray:
     counts = draft_counts(survival, budget)
     verified = np.arange(survival.shape[1])[None, :] < counts[:, None]
     return 1.0 + np.where(verified, survival, 0.0).sum(axis=1)
+
+
+def row_tokens(shape: TreeShape, survival: Mapping[str, np.ndarray], bucket: int,
+               num_rows: int) -> np.ndarray:
+    """f64[R]: the tokens a round of `shape` over `num_rows` requests in batch bucket
+    `bucket` commits for each of the R with a draft (survival f64[R, D] by family): its root,
+    plus the survival of each draft node it verifies (a packed round's by verify_lengths)."""
+    if shape.verify_width:
+        return packed_row_tokens(node_survival(shape, survival),
+                                 packed_budget(shape, bucket, num_rows))
+    return 1.0 + survival[family(shape)][:, : shape.num_steps].sum(axis=1)
+
+
+def round_tokens(shapes: Sequence[TreeShape], survival: Mapping[str, np.ndarray], bucket: int,
+                 num_rows: int) -> dict[TreeShape, float]:
+    """Per shape, the tokens a round over `num_rows` requests commits: one for each request
+    without a draft, row_tokens for the others."""
+    undrafted = num_rows - len(survival["chain"])
+    return {s: undrafted + float(row_tokens(s, survival, bucket, num_rows).sum()) for s in shapes}
 
 
 def calibrated_survival(

@@ -256,6 +256,30 @@ def test_a_speculating_policy_probes_plain_rounds_with_the_same_back_off():
     assert plain_rounds == [4, 12, 28, 60, 124]
 
 
+def test_a_host_side_drafter_is_asked_only_for_rounds_that_may_draft():
+    """NGRAM's proposals cost host time every round they are made: the policy asks for them
+    only where a round could draft were every record's draft offered. For a hopeless request
+    that is the speculative probes alone, and the rounds come out as without asking; a
+    request whose draft is not offered counts as one without a draft."""
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    hopeless = requests_with(policy, [[(TREE, 0), (CHAIN3, 0)] * 20])
+    asked = []
+    for round_index in range(1, 130):
+        def offered(index=round_index):
+            asked.append(index)
+            return [True]
+        shape = policy.choose(hopeless, 1, offered=offered)
+        assert (shape != PLAIN) == (round_index in (4, 12, 28, 60, 124))
+    assert asked == [4, 12, 28, 60, 124]
+    keen = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    good = requests_with(keen, [[(TREE, 3), (CHAIN3, 3)] * 20])
+    assert keen.choose(good, 1) != PLAIN
+    denied = []
+    assert all(keen.choose(good, 1, offered=lambda: denied.append(1) or [False]) == PLAIN
+               for _ in range(20))
+    assert len(denied) == 20
+
+
 def test_a_shape_dearer_than_its_warm_up_timing_gives_way_once_plain_is_probed():
     """The warm-up timed CHAIN1 at 1.2 plain steps at bucket 1, but served rounds take 3: its
     own rounds and the plain probes correct the costs (each round's residual clipped, so

@@ -16,7 +16,7 @@ import pytest
 from sgl_jax import Engine
 from sgl_jax.speculative.acceptance import Acceptance, Calibration
 from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes, round_tokens
+from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
 from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
 from sgl_jax.speculative.tree import DraftTree
 from sgl_jax.speculative.verify_lengths import (
@@ -26,6 +26,7 @@ from sgl_jax.speculative.verify_lengths import (
     packed_budget,
     packed_row_tokens,
     packed_shapes,
+    round_tokens,
 )
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.engines import believe_round_costs
