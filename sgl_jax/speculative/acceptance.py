@@ -28,6 +28,7 @@ class DepthCounts:
     decay: float
     tried: np.ndarray = field(init=False)  # f64[depth]
     accepted: np.ndarray = field(init=False)  # f64[depth]
+    version: int = field(init=False, default=0)  # records so far: what a cached estimate read
 
     def __post_init__(self) -> None:
         self.tried = np.zeros(self.depth)
@@ -43,6 +44,7 @@ class DepthCounts:
         scale = self.decay ** accepted.shape[0]
         self.tried = self.tried * scale + (depths < np.minimum(accepted + 1, steps)).sum(0)
         self.accepted = self.accepted * scale + (depths < accepted).sum(0)
+        self.version += 1
 
 
 class Acceptance:
@@ -50,6 +52,11 @@ class Acceptance:
 
     def __init__(self, depth: int, decay: float):
         self.counts = {f: DepthCounts(depth, decay) for f in ("chain", "tree")}
+
+    @property
+    def version(self) -> int:
+        """Changes with every record (policy.expected_row_tokens caches on it)."""
+        return self.counts["chain"].version + self.counts["tree"].version
 
     def record(self, shape: TreeShape, num_accepted: int | Sequence[int],
                steps: int | Sequence[int] | None = None) -> None:

@@ -165,6 +165,7 @@ class SpeculationPolicy:
         self.finished_requests = {"with_draft": 0, "without_draft": 0}
         self.refills = Refills()  # whether freed slots are taken: see batch_end
         self.last: Choice | None = None
+        self._row_tokens: tuple | None = None  # expected_row_tokens' last (key, records, answer)
 
     def add_round_seconds(self, round_seconds: Mapping[tuple[TreeShape, int], float], *,
                           provisional: bool = False) -> None:
@@ -324,7 +325,13 @@ class SpeculationPolicy:
     def expected_row_tokens(self, requests: Sequence[Acceptance | None], bucket: int
                             ) -> dict[TreeShape, np.ndarray]:
         """Per shape, f64[R]: the tokens a round in batch bucket `bucket` is expected to
-        commit for each request (one for a request without a draft, None)."""
+        commit for each request (one for a request without a draft, None); read-only. The
+        last answer is kept while no record changes: plain rounds record nothing, and a
+        batch keeps its requests for many rounds."""
+        key = (bucket, self.server.version,
+               tuple(None if r is None else (id(r), r.version) for r in requests))
+        if self._row_tokens is not None and self._row_tokens[0] == key:
+            return self._row_tokens[2]
         drafted = [i for i, r in enumerate(requests) if r is not None]
         survival = self._survival([requests[i] for i in drafted]) if drafted else None
         tokens = {}
@@ -332,6 +339,8 @@ class SpeculationPolicy:
             tokens[shape] = np.ones(len(requests))
             if drafted:
                 tokens[shape][drafted] = row_tokens(shape, survival, bucket, len(requests))
+        # The records are held with the key, so no other record can take one of their ids.
+        self._row_tokens = (key, list(requests), tokens)
         return tokens
 
     def _survival(self, drafted: Sequence[Acceptance]) -> dict[str, np.ndarray]:

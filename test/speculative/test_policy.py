@@ -280,6 +280,22 @@ def test_a_host_side_drafter_is_asked_only_for_rounds_that_may_draft():
     assert len(denied) == 20
 
 
+def test_expected_tokens_are_kept_while_no_record_changes_and_follow_every_record():
+    policy = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    batch = requests_with(policy, [[(CHAIN3, 3), (TREE, 2)]] * 2) + [None]
+    kept = policy.expected_row_tokens(batch, 64)
+    assert policy.expected_row_tokens(list(batch), 64) is kept  # plain rounds change nothing
+    before = policy.expected_tokens(batch, 64)
+    batch[0].record(CHAIN3, 0)  # the request's own counts
+    mine = policy.expected_tokens(batch, 64)
+    assert mine[CHAIN3] < before[CHAIN3] and mine[TREE] < before[TREE]
+    policy.server.record(TREE, [0, 0, 0])  # the server's
+    assert policy.expected_tokens(batch, 64)[TREE] < mine[TREE]
+    fresh = SpeculationPolicy(candidate_shapes(TREE), TREE, SMALL_AND_LARGE, adaptive=True)
+    fresh.server = policy.server
+    assert fresh.expected_tokens(batch, 64) == pytest.approx(policy.expected_tokens(batch, 64))
+
+
 def test_a_shape_dearer_than_its_warm_up_timing_gives_way_once_plain_is_probed():
     """The warm-up timed CHAIN1 at 1.2 plain steps at bucket 1, but served rounds take 3: its
     own rounds and the plain probes correct the costs (each round's residual clipped, so
