@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--demo-batch-sizes", type=int_list, default=[1, 32])
     parser.add_argument("--rows", default="tiny,demo,spec,ngram",
                         help="which rows: tiny (decode), demo (decode), spec (demo rounds "
-                             "with its EAGLE3 head), ngram (demo rounds drafted by NGRAM)")
+                             "with its EAGLE3 head), ngram (demo rounds drafted by NGRAM), "
+                             "ngram-adaptive (demo steps of NGRAM's adaptive policy)")
     parser.add_argument("--steps", type=int, default=256, help="timed decode steps")
     parser.add_argument("--short", type=int, default=16,
                         help="new tokens of the run whose time is subtracted")
@@ -282,6 +283,27 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
         engine.shutdown()
 
 
+def bench_adaptive_ngram(batches: list[int], args) -> Iterator[dict]:
+    """The demo model served by NGRAM under the adaptive policy (the default): a step is
+    plain or a round, as the policy chooses, and the host looks up every request's text only
+    for steps that may draft. Engine ms per step beside the plain row's say what serving with
+    the speculative engine costs where drafting does not pay (on random text, most steps);
+    the device and floor columns replay its plain steps alone."""
+    engine = make_engine(args.model_path, batches, args.dtype, args.context,
+                         quantization=args.quantization,
+                         disable_overlap_schedule=args.disable_overlap_schedule,
+                         speculative_algorithm="NGRAM")
+    try:
+        for batch in batches:
+            prompts = bench_prompts(batch, args.context, engine.model.config.vocab_size,
+                                    repeats=4)
+            yield result_row(f"{model_label(args)} NGRAM", _kind("adaptive step", args), batch,
+                             *engine_and_replay_ms(engine, engine.runtime.runner, ("launch",),
+                                                   prompts, args.short, args.steps))
+    finally:
+        engine.shutdown()
+
+
 def bench_prompts(batch: int, context: int | None, vocab: int, repeats: int = 1
                   ) -> list[list[int]]:
     """`batch` prompts of a random phrase repeated `repeats` times (so NGRAM's lookups find
@@ -346,6 +368,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in bench_speculative(batches, args) if "spec" in wanted else ():
         add(row)
     for row in bench_speculative(batches, args, "NGRAM") if "ngram" in wanted else ():
+        add(row)
+    for row in bench_adaptive_ngram(batches, args) if "ngram-adaptive" in wanted else ():
         add(row)
     return rows
 
