@@ -46,7 +46,8 @@
 #   editschat  NGRAM on code edits alternating with MT-Bench questions, served at concurrency
 #              8 and 32: the one-shape policy against per-request lengths, each row with
 #              both engines' scheduler phases (on an H200 both read 0.27-0.38x of plain:
-#              docs/benchmarks.md, a seventh lend; these phases say where the time goes)
+#              docs/benchmarks.md, a seventh lend; these phases say where the time goes),
+#              after the engine ms per step of plain and of NGRAM's adaptive policy
 #   nextn      NEXTN on a Qwen3-Next-shaped random target (hidden 1024, 16 layers, 8 experts):
 #              the round in parts beside a plain step and an EAGLE3 round of the same shapes,
 #              then end to end with an MTP module fitted to the target's own text
@@ -225,6 +226,8 @@ EOF
           --output-len 256 --output-json "$out/ngram_$dataset.json"
       done ;;
     editschat)
+      python3 "$here/bench_host_overhead.py" --rows demo,ngram-adaptive \
+        --demo-batch-sizes 8,32 --json "$out/editschat_host.json"
       for concurrency in 8 32; do
         python3 "$here/bench_speculative.py" --model-path demo --algorithm NGRAM \
           --dataset edits-and-chat --shapes adaptive,per-request --num-prompts 64 \
