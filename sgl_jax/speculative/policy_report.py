@@ -3,19 +3,17 @@ the figures it chose them by."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from sgl_jax.speculative.config import TreeShape
-
-if TYPE_CHECKING:
-    from sgl_jax.speculative.policy import SpeculationPolicy
 
 
 def shape_name(shape: TreeShape) -> str:
     return "plain" if shape.num_steps == 0 else shape.name
 
 
-def policy_info(policy: SpeculationPolicy) -> dict:
+def policy_info(policy: Any) -> dict:
+    """For a policy.SpeculationPolicy (not imported: it imports this module)."""
     last = policy.last
     return {
         "spec_adaptive": policy.adaptive,
@@ -39,7 +37,7 @@ def policy_info(policy: SpeculationPolicy) -> dict:
     }
 
 
-def round_ms_table(policy: SpeculationPolicy, believed: bool = False
+def round_ms_table(policy: Any, believed: bool = False
                    ) -> dict[str, dict[str, float]]:
     """The warm-up timing of each shape's round by batch bucket, {"8": {"3/4/8": 7.1}};
     `believed`: as the choice and the admission rule price it now (times the bucket's load
