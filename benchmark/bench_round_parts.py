@@ -188,6 +188,7 @@ def _tree_parents(steps: int, topk: int, tokens: int) -> np.ndarray:
 def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: str) -> Row:
     import jax
 
+    from sgl_jax.layers.sampler import NO_LOGPROBS
     from sgl_jax.model_executor.forward_batch import SeqChunk
     from sgl_jax.model_executor.model_runner import greedy_sampling_batch
     from sgl_jax.speculative.round import CATCH_UP_WIDTH, CatchUpRow, RoundInputs, RoundRows
@@ -203,7 +204,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
                            state_slot=i + 1)
                   for i in range(batch)]
         return runner.step(chunks, sampling, np.full(batch, -1, np.int32),
-                           np.ones(batch, bool), False).result().tokens
+                           np.ones(batch, bool), False, want_logprobs=False).result().tokens
 
     # The round's arrays, padded to the batch bucket B: request i in request slot i and
     # recurrent-state slot i + 1; padding rows (inactive) read the null page and state slot 0.
@@ -238,7 +239,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
                                             draft=spec.tp.put_replicated(slot_roots))
     tree = DraftTree(rng.integers(vocab, size=(padded, setup.num_tokens)).astype(np.int32),
                      np.tile(setup.tree_parents, (padded, 1)))
-    want_top = np.bool_(False)
+    detail = np.int32(NO_LOGPROBS)  # as served to requests that want no log-probabilities
 
     def inputs_of(rows, root_hidden, sampling, suppress):
         return RoundInputs(rows.slots >= 0, rows.kv_lens, rows.root_tokens, root_hidden,
@@ -252,18 +253,18 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
                                         rows.state_slots)
         return kv, (tree, root)
 
-    def verify_part(params, kv, rows, tree, sampling, suppress, want_top):
+    def verify_part(params, kv, rows, tree, sampling, suppress, detail):
         inputs = inputs_of(rows, None, sampling, suppress)
-        return spec.verify(params, kv, rows, inputs, tree, want_top, shape)
+        return spec.verify(params, kv, rows, inputs, tree, detail, shape)
 
     # Everything goes in as an argument: a closed-over array would be folded at compile time.
     verify = jax.jit(verify_part, donate_argnums=1)
-    verify_args = (rows, tree, request_sampling, suppress, want_top)
+    verify_args = (rows, tree, request_sampling, suppress, detail)
     _, verified = jax.jit(verify_part)(
         runner.model.params, state.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
     whole = spec.rounds[shape]  # the programs SpecRunner.round runs, by batch bucket
-    device_arrays = jax.device_put((rows, request_sampling, want_top))
+    device_arrays = jax.device_put((rows, request_sampling, detail))
 
     def run_verify():
         state.kv_cache, out = verify(runner.model.params, state.kv_cache, *verify_args)
@@ -292,7 +293,8 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     deferred = shape.num_draft_tokens == 1 and spec.defers_draft
     ms = median_ms({"decode": decode,
                     "round": lambda: spec.round(rows, request_sampling, False, shape,
-                                                num_rows=batch).result().tokens,
+                                                num_rows=batch,
+                                                want_logprobs=False).result().tokens,
                     "verify": run_verify, "device": run_round_device,
                     "draft": run_catch_up if deferred else run_draft},
                    repeats)

@@ -24,8 +24,11 @@ from tqdm.auto import tqdm
 
 from sgl_jax.layers.attention import get_attention_backend, resolve_attention_backend
 from sgl_jax.layers.sampler import (
+    NO_LOGPROBS,
+    SampleOutput,
     SamplingBatch,
     init_penalty_state,
+    logprob_detail,
     record_tokens,
     reset_slots,
     sample,
@@ -98,6 +101,13 @@ class PendingStep:
         for array in self._arrays:
             if array is not None:
                 array.copy_to_host_async()
+
+    @classmethod
+    def of_sample(cls, num_rows: int, out: SampleOutput, want_logprobs: bool, want_top: bool
+                  ) -> PendingStep:
+        """A sampling step's result, holding the log-probabilities some row wanted."""
+        return cls(num_rows, out.tokens, out.logprob if want_logprobs else None,
+                   (out.top_logprob_ids, out.top_logprobs) if want_top else None)
 
     def result(self) -> StepOutput:
         n = self._num_rows
@@ -225,14 +235,14 @@ class ModelRunner:
         """Dispatch a batch already padded to its bucket (see step)."""
         shape = BatchShape(batch.input_ids.shape[0], batch.attention.q_block,
                            batch.attention.page_table.shape[1], batch.logits_indices.shape[0])
-        host = (batch, sampling, penalty_slots, slots, emits, np.bool_(want_top_logprobs))
+        host = (batch, sampling, penalty_slots, slots, emits,
+                logprob_detail(want_logprobs, want_top_logprobs))
         packing, program = self._sampling_program(shape, host)
         state = self.state
-        (state.kv_cache, state.penalties, state.last_tokens, out, top) = program(
+        (state.kv_cache, state.penalties, state.last_tokens, out) = program(
             self.model.params, state.kv_cache, state.penalties, state.last_tokens,
             *pack(host, packing))
-        return PendingStep(num_rows, out.tokens, out.logprob if want_logprobs else None,
-                           top if want_top_logprobs else None)
+        return PendingStep.of_sample(num_rows, out, want_logprobs, want_top_logprobs)
 
     @device_call
     def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
@@ -312,17 +322,17 @@ class ModelRunner:
 
     def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, ints, floats, *,
                             packing, forward):
-        batch, sampling, penalty_slots, slots, emits, want_top = unpack(packing, ints, floats)
+        batch, sampling, penalty_slots, slots, emits, detail = unpack(packing, ints, floats)
         if batch.attention.q_block == 1:  # decode rows may read their input on the device
             batch = dataclasses.replace(batch, input_ids=_with_last_tokens(
                 batch.input_ids, last_tokens, slots))
         kv_cache, logits, _ = forward(params, kv_cache, batch)
-        out = sample(logits, sampling, penalties, penalty_slots)
+        out = sample(logits, sampling, penalties, penalty_slots, detail=detail,
+                     num_top_logprobs=MAX_TOP_LOGPROBS)
         penalties = record_tokens(penalties, penalty_slots, out.tokens, emits)
         kept = jnp.where(emits & (slots >= 0), slots, last_tokens.shape[0])  # others: dropped
         last_tokens = last_tokens.at[kept].set(out.tokens, mode="drop")
-        top = top_logprobs_if(want_top, logits)
-        return kv_cache, *self.tp.constrain_replicated((penalties, last_tokens, out, top))
+        return kv_cache, *self.tp.constrain_replicated((penalties, last_tokens, out))
 
     def _reset_slots_impl(self, penalties, slots, prompt_ids):
         self.num_compilations += 1
@@ -358,7 +368,7 @@ class ModelRunner:
         rows = shape.num_logits
         return (batch, greedy_sampling_batch(rows, self.config.vocab_size),
                 np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, bool),
-                np.bool_(False))
+                np.int32(NO_LOGPROBS))
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.
@@ -397,23 +407,6 @@ def _with_last_tokens(input_ids: jax.Array, last_tokens: jax.Array, slots: jax.A
                       ) -> jax.Array:
     """i32[N] decode inputs: a -1 becomes the row's slot's last sampled token."""
     return jnp.where(input_ids < 0, last_tokens[jnp.maximum(slots, 0)], input_ids)
-
-
-def top_logprobs_if(want: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """logits f32[N, V] -> the top MAX_TOP_LOGPROBS ids i32[N, K] and log-probabilities
-    f32[N, K] where `want` (bool[]) holds, else zeros (the top-k sort skipped)."""
-    return jax.lax.cond(want, _top_logprobs, _no_top_logprobs, logits)
-
-
-def _top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), MAX_TOP_LOGPROBS)
-    return ids.astype(jnp.int32), values
-
-
-def _no_top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    rows = logits.shape[0]
-    return (jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32),
-            jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32))
 
 
 def pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:

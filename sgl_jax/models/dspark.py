@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.linear import matmul_rows
+from sgl_jax.layers.sampler import vocab_top_k
 from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import dflash
 from sgl_jax.models.dflash import DFlashConfig
@@ -191,8 +192,8 @@ def draft_candidates(
         """Each of the rows' K best next tokens: log-probabilities and tokens [rows, K], and
         the rows' state after this slot."""
         bias, state = markov_step(params, config, h, previous, state)
-        scores, tokens = jax.lax.top_k(jax.nn.log_softmax(logits + bias, -1), topk)
-        return scores, tokens.astype(jnp.int32), state
+        scores, tokens = vocab_top_k(jax.nn.log_softmax(logits + bias, -1), topk)
+        return scores, tokens, state
 
     first_scores, first_tokens, state = children(hidden[:, 0], base[:, 0], anchors,
                                                  initial_state(config, num_blocks))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend, LayerKV
+from sgl_jax.layers.sampler import vocab_top_k
 from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
 from sgl_jax.models import dflash
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
@@ -130,7 +131,7 @@ def position_topk_tree(
     paths of each depth are extended by the next position's top-k, as EAGLE-2 grows its
     frontier, and `select_tree` keeps the best candidates, ancestors first."""
     batch, steps, _ = logprobs.shape
-    top_scores, top_ids = top_k_by_argmax(logprobs, topk)  # [B, S, K]
+    top_scores, top_ids = vocab_top_k(logprobs, topk)  # [B, S, K]
     # Depths are scanned, not sliced: XLA moved each depth's slice below the top-k and sorted
     # the whole vocabulary once per depth (0.55 s a round on the demo model's CPU, not 3 ms).
     by_depth = (jnp.swapaxes(top_scores, 0, 1), jnp.swapaxes(top_ids, 0, 1).astype(jnp.int32))
@@ -160,17 +161,3 @@ def position_topk_tree(
     tokens = candidates(by_depth[1][0], child_tokens)
     parents = candidates(jnp.full_like(first, -1), child_parents)
     return select_tree(roots, scores, tokens, parents, num_draft_tokens)
-
-
-def top_k_by_argmax(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """x f[..., V] -> its k largest values f[..., k] and their indices i32[..., k], ties to the
-    lower index (as lax.top_k): k passes of argmax, each masking out the one before. Inside a
-    round program XLA:CPU turned lax.top_k over the vocabulary into a sort of it (23 of a
-    one-layer DFlash head's 31 ms of drafting on the demo model); a pass is one reduction."""
-    values, indices = [], []
-    for _ in range(k):
-        best = jnp.argmax(x, axis=-1)
-        values.append(jnp.take_along_axis(x, best[..., None], -1)[..., 0])
-        indices.append(best.astype(jnp.int32))
-        x = jnp.where(jnp.arange(x.shape[-1]) == best[..., None], -jnp.inf, x)
-    return jnp.stack(values, -1), jnp.stack(indices, -1)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.sampler import vocab_top_k
 from sgl_jax.model_executor.forward_batch import window_metadata
 from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next_mtp
 from sgl_jax.models.config import ModelConfig
@@ -166,8 +167,8 @@ def grow_tree(
         hidden, kv = _run_window(draft, params, kv, window, prefix_lens, page_table, active,
                                  page_size, state_slots)
         root_logits = draft.logits(params, hidden[:, 0])
-    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), k)  # [B, K]
-    tokens = draft.to_target(params, ids.astype(jnp.int32))
+    scores, ids = vocab_top_k(jax.nn.log_softmax(root_logits, axis=-1), k)  # [B, K]
+    tokens = draft.to_target(params, ids)
     candidates = [(scores, tokens, jnp.full((batch, k), -1, jnp.int32))]
     frontier = _Frontier(
         candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
@@ -182,9 +183,9 @@ def grow_tree(
                                  page_size, state_slots)
         frontier_hidden = hidden[:, -k:]  # [B, K, H]
         logp = jax.nn.log_softmax(draft.logits(params, frontier_hidden.reshape(batch * k, -1)))
-        child_logp, child_ids = jax.lax.top_k(logp.reshape(batch, k, -1), k)  # [B, K, K]
+        child_logp, child_ids = vocab_top_k(logp.reshape(batch, k, -1), k)  # [B, K, K]
         child_scores = (frontier.scores[:, :, None] + child_logp).reshape(batch, k * k)
-        child_tokens = draft.to_target(params, child_ids.astype(jnp.int32)).reshape(batch, -1)
+        child_tokens = draft.to_target(params, child_ids).reshape(batch, -1)
         child_parents = jnp.repeat(frontier.candidate, k, axis=1)
         candidates.append((child_scores, child_tokens, child_parents))
         if step < steps - 1:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers.attention import AttentionBackend
-from sgl_jax.layers.sampler import filtered_probs, penalised_logits
+from sgl_jax.layers.sampler import filtered_probs, penalised_logits, vocab_argmax
 from sgl_jax.models import dspark
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
 from sgl_jax.speculative.dflash_drafter import DFlashDrafter
@@ -77,7 +77,7 @@ class DSparkDrafter(DFlashDrafter):
             rows = node_sampling(inputs.sampling, depth, inputs.suppress_depth)
 
             def argmax(logits):  # an all-greedy round sorts no vocabulary
-                best = jnp.argmax(penalised_logits(logits, rows, None, None), axis=-1)
+                best = vocab_argmax(penalised_logits(logits, rows, None, None))
                 return jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32)
 
             q = jax.lax.cond(jnp.all(rows.temperature == 0), argmax,

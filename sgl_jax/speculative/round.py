@@ -31,7 +31,7 @@ from sgl_jax.layers.attention.metadata import (
     to_windows,
     write_slots,
 )
-from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.layers.sampler import SamplingBatch, raw_logprobs
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
     SeqChunk,
@@ -39,7 +39,7 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
     window_metadata,
 )
-from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words, top_logprobs_if
+from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words
 from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
@@ -180,15 +180,16 @@ def commit_path_kv(kv: list[LayerKV], page_table: jax.Array, prefix_lens: jax.Ar
             for layer in kv]
 
 
-def path_logprobs(logits: jax.Array, tokens: jax.Array, want_top: jax.Array):
-    """logits f32[B*(S+1), V] at the nodes that produced each emitted token, tokens i32[B, S+1]
-    -> raw log-probabilities f32[B, S+1] and top ones [B, S+1, MAX_TOP_LOGPROBS] (or zeros)."""
+def path_logprobs(logits: jax.Array, rows: jax.Array, tokens: jax.Array, detail: jax.Array):
+    """logits f32[B*N, V] at every node, rows i32[B*(S+1)]: the node that produced each
+    emitted token, tokens i32[B, S+1], and the detail wanted (sampler.raw_logprobs) -> raw
+    log-probabilities f32[B, S+1] and top ones [B, S+1, MAX_TOP_LOGPROBS] (zeros where not
+    wanted)."""
     batch, width = tokens.shape
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens.reshape(-1, 1), axis=1).reshape(batch, width)
-    top_ids, top_values = top_logprobs_if(want_top, logits)
+    chosen, top_ids, top_values = raw_logprobs(logits, tokens.reshape(-1), detail,
+                                               MAX_TOP_LOGPROBS, rows=rows)
     shape = (batch, width, MAX_TOP_LOGPROBS)
-    return chosen, (top_ids.reshape(shape), top_values.reshape(shape))
+    return chosen.reshape(batch, width), (top_ids.reshape(shape), top_values.reshape(shape))
 
 
 def node_sampling(sampling: SamplingBatch, depths: jax.Array, suppress_depth: jax.Array
@@ -285,7 +286,7 @@ def verify_trees(
     page_table: jax.Array,  # i32[B, P]
     inputs: RoundInputs,
     tree: DraftTree,  # [B, N]
-    want_top: jax.Array,  # bool[]
+    detail: jax.Array,  # i32[]: the raw log-probabilities wanted (sampler.raw_logprobs)
     state_slots: jax.Array,  # i32[B]: hybrid targets' slots
     *,
     num_steps: int,  # S: the deepest a path may be accepted
@@ -340,7 +341,7 @@ def verify_trees(
     if not chain:  # a chain's accepted nodes are already consecutive
         kv = commit_path_kv(kv, page_table, kv_lens, verdict, page_size)
     path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)
-    logprobs, top = path_logprobs(logits[path_rows], verdict.tokens, want_top)
+    logprobs, top = path_logprobs(logits, path_rows, verdict.tokens, detail)
     path_features = target_features(features, hidden, captured)
     return kv, Verified(verdict, logprobs, top,
                         None if path_features is None else path_features[path_rows])

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.layers.sampler import SamplingBatch, sample
+from sgl_jax.layers.sampler import SamplingBatch, logprob_detail, sample
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
     Buckets,
@@ -59,10 +59,10 @@ from sgl_jax.model_executor.forward_batch import (
     build_forward_batch,
 )
 from sgl_jax.model_executor.model_runner import (
+    MAX_TOP_LOGPROBS,
     ModelRunner,
     PendingStep,
     pad_rows,
-    top_logprobs_if,
 )
 from sgl_jax.model_executor.programs import Programs
 from sgl_jax.parallel.multihost import device_call
@@ -200,16 +200,16 @@ class SpecRunner:
         """Extend target and draft (the target alone without `run_draft`: no request of the
         batch has a draft), without waiting. An emitting row's sampled token and the
         drafter's slot row at it become its slot's root."""
-        shape, inputs = self.prefill_inputs(chunks, sampling, emits, want_top_logprobs,
-                                            next_tokens, slots, run_draft)
+        shape, inputs = self.prefill_inputs(
+            chunks, sampling, emits, logprob_detail(want_logprobs, want_top_logprobs),
+            next_tokens, slots, run_draft)
         state, draft = self.state, self.draft_state
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out, top) = self.prefills(
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out) = self.prefills(
             shape, *self.state_args(), *inputs)
-        return PendingStep(len(chunks), out.tokens, out.logprob if want_logprobs else None,
-                           top if want_top_logprobs else None)
+        return PendingStep.of_sample(len(chunks), out, want_logprobs, want_top_logprobs)
 
     def prefill_inputs(self, chunks: Sequence[SeqChunk], sampling: SamplingBatch,
-                       emits: np.ndarray, want_top_logprobs: bool, next_tokens: Sequence[int],
+                       emits: np.ndarray, detail: np.int32, next_tokens: Sequence[int],
                        slots: np.ndarray, run_draft: bool) -> tuple[BatchShape, tuple]:
         """A prefill's bucket and its host inputs, padded to the bucket (see prefill)."""
         shape = self.target.buckets.shape_for(chunks)
@@ -218,7 +218,7 @@ class SpecRunner:
         sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
         return shape, (batch, sampling, pad_rows(emits, rows, fill=False),
                        pad_rows(slots.astype(np.int32), rows, fill=-1),
-                       np.bool_(want_top_logprobs), shifted_ids(chunks, shape, next_tokens),
+                       detail, shifted_ids(chunks, shape, next_tokens),
                        np.bool_(run_draft))
 
     @device_call
@@ -233,7 +233,8 @@ class SpecRunner:
         state, draft = self.state, self.draft_state
         (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
          result) = self.rounds[shape](
-            len(rows.slots), *self.state_args(), rows, sampling, np.bool_(want_top_logprobs))
+            len(rows.slots), *self.state_args(), rows, sampling,
+            logprob_detail(want_logprobs, want_top_logprobs))
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
@@ -257,7 +258,7 @@ class SpecRunner:
         (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
          result) = self.masked_verifies(
             len(rows.slots), *self.state_args(), rows, tree, sampling,
-            np.bool_(want_top_logprobs), allowed)
+            logprob_detail(want_logprobs, want_top_logprobs), allowed)
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
@@ -279,15 +280,15 @@ class SpecRunner:
     # ------------------------------------------------------------------ jitted bodies
 
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
-                      last_tokens, batch, sampling, emits, slots, want_top, draft_ids,
+                      last_tokens, batch, sampling, emits, slots, detail, draft_ids,
                       run_draft):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self.forward(
             target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
             capture=self.capture_layers, state_slots=batch.state_slots)
         logits = self.forward.logits(target_params, hidden[batch.logits_indices])
-        out = sample(logits, sampling, None, None)
-        top = top_logprobs_if(want_top, logits)
+        out = sample(logits, sampling, None, None, detail=detail,
+                     num_top_logprobs=MAX_TOP_LOGPROBS)
         features = None
         if self.drafter.features:
             # The last token of a completed prompt pairs with the token just sampled.
@@ -301,16 +302,16 @@ class SpecRunner:
             slot_state, draft=slot_state.draft.at[where].set(slot_rows, mode="drop"))
         last_tokens = last_tokens.at[where].set(out.tokens, mode="drop")
         return target_kv, draft_kv, *self.tp.constrain_replicated(
-            (slot_state, last_tokens, out, top))
+            (slot_state, last_tokens, out))
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
-                    last_tokens, rows: RoundRows, sampling, want_top, *, shape: TreeShape):
+                    last_tokens, rows: RoundRows, sampling, detail, *, shape: TreeShape):
         self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, last_tokens, rows, sampling)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
         tree, packed = round_packing(tree, rows)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
-                                           want_top, shape, packed=packed)
+                                           detail, shape, packed=packed)
         features = slot_rows = None
         if shape.num_draft_tokens == 1 and self.defers_draft:
             features = verified.features  # f[B, F]: the root's, for a later catch-up
@@ -334,12 +335,12 @@ class SpecRunner:
         return self.tp.constrain_replicated(tree), draft_kv
 
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
-                            last_tokens, rows: RoundRows, tree, sampling, want_top,
+                            last_tokens, rows: RoundRows, tree, sampling, detail,
                             node_allowed, *, shape: TreeShape):
         self._count_compilation("masked verify", tree.tokens.shape[0])
         inputs = round_inputs(slot_state, last_tokens, rows, sampling)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
-                                           want_top, shape, node_allowed=node_allowed)
+                                           detail, shape, node_allowed=node_allowed)
         slot_rows, draft_kv = self.drafter.advance(draft_params, draft_kv, tree, verified,
                                                    inputs, rows.page_table, rows.state_slots)
         slot_state, last_tokens = advance_slots(slot_state, last_tokens, rows.slots, inputs,
@@ -360,10 +361,10 @@ class SpecRunner:
         return limit_depth(tree, rows.max_depths), draft_kv
 
     def verify(self, target_params, target_kv, rows: RoundRows, inputs: RoundInputs,
-                tree: DraftTree, want_top, shape: TreeShape, node_allowed=None, packed=None
+                tree: DraftTree, detail, shape: TreeShape, node_allowed=None, packed=None
                 ) -> tuple[list, Verified]:
         return verify_trees(
-            self.forward, target_params, target_kv, rows.page_table, inputs, tree, want_top,
+            self.forward, target_params, target_kv, rows.page_table, inputs, tree, detail,
             rows.state_slots, num_steps=shape.num_steps, chain=self.drafter.chains(shape),
             page_size=self.page_size, thresholds=self.thresholds,
             features=self.drafter.features, capture=self.capture_layers,

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from sgl_jax.layers.sampler import NO_LOGPROBS
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.model_executor.programs import build_in_pairs
@@ -237,7 +238,7 @@ def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
     rows = _padding_rows(spec, size)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
     return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
-                              rows_for(shape, rows), sampling, np.bool_(False))
+                              rows_for(shape, rows), sampling, np.int32(NO_LOGPROBS))
             for shape in shapes]
 
 
@@ -251,7 +252,7 @@ def build_masked(spec: SpecRunner, size: int) -> None:
     tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trees.out_info[0])
     spec.masked_verifies.build(
         size, *spec.state_args(), rows, tree, greedy_sampling_batch(size, spec.vocab_size),
-        np.bool_(False), allow_every_id(tree.tokens.shape, spec.vocab_size))
+        np.int32(NO_LOGPROBS), allow_every_id(tree.tokens.shape, spec.vocab_size))
 
 
 def _warm_undrafted_steps(spec: SpecRunner, sizes: Sequence[int]) -> None:
@@ -324,8 +325,10 @@ def _warm_prefill(spec: SpecRunner, shape: BatchShape) -> None:
 
 def build_prefill(spec: SpecRunner, tokens: int) -> None:
     """Build, never run, the prefill program of token bucket `tokens` (any thread)."""
-    shape, inputs = spec.prefill_inputs(*_dummy_prefill(spec, spec.buckets.extend_shape(tokens)),
-                                        run_draft=True)
+    chunks, sampling, emits, _, next_tokens, slots = _dummy_prefill(
+        spec, spec.buckets.extend_shape(tokens))
+    shape, inputs = spec.prefill_inputs(chunks, sampling, emits, np.int32(NO_LOGPROBS),
+                                        next_tokens, slots, run_draft=True)
     spec.prefills.build(shape, *spec.state_args(), *inputs)
 
 

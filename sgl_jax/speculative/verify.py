@@ -26,7 +26,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.sampler import SamplingBatch, filtered_probs, penalised_logits, row_uniform
+from sgl_jax.layers.sampler import (
+    SamplingBatch,
+    filtered_probs,
+    penalised_logits,
+    row_uniform,
+    vocab_argmax,
+)
 from sgl_jax.speculative.tree import DraftTree
 
 _ACCEPT_STREAM, _BONUS_STREAM, _DRAFT_STREAM = 1, 2, 3  # apart from plain sampling's
@@ -61,7 +67,7 @@ def verify_tree(
     u_bonus = _node_uniforms(sampling, _BONUS_STREAM).reshape(batch, num_nodes)
 
     def greedy(logits: jax.Array) -> Verdict:
-        best = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(batch, num_nodes)
+        best = vocab_argmax(logits).reshape(batch, num_nodes)
         child_prob = (_at_parent(best, tree.parents) == tree.tokens).astype(jnp.float32)
         path, accepted, last = _walk(tree, child_prob, u_accept, num_steps, thresholds)
         bonus = jnp.take_along_axis(best, last[:, None], axis=1)[:, 0]
@@ -143,8 +149,8 @@ def _draw_bonus(
     residual = residual.at[rows, rejected].set(0.0, mode="drop")
     drawn = inverse_cdf(residual, u[:, 0])
     total = jnp.sum(residual, axis=1, keepdims=True)
-    fallback = jnp.argmax(jnp.take_along_axis(probs, last[:, None, None], 1)[:, 0], axis=1)
-    return jnp.where(total[:, 0] > 0, drawn, fallback.astype(jnp.int32))
+    fallback = vocab_argmax(jnp.take_along_axis(probs, last[:, None, None], 1)[:, 0])
+    return jnp.where(total[:, 0] > 0, drawn, fallback)
 
 
 def draw_draft(q: jax.Array, sampling: SamplingBatch) -> jax.Array:

@@ -2,6 +2,7 @@
 against their distribution, batch independence, greedy rows, penalty state and raw logprobs."""
 
 import dataclasses
+import re
 import zlib
 
 import jax
@@ -339,6 +340,32 @@ def test_greedy_is_argmax_whatever_the_filters():
     np.testing.assert_array_equal(tokens_of(logits, mixed)[:7], logits[:7].argmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [13, 128, 300, 1000])
+def test_vocab_argmax_is_the_first_maximum(vocab):
+    """Against numpy's argmax: ties within and across blocks of ids, a row of -inf, a
+    vocabulary that is not a multiple of the block, and a leading batch axis."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(0, 4, (3, 5, vocab)).astype(np.float32)  # every row full of ties
+    x[0, 0] = -np.inf
+    x[1, 2, -1] = 9.0  # the maximum in the last, padded block
+    got = jax.jit(sampler.vocab_argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    bf16 = jax.jit(sampler.vocab_argmax)(jnp.asarray(x, jnp.bfloat16))
+    np.testing.assert_array_equal(bf16, np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("vocab", [13, 300])
+def test_vocab_top_k_is_lax_top_k_ties_included(vocab):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.integers(0, 4, (2, 3, vocab)), jnp.float32)  # many ties
+    for k in (1, 3, 5):
+        values, ids = sampler.vocab_top_k(x, k)
+        want_values, want_ids = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(values, want_values)
+        np.testing.assert_array_equal(ids, want_ids)
+
+
 def test_greedy_honours_suppress_ids_and_penalties():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(S, V)).astype(np.float32)
@@ -416,26 +443,41 @@ def test_logprobs_come_from_the_raw_logits():
     logits = (rng.normal(size=(S, V)) * 2).astype(np.float32)
     params = random_knob(rng, "combined")
     state, slots = random_state(rng), rng.integers(-1, R, S).astype(np.int32)
-    out = sample(logits, params, state, slots, num_top_logprobs=5)
+    out = sample(logits, params, state, slots, detail=sampler.TOP_LOGPROBS, num_top_logprobs=5)
     raw = ref_log_softmax(logits)
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(out.logprob, raw[np.arange(S), tokens], atol=1e-5)
     np.testing.assert_array_equal(out.top_logprob_ids, np.argsort(-raw, axis=-1)[:, :5])
     np.testing.assert_allclose(out.top_logprobs, np.sort(raw, axis=-1)[:, ::-1][:, :5], atol=1e-5)
+    row, column = np.nonzero(np.asarray(out.top_logprob_ids) == tokens[:, None])
+    # a token's value is exactly its entry among the top ones
+    np.testing.assert_array_equal(np.asarray(out.top_logprobs)[row, column],
+                                  np.asarray(out.logprob)[row])
+
+    token_only = sample(logits, params, state, slots, detail=sampler.TOKEN_LOGPROBS,
+                        num_top_logprobs=5)
+    np.testing.assert_array_equal(token_only.logprob, out.logprob)
+    assert not np.asarray(token_only.top_logprobs).any()
+
+    nothing = sample(logits, params, state, slots, detail=sampler.NO_LOGPROBS, num_top_logprobs=5)
+    assert not np.asarray(nothing.logprob).any() and not np.asarray(nothing.top_logprobs).any()
 
     none = sample(logits, params, state, slots)
     assert none.top_logprob_ids.shape == (S, 0) and none.top_logprobs.shape == (S, 0)
     assert none.top_logprob_ids.dtype == jnp.int32
-    np.testing.assert_array_equal(none.tokens, tokens)
+    for other in (token_only, nothing, none):
+        np.testing.assert_array_equal(other.tokens, tokens)
 
 
 def test_all_greedy_batch_skips_the_sort():
     """One compiled function: a lax.cond whose greedy branch holds no sort."""
     logits = np.zeros((S, V), np.float32)
     jaxpr = jax.make_jaxpr(sampler.sample)(logits, make_params(), empty_state(), NO_SLOTS)
-    conds = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+    conds = [eqn for eqn in jaxpr.eqns  # the other: raw_logprobs' switch of three
+             if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 2]
     assert len(conds) == 1
-    sorts = ["sort" in str(branch) for branch in conds[0].params["branches"]]
+    sorts = [re.search(r"\bsort\[", str(branch)) is not None
+             for branch in conds[0].params["branches"]]
     assert sorted(sorts) == [False, True]
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.speculative.dflash_drafter import position_topk_tree, top_k_by_argmax
+from sgl_jax.speculative.dflash_drafter import position_topk_tree
 from sgl_jax.speculative.tree import node_depths
 
 
@@ -57,13 +57,3 @@ def test_top_1_is_the_chain_of_argmaxes():
     tree = position_topk_tree(jnp.zeros(2, jnp.int32), logprobs, topk=1, num_draft_tokens=7)
     np.testing.assert_array_equal(tree.tokens[:, 1:], jnp.argmax(logprobs, -1))
     np.testing.assert_array_equal(node_depths(tree.parents)[0], np.arange(7))
-
-
-def test_top_k_by_argmax_is_lax_top_k_ties_included():
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.integers(0, 4, (2, 3, 13)), jnp.float32)  # many ties
-    for k in (1, 3, 5):
-        values, ids = top_k_by_argmax(x, k)
-        want_values, want_ids = jax.lax.top_k(x, k)
-        np.testing.assert_array_equal(values, want_values)
-        np.testing.assert_array_equal(ids, want_ids)

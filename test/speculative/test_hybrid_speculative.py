@@ -20,7 +20,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.layers.sampler import NO_LOGPROBS, SamplingBatch
 from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
@@ -297,7 +297,8 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
                    state_slots, packed):
             inputs = RoundInputs(active, kv_lens, tree.tokens[:, 0], None, sampling, suppress)
             return verify_trees(spec.forward, params, kv, page_table, inputs, tree,
-                                np.bool_(False), state_slots, num_steps=spec.shape.num_steps,
+                                np.int32(NO_LOGPROBS), state_slots,
+                                num_steps=spec.shape.num_steps,
                                 chain=spec.shape.topk == 1, page_size=spec.page_size,
                                 thresholds=spec.thresholds, features="", packed=packed)
 
