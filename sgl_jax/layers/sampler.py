@@ -353,25 +353,25 @@ def raw_logprobs(
                 jnp.zeros((count, k), jnp.float32))
 
     def token_only(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return _token_logprobs(picked(logits), tokens), *nothing(logits)[1:]
+        token, _ = _token_logprobs(picked(logits), tokens)
+        return token, *nothing(logits)[1:]
 
     def with_top(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         logits = picked(logits)
-        token = _token_logprobs(logits, tokens)
+        token, lse = _token_logprobs(logits, tokens)
         if k == 0:  # lax.top_k rejects k=0; callers still get arrays of a fixed rank
             return token, *nothing(logits)[1:]
         values, ids = jax.lax.top_k(logits, k)
-        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # the same as the token's
-        return token, ids.astype(jnp.int32), values - lse
+        return token, ids.astype(jnp.int32), values - lse[:, None]
 
     return jax.lax.switch(detail, (nothing, token_only, with_top), logits.astype(jnp.float32))
 
 
-def _token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """logits f32[S, V], tokens i32[S] -> f32[S]: each token's logit less its row's
-    logsumexp."""
+def _token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits f32[S, V], tokens i32[S] -> each token's logit less its row's logsumexp f32[S],
+    and the logsumexps f32[S]."""
     lse = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse, lse
 
 
 def sample(
