@@ -27,20 +27,20 @@ estimates come from:
   text copied from a prompt is accepted as long as the copy runs), so a draft accepted nine
   times in ten at depth 1 gets a deeper chain tried, where a fixed prior for deeper depths
   would keep the policy on the shallow chain that never measures them.
-- T: the runner's warm-up timing of every (shape, bucket) program, times two factors learnt
-  from the rounds served: the bucket's load (how much slower than at warm-up every shape runs
-  now: machine load, longer contexts) and a speculative shape's own correction (a warm-up
-  timing that misjudged it against plain's). Each round moves both by its log residual
-  log(measured / believed), clipped to MAX_RESIDUAL, the load faster (LOAD_RATE) than the
-  shape (SHAPE_RATE); a plain round moves the load alone, plain being what the corrections
-  are relative to. So a burst of slow rounds, which slows every shape alike, mostly moves the
-  load and leaves the comparison between shapes alone; a long run of plain rounds cannot
-  make plain look cheaper than its warm-up timing against the shapes it leaves unmeasured;
-  and a single outlier round (a first run, a pause of the host) moves a shape's correction
-  by a few percent, while a shape whose rounds stay dearer than its warm-up timing against
-  the rounds of other shapes around them (probes included) accumulates its correction over
-  tens of rounds. Without the clip one outlier could price a shape out for good: a shape
-  never chosen is never measured again.
+- T: the runner's warm-up timing of every (shape, bucket) program (`_timing`), times two
+  factors learnt from the rounds served: the bucket's load (how much slower than at warm-up
+  every shape runs now: machine load, longer contexts) and a speculative shape's own
+  correction (a warm-up timing that misjudged it against plain's). Each round moves both by
+  its log residual log(measured / believed), clipped to MAX_RESIDUAL, the load faster
+  (LOAD_RATE) than the shape (SHAPE_RATE); a plain round moves the load alone, plain being
+  what the corrections are relative to. So a burst of slow rounds, which slows every shape
+  alike, mostly moves the load and leaves the comparison between shapes alone; a long run of
+  plain rounds cannot make plain look cheaper than its warm-up timing against the shapes it
+  leaves unmeasured; and a single outlier round (a first run, a pause of the host) moves a
+  shape's correction by a few percent, while a shape whose rounds stay dearer than its
+  warm-up timing against the rounds of other shapes around them (probes included)
+  accumulates its correction over tens of rounds. Without the clip one outlier could price a
+  shape out for good: a shape never chosen is never measured again.
 
 The batch's end: where slots that requests free by finishing stay free (an offline batch run
 to its end), speeding up some requests does not end the batch sooner; there each shape is
@@ -151,6 +151,8 @@ class SpeculationPolicy:
         self.ceiling = ceiling
         self.depth = max(s.num_steps for s in shapes)
         self.round_seconds = dict(round_seconds)
+        menu = tuple(dict.fromkeys((PLAIN, *self.shapes)))
+        self._includers = {shape: [s for s in menu if s.includes(shape)] for shape in menu}
         self.load: dict[int, float] = {}  # bucket -> slowdown against warm-up, every shape
         self.correction: dict[tuple[TreeShape, int], float] = {}  # a shape's own, beyond load
         self.provisional: set[tuple[TreeShape, int]] = set()  # see add_round_seconds
@@ -220,8 +222,14 @@ class SpeculationPolicy:
         return tuple(s for s in shapes if (s, bucket) in self.round_seconds)
 
     def seconds(self, shape: TreeShape, bucket: int) -> float:
-        return (self.round_seconds[shape, bucket] * self.load.get(bucket, 1.0)
+        return (self._timing(shape, bucket) * self.load.get(bucket, 1.0)
                 * self.correction.get((shape, bucket), 1.0))
+
+    def _timing(self, shape: TreeShape, bucket: int) -> float:
+        """Its timing, capped by those of shapes whose rounds do all its work (includes): one
+        slow timing would otherwise price a shape out for good (it is never timed again)."""
+        return min(self.round_seconds[s, bucket] for s in self._includers.get(shape, [shape])
+                   if (s, bucket) in self.round_seconds)
 
     def choose(self, requests: Sequence[Acceptance | None], bucket: int, *,
                menu: Sequence[TreeShape] | None = None,
@@ -297,7 +305,7 @@ class SpeculationPolicy:
         most = {s: rows + drafted * s.num_steps for s in shapes}
         return beating_plain({s: min(most[s], s.verify_width * bucket) if s.verify_width
                               else most[s] for s in shapes},
-                             {s: self.round_seconds[s, bucket] for s in shapes})
+                             {s: self._timing(s, bucket) for s in shapes})
 
     def _probe(self, best: TreeShape, rates: dict[TreeShape, float],
                could_win: Sequence[TreeShape]) -> TreeShape | None:
