@@ -23,6 +23,10 @@ class TreeShape:
         base = f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
         return f"{base}:{self.verify_width}" if self.verify_width else base
 
+    def unpacked(self) -> TreeShape:
+        """The same tree, every row verifying all of it."""
+        return TreeShape(self.num_steps, self.topk, self.num_draft_tokens)
+
     def includes(self, other: TreeShape) -> bool:
         """Whether a round of this shape does all the work of a round of `other` in the same
         batch bucket, so it cannot cost less: an unpacked shape of no fewer steps, branches
@@ -31,9 +35,9 @@ class TreeShape:
         (an H100 timed it dearer than a one-step chain's round at batch 1)."""
         if self.num_steps == 0 or other.num_steps == 0:
             return self == other
-        tree, other_tree = self.name.split(":")[0], other.name.split(":")[0]
         if self.verify_width or other.verify_width:
-            return tree == other_tree and self.verify_width >= other.verify_width > 0
+            same_tree = self.unpacked() == other.unpacked()
+            return same_tree and self.verify_width >= other.verify_width > 0
         return (self.num_steps >= other.num_steps and self.topk >= other.topk
                 and self.num_draft_tokens >= other.num_draft_tokens)
 
