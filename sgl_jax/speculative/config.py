@@ -17,6 +17,14 @@ class TreeShape:
     # expected acceptance earns (verify_lengths); 0: every row verifies all N nodes.
     verify_width: int = 0
 
+    def __post_init__(self) -> None:
+        # Shapes key the adaptive policy's tables, read a few hundred times a round.
+        key = (self.num_steps, self.topk, self.num_draft_tokens, self.verify_width)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def name(self) -> str:
         """"S/K/N", and "S/K/N:W" for a packed round."""

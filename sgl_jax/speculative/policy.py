@@ -81,7 +81,7 @@ from sgl_jax.speculative.acceptance import (
 )
 from sgl_jax.speculative.batch_end import Refills, batch_end_progress
 from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy_report import policy_info, shape_name
+from sgl_jax.speculative.policy_report import Choice, policy_info, shape_name
 from sgl_jax.speculative.verify_lengths import (
     draft_counts,
     node_survival,
@@ -126,19 +126,6 @@ class _Judged:
     rates: dict[TreeShape, float]  # what is maximised: tokens (or batch-end progress) a second
     winners: list[TreeShape]  # the speculative shapes that beat plain (beating_plain)
     by_end: bool  # judged by the batch's end (batch_end)
-
-
-@dataclass
-class Choice:
-    """One round's decision and what it was based on."""
-
-    shape: TreeShape
-    batch_bucket: int
-    probe: bool  # chosen to measure the other side (acceptance or cost), not on its rate
-    accept_lengths: dict[str, float]  # mean expected tokens per request and round, by shape
-    round_ms: dict[str, float]  # believed cost of a round, by shape
-    tokens_per_s: dict[str, float]  # expected tokens a second over the batch, by shape
-    judged_by: str  # "tokens": tokens_per_s; "batch end": batch_end.progress a second
 
 
 class SpeculationPolicy:
@@ -266,14 +253,7 @@ class SpeculationPolicy:
         probe = self._probe(best, judged.rates,
                             self._could_win(len(requests), drafted, shapes, bucket))
         chosen = best if probe is None else probe
-        n = max(len(requests), 1)
-        self.last = Choice(
-            chosen, bucket, probe is not None,
-            accept_lengths={shape_name(s): judged.lengths[s] / n for s in shapes},
-            round_ms={shape_name(s): 1000 * judged.seconds[s] for s in shapes},
-            tokens_per_s={shape_name(s): judged.lengths[s] / judged.seconds[s]
-                          for s in shapes},
-            judged_by="batch end" if judged.by_end else "tokens")
+        self.last = Choice(chosen, bucket, probe is not None, judged, max(len(requests), 1))
         return chosen
 
     def _judge(self, requests: Sequence[Acceptance | None], bucket: int,

@@ -3,6 +3,7 @@ the figures it chose them by."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sgl_jax.speculative.config import TreeShape
@@ -10,6 +11,39 @@ from sgl_jax.speculative.config import TreeShape
 
 def shape_name(shape: TreeShape) -> str:
     return "plain" if shape.num_steps == 0 else shape.name
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One round's decision and what it was based on. The figures by shape name are built
+    when read: a choice is made every step and read rarely."""
+
+    shape: TreeShape
+    batch_bucket: int
+    probe: bool  # chosen to measure the other side (acceptance or cost), not on its rate
+    judged: Any  # policy._Judged: the candidate shapes' expected tokens, costs and rates
+    rows: int  # requests in the round (at least 1)
+
+    @property
+    def accept_lengths(self) -> dict[str, float]:
+        """Mean expected tokens per request and round, by shape."""
+        return {shape_name(s): tokens / self.rows for s, tokens in self.judged.lengths.items()}
+
+    @property
+    def round_ms(self) -> dict[str, float]:
+        """The believed cost of a round, by shape."""
+        return {shape_name(s): 1000 * seconds for s, seconds in self.judged.seconds.items()}
+
+    @property
+    def tokens_per_s(self) -> dict[str, float]:
+        """Expected tokens a second over the batch, by shape."""
+        lengths = self.judged.lengths
+        return {shape_name(s): lengths[s] / seconds for s, seconds in self.judged.seconds.items()}
+
+    @property
+    def judged_by(self) -> str:
+        """"tokens": tokens_per_s; "batch end": batch_end.progress a second."""
+        return "batch end" if self.judged.by_end else "tokens"
 
 
 def policy_info(policy: Any) -> dict:
