@@ -223,3 +223,43 @@ def test_sampled_chain_verification_emits_the_target_distribution(told_q):
         assert expected > (q_root * p_root).sum() + 0.05  # more than a one-hot rule accepts
     else:
         assert max(stats) > 10 * CHI2_LIMIT, stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verification_applies_a_logit_bias_and_suppression_once(temperature):
+    """Rows with a logit bias and a suppressed id: the first emitted token follows the root's
+    logits with the bias added once and the id banned, as plain sampling applies them (greedy:
+    its argmax, though the draft offered the raw argmax; sampled: its distribution)."""
+    rng = np.random.default_rng(5)
+    vocab, samples = 6, 20000 if temperature else 256
+    root = rng.normal(size=(samples, vocab)).astype(np.float32)
+    bias_ids, bias_values, banned = [0, 3], [1.2, -0.8], 5
+    edited = root.copy()
+    edited[:, bias_ids] += bias_values
+    edited[:, banned] = -np.inf
+    draft = root.argmax(-1).astype(np.int32)  # what an unedited target would pick
+    tree = DraftTree(np.stack([np.zeros(samples, np.int32), draft], 1),
+                     np.tile(np.array([-1, 0], np.int32), (samples, 1)))
+    sampling = sampling_rows(samples * 2, vocab, temperature=temperature, top_k=vocab,
+                             seeds=np.repeat(np.arange(samples, dtype=np.uint32), 2),
+                             positions=np.tile(np.arange(2, dtype=np.int32), samples))
+    sampling.bias_ids[:, :2], sampling.bias_values[:, :2] = bias_ids, bias_values
+    sampling.suppress_ids[:, 0] = banned
+    logits = np.stack([root, rng.normal(size=(samples, vocab))], 1).astype(np.float32)
+    verdict = jax.device_get(verify(tree, logits.reshape(-1, vocab), sampling, num_steps=1,
+                                    thresholds=AcceptThresholds()))
+    first = verdict.tokens[:, 0]
+    if not temperature:
+        assert (first == edited.argmax(-1)).all()
+        assert (first != draft).any()  # the edits changed some choices
+        return
+    root[:] = root[0]  # every row's root the same, so the first tokens share a distribution
+    logits[:, 0] = root
+    edited = root[0].copy()
+    edited[bias_ids] += bias_values
+    edited[banned] = -np.inf
+    verdict = jax.device_get(verify(tree, logits.reshape(-1, vocab), sampling, num_steps=1,
+                                    thresholds=AcceptThresholds()))
+    counts = np.bincount(verdict.tokens[:, 0], minlength=vocab)
+    once = filtered_reference(edited[None], 1.0, vocab, 1.0)[0]
+    assert chi_square(counts, once) < CHI2_LIMIT
