@@ -95,11 +95,11 @@ def test_the_loss_weighs_block_positions_by_gamma(head):
     total, result = objective.loss(draft.params, target_params, features, batch, key)
     anchors, real = (np.asarray(x) for x in dflash_lib.sample_anchors(key, batch.loss_mask,
                                                                       ANCHORS))
-    hidden = np.asarray(dflash_lib.block_hidden(draft.params, target_params["embed"], features,
+    hidden = np.array(dflash_lib.block_hidden(draft.params, target_params["embed"], features,
                                                 batch.input_ids, jnp.asarray(anchors),
                                                 config=draft.config))
     logits = torch.from_numpy(hidden[:, :, 1:]) @ torch.from_numpy(
-        np.asarray(target_params["lm_head"])).T  # [R, A, B-1, V]
+        np.array(target_params["lm_head"])).T  # [R, A, B-1, V]; writable copies for torch
     num, den = 0.0, 0.0
     for r in range(ROWS):
         for j in range(ANCHORS):
