@@ -208,7 +208,7 @@ def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
     return bits.reshape(words.shape[0], -1)[:, :vocab].astype(jnp.bool_)
 
 
-def edits_logits(params: SamplingBatch) -> jax.Array:  # bool[]
+def any_logit_edits(params: SamplingBatch) -> jax.Array:  # bool[]
     """Whether a logit bias, a grammar or a suppressed id changes any row's logits (penalties
     aside): where none does, a greedy row's token is the argmax of its raw logits."""
     return (jnp.any(params.bias_ids >= 0) | jnp.any(params.suppress_ids >= 0)

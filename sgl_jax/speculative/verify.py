@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.sampler import (
     SamplingBatch,
-    edits_logits,
+    any_logit_edits,
     filtered_probs,
     penalised_logits,
     row_uniform,
@@ -89,7 +89,7 @@ def verify_tree(
     # A greedy batch no row edits skips the edits: a pass over every node's vocabulary that
     # cost a CPU about a fifth of a 192-node round's verification.
     branch = jnp.where(jnp.all(sampling.temperature == 0),
-                       edits_logits(sampling).astype(jnp.int32), 2)
+                       any_logit_edits(sampling).astype(jnp.int32), 2)
     return jax.lax.switch(branch, (greedy, edited_greedy, stochastic), logits)
 
 
