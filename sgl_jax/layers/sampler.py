@@ -322,6 +322,17 @@ def _draw(
     return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
 
 
+def _unedited_greedy(params: SamplingBatch, slots: jax.Array | None) -> jax.Array:  # bool[]
+    """Whether every row is greedy and nothing edits its logits: the raw argmax decides."""
+    no_penalties = True if slots is None else jnp.all(slots < 0)
+    return jnp.all(params.temperature == 0) & ~any_logit_edits(params) & no_penalties
+
+
+def _edited_tokens(penalised: jax.Array, params: SamplingBatch) -> jax.Array:  # i32[S]
+    return jax.lax.cond(jnp.all(params.temperature == 0), lambda x, p: vocab_argmax(x),
+                        sampled_tokens, penalised, params)
+
+
 def sampled_tokens(penalised: jax.Array, params: SamplingBatch) -> jax.Array:  # i32[S]
     greedy = vocab_argmax(penalised)
     drawn = _draw(*_sorted_filtered_probs(penalised, params), params.seed, params.position)
@@ -384,21 +395,20 @@ def _token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ja
 def sample(
     logits: jax.Array,  # f32[S, V]
     params: SamplingBatch,
-    penalties: PenaltyState,
-    slots: jax.Array,  # i32[S]; row -> penalty slot; -1 = none
+    penalties: PenaltyState | None,  # None: no row has penalties
+    slots: jax.Array | None,  # i32[S]; row -> penalty slot; -1 = none
     *,
     detail: jax.Array | int = TOKEN_LOGPROBS,  # i32[]: which raw log-probabilities to compute
     num_top_logprobs: int = 0,  # K, static
 ) -> SampleOutput:
-    """Next token per row. An all-greedy batch skips the vocabulary sort at run time through
-    lax.cond, so one compiled function serves greedy and sampling batches."""
-    penalised = penalised_logits(logits, params, penalties, slots)
+    """Next token per row. One compiled function serves every batch, its branches picked at
+    run time (lax.cond): a greedy batch whose logits nothing edits (no penalty, bias, grammar
+    or suppressed id) takes the raw argmax, skipping the vocabulary-wide edits; an all-greedy
+    batch skips the vocabulary sort."""
     tokens = jax.lax.cond(
-        jnp.all(params.temperature == 0),
-        lambda x, p: vocab_argmax(x),
-        sampled_tokens,
-        penalised,
-        params,
+        _unedited_greedy(params, slots),
+        lambda: vocab_argmax(logits.astype(jnp.float32)),
+        lambda: _edited_tokens(penalised_logits(logits, params, penalties, slots), params),
     )
     logprob, top_ids, top_logprobs = raw_logprobs(logits, tokens, jnp.asarray(detail),
                                                   num_top_logprobs)

@@ -470,15 +470,67 @@ def test_logprobs_come_from_the_raw_logits():
 
 
 def test_all_greedy_batch_skips_the_sort():
-    """One compiled function: a lax.cond whose greedy branch holds no sort."""
+    """One compiled function: a lax.cond between the raw argmax (no edits, no sort) and the
+    edited logits, under which a second lax.cond's greedy branch holds no sort."""
     logits = np.zeros((S, V), np.float32)
     jaxpr = jax.make_jaxpr(sampler.sample)(logits, make_params(), empty_state(), NO_SLOTS)
-    conds = [eqn for eqn in jaxpr.eqns  # the other: raw_logprobs' switch of three
-             if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 2]
-    assert len(conds) == 1
-    sorts = [re.search(r"\bsort\[", str(branch)) is not None
-             for branch in conds[0].params["branches"]]
-    assert sorted(sorts) == [False, True]
+
+    def two_way_conds(eqns):  # the other: raw_logprobs' switch of three
+        return [eqn for eqn in eqns
+                if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 2]
+
+    def sorts(jaxpr) -> bool:
+        return re.search(r"\bsort\[", str(jaxpr)) is not None
+
+    (outer,) = two_way_conds(jaxpr.eqns)
+    raw, edited = outer.params["branches"][1], outer.params["branches"][0]  # true is [1]
+    assert not sorts(raw) and sorts(edited)
+    (inner,) = two_way_conds(edited.jaxpr.eqns)
+    assert sorted(sorts(branch) for branch in inner.params["branches"]) == [False, True]
+
+
+def test_only_edited_greedy_batches_build_the_edited_logits(monkeypatch):
+    """Run eagerly, lax.cond calls just the branch it picks: a greedy batch that nothing edits
+    takes the raw argmax without the edited logits; a penalty, a bias, a grammar or a
+    suppressed id alone, on one row, takes the edited branch, which moves that row's token."""
+    edited = []
+
+    def counted(*args):
+        edited.append(True)
+        return penalised_logits(*args)
+
+    penalised_logits = sampler.penalised_logits
+    monkeypatch.setattr(sampler, "penalised_logits", counted)
+    logits = np.random.default_rng(8).normal(size=(S, V)).astype(np.float32)
+    best, second = np.argsort(-logits[2])[:2]
+    counts = np.zeros((R, V), np.int32)
+    counts[1, best] = 1
+    only_second = np.full((S, W), -1, np.int32)
+    only_second[2] = 0
+    only_second[2, second // 32] = 1 << (second % 32)
+    one_row = lambda fill, value, width: np.where(  # noqa: E731
+        np.arange(S)[:, None] == 2, value, np.full((S, width), fill))
+    slots_row2 = np.where(np.arange(S) == 2, 1, -1).astype(np.int32)
+    cases = {
+        "penalty": (make_params(temperature=0.0, presence_penalty=100.0), slots_row2),
+        "bias": (make_params(temperature=0.0, bias_ids=one_row(-1, [best, -1, -1, -1], M),
+                             bias_values=one_row(0.0, [-100.0, 0, 0, 0], M)), NO_SLOTS),
+        "grammar": (make_params(temperature=0.0, allowed=only_second), NO_SLOTS),
+        "suppressed": (make_params(temperature=0.0, suppress_ids=one_row(-1, [best, -1, -1], E)),
+                       NO_SLOTS),
+    }
+    with jax.disable_jit():
+        plain = sampler.sample(logits, make_params(temperature=0.0),
+                               PenaltyState(counts, counts > 0), NO_SLOTS)
+        assert not edited
+        np.testing.assert_array_equal(plain.tokens, logits.argmax(-1))
+        for name, (params, slots) in cases.items():
+            edited.clear()
+            tokens = np.asarray(sampler.sample(logits, params, PenaltyState(counts, counts > 0),
+                                               slots).tokens)
+            assert edited, name
+            assert tokens[2] == second, name
+            np.testing.assert_array_equal(np.delete(tokens, 2), np.delete(logits.argmax(-1), 2))
 
 
 def test_only_batches_that_sample_take_the_sampling_branch(monkeypatch):
