@@ -1,25 +1,22 @@
 """SpecDecoder: speculative decoding behind the scheduler's decoding interface
 (scheduler/decoding.py), the host side of SpecRunner.
 
-For each decode step the scheduler hands it the running requests. It picks the round's shape
-(the adaptive policy, `plan_decode`), catches up drafts that plain rounds left behind, and
-dispatches the round without waiting (`launch_decode`). A step later, while the next round
-runs, it reads the results and appends each request's accepted run (`settle`).
+Each decode step it picks the round's shape for the running requests (the adaptive policy,
+`plan_decode`), catches up drafts that plain rounds left behind, and dispatches the round
+without waiting (`launch_decode`); a step later, while the next round runs, it appends each
+request's accepted run (`settle`).
 
-Running a round ahead of its results: the host plans round N+1 before it knows how many
-tokens round N accepted. A request's `kv_len` then counts one token for round N (a round
-commits at least its root) and `inflight_extra` the num_steps more it may have accepted:
-pages are reserved for the upper bound, and the round reads the exact length, output
-position and root token from the request's slot on the device (SlotState), which round N
-wrote. The policy learns each round's acceptance and time when the round is settled, so it
-chooses from statistics one round old. What needs the host's view of every token has the
-scheduler settle the round in flight first:
-
-- rounds of a batch with a grammar-constrained request (the scheduler settles before such a
-  batch: the matcher walks each tree on the host);
-- catch-ups, whose inputs are the target features the plain rounds brought back;
-- a round where no request has a draft (the target's own decode step, which takes every
-  length from the host) right after a speculative one.
+So the host plans round N+1 before it knows what round N accepted. A request's `kv_len` then
+counts one token for round N (a round commits at least its root) and `inflight_extra` the
+num_steps more it may have accepted: pages are reserved for the upper bound, and the round
+reads the exact length, output position and root token from the request's slot on the
+device (SlotState), which round N wrote. The policy learns each round's acceptance and time
+when it is settled, so it chooses from statistics one round old. The scheduler settles the
+round in flight first where the host must see every token: before a batch with a
+grammar-constrained request (the matcher walks each tree on the host), before catch-ups
+(their inputs are the features plain rounds brought back), and before a round where no
+request has a draft (the target's own decode step, which takes every length from the host)
+right after a speculative one.
 """
 
 from __future__ import annotations
@@ -57,7 +54,6 @@ from sgl_jax.speculative.round import (
     packed_nodes,
 )
 from sgl_jax.speculative.round_results import (
-    as_round,
     emit_run,
     max_depth,
     node_outcomes,
@@ -120,10 +116,9 @@ class SpecDecoder:
                                         self.policy.new_request()))
 
     def admit(self, req: Req, batch_size: int, running: list[Req]) -> None:
-        """At admission: whether the request gets a draft (policy.admits_draft). Only where
-        plain rounds leave the draft behind: a draft that extends every round cannot start
-        late. A host-side drafter starts reading the request here: every admitted request
-        ends in finish(), which lets go of it."""
+        """Whether the request gets a draft (policy.admits_draft), where plain rounds leave
+        drafts behind (else one could not start late); a host-side drafter starts reading it
+        here, and lets go of it in finish()."""
         self.proposer.add_request(req)
         self.policy.refills.joined()
         state = self.states[req]
@@ -163,9 +158,7 @@ class SpecDecoder:
 
     def _timed_bucket(self, batch_size: int) -> int:
         """The padded size of a batch of `batch_size` (spec_warmup.ready_padding), its round
-        programs timed first where the policy has no timing yet (and compiled, without a
-        background builder; with one, only those built so far, timed again once it is idle:
-        untimed_shapes)."""
+        programs timed first where the policy has none yet (spec_warmup.untimed_shapes)."""
         bucket = spec_warmup.ready_padding(self.spec, batch_size)
         if self.policy.adaptive:
             untimed = spec_warmup.untimed_shapes(self.spec, bucket, self.policy.round_seconds,
@@ -248,31 +241,32 @@ class SpecDecoder:
             min(c, max_depth(r, shape.num_steps)) for c, r in zip(counts, reqs, strict=True)]
 
     def _undrafted(self, reqs: list[Req], shape: TreeShape) -> bool:
-        """Whether a round of `shape` is the target's own decode step: a plain round where no
-        request has a draft, or where the drafter has nothing to advance (NGRAM)."""
+        """Whether a round of `shape` is the target's decode step: plain, and no draft to
+        advance (none in the batch, or a drafter like NGRAM that has none on the device)."""
         return shape == PLAIN and (not self.spec.drafter.advances_on_plain
                                    or not any(self._drafting(reqs)))
 
     def settle(self, launched: LaunchedStep) -> Emitted:
-        """Read a step's results: a prefill's first tokens, or a round's accepted runs."""
         if launched.kind == "prefill":
             emitted = emit_tokens(launched.rows, launched.output.result())
             # A round launched behind this prefill starts on the device only now: its
             # seconds must not include the prefill's.
             self._last_result_at = time.perf_counter()
         else:
-            emitted = self._settle_round(launched.output)
+            emitted = self._settle_round(launched.output, launched.rows)
         for req, _, tokens in emitted:
             self.proposer.extend(req, tokens)
         return emitted
 
-    def _settle_round(self, launched: LaunchedRound) -> Emitted:
+    def _settle_round(self, launched: LaunchedRound, rows: list) -> Emitted:
         """Append each live request's accepted run (up to where it finishes)."""
-        output = as_round(launched.output.result())
-        now = time.perf_counter()
-        # The device ran this round after the one before: from whichever came later.
-        seconds = now - max(launched.launched_at, self._last_result_at)
-        self._last_result_at = now
+        if isinstance(launched.output, PendingStep):  # no draft anywhere: a decode step
+            emitted = emit_tokens(rows, launched.output.result())
+            self.policy.observe(PLAIN, launched.bucket, self._device_seconds(launched), [],
+                                timed=not launched.compiled)
+            return emitted
+        output = launched.output.result()
+        seconds = self._device_seconds(launched)
         accepted = output.num_accepted.tolist()
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
         steps = launched.shape.num_steps
@@ -299,6 +293,13 @@ class SpecDecoder:
                 state.pending.append(output.features[row])
             emitted.append((req, text, tokens))
         return emitted
+
+    def _device_seconds(self, launched: LaunchedRound) -> float:
+        """Seconds since the round's launch or the read of the result before, the later."""
+        now = time.perf_counter()
+        seconds = now - max(launched.launched_at, self._last_result_at)
+        self._last_result_at = now
+        return seconds
 
     def _drafted_depths(self, launched: LaunchedRound, output: RoundOutput) -> list[int]:
         """The draft positions each row's round tried: the shape's depth (or the request's
@@ -354,8 +355,7 @@ class SpecDecoder:
                    and (shape != PLAIN or self._pending(req) + 1 >= CATCH_UP_WIDTH)
                    for req in reqs)
 
-    def _pending(self, req: Req) -> int:
-        """Tokens the request's draft lacks (plain rounds left it behind)."""
+    def _pending(self, req: Req) -> int:  # tokens its draft lacks (plain rounds left behind)
         return len(self.states[req].pending)
 
     def _catch_up(self, reqs: list[Req]) -> None:

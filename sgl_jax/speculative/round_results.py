@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
-from sgl_jax.model_executor.model_runner import StepOutput, bitmask_words
+from sgl_jax.model_executor.model_runner import bitmask_words
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.round import RoundOutput, RoundRows
 from sgl_jax.speculative.tree import host_node_depths
@@ -64,21 +64,6 @@ def max_depth(req: Req, num_steps: int) -> int:
     for less (or for no speculation: 0)."""
     cap = req.params.max_draft_depth
     return num_steps if cap is None else min(cap, num_steps)
-
-
-def as_round(output: RoundOutput | StepOutput) -> RoundOutput:
-    """A decode step's results (a round where no request has a draft) as a plain round's."""
-    if isinstance(output, RoundOutput):
-        return output
-    n = len(output.tokens)
-
-    def one_token(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array[:, None]
-
-    return RoundOutput(
-        tokens=one_token(output.tokens), num_accepted=np.zeros(n, np.int32),
-        logprobs=one_token(output.logprobs), top_logprob_ids=one_token(output.top_logprob_ids),
-        top_logprobs=one_token(output.top_logprobs), tree_tokens=None, tree_parents=None)
 
 
 def emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, list[int]]:
