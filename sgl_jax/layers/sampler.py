@@ -407,8 +407,9 @@ def sample(
     batch skips the vocabulary sort."""
     tokens = jax.lax.cond(
         _unedited_greedy(params, slots),
-        lambda: vocab_argmax(logits.astype(jnp.float32)),
-        lambda: _edited_tokens(penalised_logits(logits, params, penalties, slots), params),
+        lambda x, *_: vocab_argmax(x.astype(jnp.float32)),
+        lambda x, p, state, rows: _edited_tokens(penalised_logits(x, p, state, rows), p),
+        logits, params, penalties, slots,  # operands, so host arrays become traced ones
     )
     logprob, top_ids, top_logprobs = raw_logprobs(logits, tokens, jnp.asarray(detail),
                                                   num_top_logprobs)
