@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sgl_jax.speculative.suffix_config import SuffixConfig
-from sgl_jax.speculative.suffix_trie import Child, SuffixTrie
+from sgl_jax.speculative.suffix_trie import Child, Handle, SuffixTrie
 
 # A later candidate tree must score higher than the best by more than this to replace it:
 # scores are sums of float products, and two equal trees reached by different arithmetic
@@ -102,6 +102,7 @@ class SuffixIndex:
         self._responses = self._new_trie()
         self._kept: deque[tuple[int, int]] = deque()  # (start, length) per response, oldest first
         self._kept_tokens = 0
+        self._caps: dict[tuple[int, int], list[int]] = {}  # (max_nodes, max_depth) -> caps
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._requests
@@ -157,32 +158,49 @@ class SuffixIndex:
                              f"got {max_nodes} and {max_depth}")
         own = self._requests[key][0]
         text = own.tokens
+        caps = self._tree_caps(max_nodes, max_depth)
+        tries = (own, self._responses)
+        longest = min(self.config.max_match, len(text))
+        searches = [_MatchSearch(trie, text, longest) for trie in tries]
         best = _Candidate(0.0, [])
-        last_total = [-1, -1]  # per structure: continuations of the match one token longer
-        for m in range(min(self.config.max_match, len(text)), self.config.min_match - 1, -1):
-            depth = self._draft_depth(m, max_depth)
-            # A tree's score is at most its depth (path probabilities at one depth sum to at
-            # most 1) and its size; depth only shrinks with m, so nothing shorter can win.
-            if min(depth, max_nodes - 1) <= best.score + _SCORE_EPS:
+        found = [search.next(self._shortest_useful(caps, best.score)) for search in searches]
+        while any(found):
+            m = max(hit[0] for hit in found if hit is not None)
+            # A tree's score is at most its cap (path probabilities at one depth sum to at
+            # most 1, and it has at most max_nodes - 1 nodes); caps shrink with m, so no
+            # shorter match can win.
+            if caps[m] <= best.score + _SCORE_EPS:
                 break
-            pattern = text[len(text) - m:]
-            for slot, trie in enumerate((own, self._responses)):
-                handle = trie.locate(pattern)
-                total, children = trie.continuations(handle) if handle is not None else (0, [])
-                # The occurrences of the longer match are a subset of these; with equal
-                # counts they are the same, and so is the tree, under a deeper cap: skip.
-                same = total == last_total[slot]
-                last_total[slot] = total
-                if total == 0 or same:
+            for slot, trie in enumerate(tries):  # at equal m, the request's own text first
+                if found[slot] is None or found[slot][0] != m:
                     continue
-                candidate = _grow(trie, children, total, depth, max_nodes - 1,
-                                  self.config.min_token_prob)
+                total, children = trie.continuations(found[slot][1])
+                candidate = _grow(trie, children, total, self._draft_depth(m, max_depth),
+                                  max_nodes - 1, self.config.min_token_prob)
                 if candidate.score > best.score + _SCORE_EPS:
                     best = candidate
+                found[slot] = searches[slot].next(self._shortest_useful(caps, best.score))
         return _to_proposal(text[-1], best.nodes, max_nodes)
 
     def _new_trie(self) -> SuffixTrie:
         return SuffixTrie(self.config.depth, self.config.bucket_size, self.config.min_token_prob)
+
+    def _tree_caps(self, max_nodes: int, max_depth: int) -> list[int]:
+        """caps[m]: the most a match of m tokens can score, min(its draft depth, nodes below
+        the root); cached per shape. Non-decreasing in m."""
+        key = (max_nodes, max_depth)
+        caps = self._caps.get(key)
+        if caps is None:
+            caps = self._caps[key] = [min(self._draft_depth(m, max_depth), max_nodes - 1)
+                                      for m in range(self.config.max_match + 1)]
+        return caps
+
+    def _shortest_useful(self, caps: list[int], best_score: float) -> int:
+        """The shortest match whose tree could beat `best_score`."""
+        for m in range(self.config.min_match, len(caps)):
+            if caps[m] > best_score + _SCORE_EPS:
+                return m
+        return len(caps)
 
     def _draft_depth(self, match_len: int, max_depth: int) -> int:
         trusted = math.ceil(self.config.spec_factor * match_len + self.config.spec_offset)
@@ -208,6 +226,45 @@ class SuffixIndex:
             self.evict_oldest_response()
         self._kept.append((self._responses.add_text(output), len(output)))
         self._kept_tokens += len(output)
+
+
+class _MatchSearch:
+    """One structure's candidate matches, longest first: the lengths m whose match has more
+    continuations than the match one token longer (with equal counts the occurrences are the
+    same, and so is the tree, under a shallower cap). The count is non-increasing in m (each
+    occurrence of the longer match is one of the shorter), so each next candidate is found
+    by bisection: a few lookups instead of one per length."""
+
+    def __init__(self, trie: SuffixTrie, text: list[int], longest: int) -> None:
+        self.trie, self.text = trie, text
+        self.upper = longest  # no candidate is left above this length
+        self.floor = 0  # continuations of the last candidate: the next one needs more
+        self._totals: dict[int, tuple[Handle | None, int]] = {}  # m -> (handle, count)
+
+    def next(self, shortest: int) -> tuple[int, Handle] | None:
+        """(m, handle) of the next candidate no shorter than `shortest`; None when none is."""
+        low, high = shortest, self.upper
+        if high < low or self._count(low) <= self.floor:
+            self.upper = 0
+            return None
+        while low < high:  # invariant: count(low) > floor
+            mid = (low + high + 1) // 2
+            if self._count(mid) > self.floor:
+                low = mid
+            else:
+                high = mid - 1
+        handle, self.floor = self._totals[low]
+        self.upper = low - 1
+        return low, handle
+
+    def _count(self, m: int) -> int:
+        """Occurrences of the last m tokens that are followed by a token."""
+        entry = self._totals.get(m)
+        if entry is None:
+            handle = self.trie.locate(self.text[len(self.text) - m:])
+            entry = (handle, self.trie.total(handle) if handle is not None else 0)
+            self._totals[m] = entry
+        return entry[1]
 
 
 def _grow(trie: SuffixTrie, root_children: list[Child], root_total: int, max_depth: int,

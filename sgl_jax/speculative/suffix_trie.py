@@ -136,6 +136,17 @@ class SuffixTrie:
                 return None
         return (node, None, len(pattern))
 
+    def total(self, handle: Handle) -> int:
+        """How many occurrences of a located string are followed by a token."""
+        node, starts, depth = handle
+        if node >= 0:
+            if self._children[node] is not None:
+                return self._total[node]
+            starts = self._starts[node] or ()
+        tokens, offset = self.tokens, depth - self.base
+        size = len(tokens)
+        return sum(1 for start in starts if start + offset < size and tokens[start + offset] >= 0)
+
     def continuations(self, handle: Handle) -> tuple[int, list[Child]]:
         """(total, children) of a located string: how many of its occurrences are followed by
         a token, and (count, token, handle) for each token with count / total >= min_fraction,
