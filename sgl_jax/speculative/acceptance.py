@@ -38,12 +38,24 @@ class DepthCounts:
         """Rounds of `steps` draft depths (one for all, or one each: a packed round's rows
         verify their own) that accepted `num_accepted` each (one or several requests):
         depths 1..a were accepted, depth a+1 (if verified) was tried and rejected."""
+        if isinstance(num_accepted, int) and isinstance(steps, int):  # one request's round
+            self._record_one(steps, num_accepted)
+            return
         accepted = np.atleast_1d(np.asarray(num_accepted))[:, None]  # [R, 1]
         steps = np.asarray(steps)[..., None] if np.ndim(steps) else steps  # [R, 1] or int
         depths = np.arange(self.depth)[None, :]
         scale = self.decay ** accepted.shape[0]
         self.tried = self.tried * scale + (depths < np.minimum(accepted + 1, steps)).sum(0)
         self.accepted = self.accepted * scale + (depths < accepted).sum(0)
+        self.version += 1
+
+    def _record_one(self, steps: int, num_accepted: int) -> None:
+        """record() of one round, in place: a few slices where the general case builds
+        [R, depth] masks (a request's record is updated each round it drafts)."""
+        self.tried *= self.decay
+        self.tried[: min(num_accepted + 1, steps)] += 1
+        self.accepted *= self.decay
+        self.accepted[:num_accepted] += 1
         self.version += 1
 
 

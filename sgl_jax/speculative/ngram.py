@@ -142,16 +142,18 @@ class NgramProposer:
 
     def hints(self, reqs: Sequence[Req], padded: int) -> NgramHints:
         """Each request's trie from the text read so far, padded to `padded` rows."""
-        m = self.num_nodes
+        m, n = self.num_nodes, len(reqs)
         tokens = np.zeros((padded, m), np.int32)
         parents = np.full((padded, m), -1, np.int32)
         behind = np.zeros(padded, np.int32)
-        scores = np.zeros((padded, m), np.float32)
+        probs = np.zeros((n, m), np.float32)
         for row, req in enumerate(reqs):
             proposal = self.index.propose(req.rid, m, self.depth)
             tokens[row], parents[row] = proposal.tokens, proposal.parents
-            scores[row] = np.log(np.maximum(proposal.probs, 1e-30))
+            probs[row] = proposal.probs
             behind[row] = (IN_ROUND if req.inflight_extra else IN_STEP) if req.num_inflight else 0
+        scores = np.zeros((padded, m), np.float32)  # padding rows: 0
+        scores[:n] = np.log(np.maximum(probs, 1e-30))
         return NgramHints(tokens, parents, behind, scores)
 
     def offered(self, hints: NgramHints, rows: int) -> list[bool]:

@@ -70,13 +70,13 @@ def emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, 
     """Append a round's tokens one by one, stopping where the request finishes (EOS, a stop
     string, max_new_tokens or the context) so nothing past it is emitted."""
     text, tokens = "", []
-    for j in range(count):
-        token = int(output.tokens[row, j])
+    run = output.tokens[row, :count].tolist()
+    logprobs = [0.0] * count if output.logprobs is None else output.logprobs[row, :count].tolist()
+    for j, (token, logprob) in enumerate(zip(run, logprobs, strict=True)):
         top = []
         if req.top_logprobs_num:
             ids, values = output.top_logprob_ids[row, j], output.top_logprobs[row, j]
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        logprob = 0.0 if output.logprobs is None else float(output.logprobs[row, j])
         text += req.append_token(token, logprob, top)
         tokens.append(token)
         if req.finished:

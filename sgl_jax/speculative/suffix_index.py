@@ -302,13 +302,12 @@ def _grow(trie: SuffixTrie, root_children: list[Child], root_total: int, max_dep
 
 def _to_proposal(root_token: int, nodes: list[tuple[int, int, float]], max_nodes: int
                  ) -> Proposal:
-    tokens = np.zeros(max_nodes, np.int32)
-    parents = np.full(max_nodes, -1, np.int32)
-    probs = np.zeros(max_nodes, np.float32)
-    tokens[0], probs[0] = root_token, 1.0
-    for i, (token, parent, prob) in enumerate(nodes, start=1):
-        tokens[i], parents[i], probs[i] = token, parent, prob
-    return Proposal(tokens=tokens, parents=parents, probs=probs)
+    pad = max_nodes - 1 - len(nodes)
+    tokens = [root_token] + [token for token, _, _ in nodes] + [0] * pad
+    parents = [-1] + [parent for _, parent, _ in nodes] + [-1] * pad
+    probs = [1.0] + [prob for _, _, prob in nodes] + [0.0] * pad
+    return Proposal(tokens=np.array(tokens, np.int32), parents=np.array(parents, np.int32),
+                    probs=np.array(probs, np.float32))
 
 
 def _token_list(token_ids: Sequence[int]) -> list[int]:
