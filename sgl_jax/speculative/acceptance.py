@@ -165,18 +165,21 @@ class Calibration:
         """Rounds' trees: scores f32[R, N] (DraftTree.scores) and parents i32[R, N], and the
         nodes verification tried (its parent accepted) and accepted, bool[R, N] each
         (round_results.node_outcomes)."""
+        scale = self.decay ** parents.shape[0]
+        some = tried.any(axis=1)  # rows without a tried node only decay the counts
+        scores, parents, tried, accepted = scores[some], parents[some], tried[some], accepted[some]
         which, own = calibration_cells(np.asarray(scores, np.float64), parents, self.bins)
         depth = host_node_depths(parents) - 1  # a table row per draft depth
         tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
-        estimate = self.table(self.tried.shape[0])[depth[tried], which[tried]]  # before
-        scale = self.decay ** parents.shape[0]
-        for counts in (self.tried, self.accepted, self.claimed, self.predicted):
-            counts *= scale
-        np.add.at(self.tried, (depth[tried], which[tried]), 1.0)
-        np.add.at(self.claimed, (depth[tried], which[tried]), own[tried])
-        np.add.at(self.predicted, (depth[tried], which[tried]), estimate)
+        cells = depth * self.tried.shape[1] + which  # [R, N]: flat index into a table
+        estimate = self.table(self.tried.shape[0]).ravel()[cells[tried]]  # before
         hit = tried & accepted
-        np.add.at(self.accepted, (depth[hit], which[hit]), 1.0)
+        for counts, index, weights in ((self.tried, cells[tried], None),
+                                       (self.claimed, cells[tried], own[tried]),
+                                       (self.predicted, cells[tried], estimate),
+                                       (self.accepted, cells[hit], None)):
+            counts *= scale
+            counts += np.bincount(index, weights, minlength=counts.size).reshape(counts.shape)
 
     def table(self, steps: int) -> np.ndarray:
         """f32[steps, 2K]: each depth's acceptance by cell (confident_packing's calibration)."""

@@ -47,11 +47,12 @@ def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | No
     parents, tokens = output.tree_parents[rows], output.tree_tokens[rows]
     on_path = np.zeros(parents.shape, bool)
     on_path[:, 0] = True
-    for i, row in enumerate(rows):  # walk each row's accepted tokens down its tree
-        node = 0
-        for token in output.tokens[row, : output.num_accepted[row]]:
-            node = int(np.flatnonzero((parents[i] == node) & (tokens[i] == token))[0])
-            on_path[i, node] = True
+    accepted, emitted = output.num_accepted[rows], output.tokens[rows]
+    node, every = np.zeros(len(rows), np.int64), np.arange(len(rows))
+    for j in range(int(accepted.max(initial=0))):  # walk the accepted tokens down each tree
+        child = ((parents == node[:, None]) & (tokens == emitted[:, j, None])).argmax(axis=1)
+        node = np.where(j < accepted, child, node)
+        on_path[every, node] = True
     counted = parents >= 0
     if verified is not None:
         counted &= np.arange(parents.shape[1])[None, :] <= np.take(verified, rows)[:, None]
