@@ -264,7 +264,8 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         runner.model.params, state.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
     whole = spec.rounds[shape]  # the programs SpecRunner.round runs, by batch bucket
-    device_arrays = jax.device_put((rows, request_sampling, detail))
+    packed, packing = spec.packed_round_inputs(shape, rows, request_sampling, detail)
+    device_arrays = jax.device_put(packed)
 
     def run_verify():
         state.kv_cache, out = verify(runner.model.params, state.kv_cache, *verify_args)
@@ -277,7 +278,7 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
 
     def run_round_device():
         (state.kv_cache, draft_state.kv, draft_state.slots, state.last_tokens, out) = whole(
-            len(rows.slots), *spec.state_args(), *device_arrays)
+            len(rows.slots), *spec.state_args(), *device_arrays, packing=packing)
         return out
 
     catch_up_rows = [CatchUpRow(

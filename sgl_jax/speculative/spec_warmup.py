@@ -26,7 +26,6 @@ from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
 from sgl_jax.speculative.spec_runner import SpecRunner
-from sgl_jax.speculative.verify_lengths import rows_for
 
 
 def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
@@ -237,9 +236,12 @@ def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
     """The round programs of `shapes` in batch bucket `size`, one call each (padding rows)."""
     rows = _padding_rows(spec, size)
     sampling = greedy_sampling_batch(size, spec.vocab_size)
-    return [functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
-                              rows_for(shape, rows), sampling, np.int32(NO_LOGPROBS))
-            for shape in shapes]
+    builds = []
+    for shape in shapes:
+        packed, packing = spec.packed_round_inputs(shape, rows, sampling, np.int32(NO_LOGPROBS))
+        builds.append(functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
+                                        *packed, packing=packing))
+    return builds
 
 
 def build_masked(spec: SpecRunner, size: int) -> None:
