@@ -43,7 +43,7 @@ from sgl_jax.model_executor.forward_batch import (
     build_forward_batch,
     token_positions,
 )
-from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
+from sgl_jax.model_executor.packing import Layouts, unpack
 from sgl_jax.model_executor.programs import BackgroundBuilder, ExecutableStore, Programs
 from sgl_jax.model_executor.target_forward import TargetForward
 from sgl_jax.models.loader import LoadedModel
@@ -169,7 +169,7 @@ class ModelRunner:
         # Compiled sampling steps by bucket, and the layout of each one's packed host inputs:
         # serving calls them directly, never tracing.
         self.sampling_programs = Programs("sampling_step", self._sampling_step, store)
-        self._packings: dict[BatchShape, Packing] = {}
+        self._layouts = Layouts()
 
     # ------------------------------------------------------------------ public steps
 
@@ -237,11 +237,10 @@ class ModelRunner:
                            batch.attention.page_table.shape[1], batch.logits_indices.shape[0])
         host = (batch, sampling, penalty_slots, slots, emits,
                 logprob_detail(want_logprobs, want_top_logprobs))
-        packing, program = self._sampling_program(shape, host)
+        packed, program = self._sampling_program(shape, host)
         state = self.state
         (state.kv_cache, state.penalties, state.last_tokens, out) = program(
-            self.model.params, state.kv_cache, state.penalties, state.last_tokens,
-            *pack(host, packing))
+            self.model.params, state.kv_cache, state.penalties, state.last_tokens, *packed)
         return PendingStep.of_sample(num_rows, out, want_logprobs, want_top_logprobs)
 
     @device_call
@@ -297,14 +296,14 @@ class ModelRunner:
             "extend step")
 
     def _sampling_program(self, shape: BatchShape, host_inputs: tuple
-                          ) -> tuple[Packing, jax.stages.Compiled]:
-        """The sampling step of one bucket, built now if nothing built it yet."""
-        packing = self._packings.get(shape) or self._packings.setdefault(
-            shape, layout(host_inputs))
+                          ) -> tuple[tuple[np.ndarray, np.ndarray], jax.stages.Compiled]:
+        """The host inputs packed, and the sampling step of their bucket, built now if
+        nothing built it yet."""
+        packed, packing = self._layouts.pack(shape, host_inputs)
         program = self.sampling_programs.get(shape) or self.sampling_programs.build(
             shape, self.model.params, self.state.kv_cache, self.state.penalties,
-            self.state.last_tokens, *pack(host_inputs, packing), packing=packing)
-        return packing, program
+            self.state.last_tokens, *packed, packing=packing)
+        return packed, program
 
     # ------------------------------------------------------------------ jitted bodies
 

@@ -56,6 +56,19 @@ def layout(tree: Any) -> Packing:
     return Packing(treedef, tuple(leaves), *sizes)
 
 
+class Layouts:
+    """The Packing of each program's host inputs by the program's key, laid out from its
+    first inputs (every later call's must match, which `pack` checks)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[Any, Packing] = {}
+
+    def pack(self, key: Any, tree: Any) -> tuple[tuple[np.ndarray, np.ndarray], Packing]:
+        """(i32[num_ints], f32[num_floats]) of `tree`, and the key's Packing."""
+        packing = self._by_key.get(key) or self._by_key.setdefault(key, layout(tree))
+        return pack(tree, packing), packing
+
+
 def pack(tree: Any, packing: Packing) -> tuple[np.ndarray, np.ndarray]:
     """A pytree laid out as `packing` says -> (i32[num_ints], f32[num_floats])."""
     arrays, treedef = jax.tree.flatten(tree)

@@ -64,7 +64,7 @@ from sgl_jax.model_executor.model_runner import (
     PendingStep,
     pad_rows,
 )
-from sgl_jax.model_executor.packing import Packing, layout, pack, unpack
+from sgl_jax.model_executor.packing import Layouts, Packing, unpack
 from sgl_jax.model_executor.programs import Programs
 from sgl_jax.parallel.multihost import device_call
 from sgl_jax.speculative.config import TreeShape
@@ -126,12 +126,11 @@ class SpecRunner:
             return Programs(name, jitted, store)
         # Each by its inputs' padded size: a prefill's BatchShape, else the batch bucket.
         self.prefills = programs("spec_prefill", self._prefill_impl)
-        # A round's host inputs cross as one int32 and one float32 array (packing.py), laid
-        # out once per shape and bucket.
+        # A round's host inputs cross as one int32 and one float32 array (packing.py).
         self.rounds = {s: programs(f"round_{s.name.replace('/', 'x').replace(':', 'w')}",
                                    self._round_impl, static=("packing",), shape=s)
                        for s in self.shapes}
-        self._round_packings: dict[tuple[TreeShape, int], Packing] = {}
+        self._round_layouts = Layouts()  # by shape and batch bucket
         self.tree_drafts = programs("draft_trees", self._draft_trees_impl, (1,), shape=shape)
         self.masked_verifies = programs("masked_verify", self._masked_verify_impl,
                                         shape=shape)
@@ -237,22 +236,17 @@ class SpecRunner:
         packed, packing = self.packed_round_inputs(
             shape, rows, sampling, logprob_detail(want_logprobs, want_top_logprobs))
         state, draft = self.state, self.draft_state
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
-         result) = self.rounds[shape](
+        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, result) = self.rounds[shape](
             len(rows.slots), *self.state_args(), *packed, packing=packing)
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
 
     def packed_round_inputs(self, shape: TreeShape, rows: RoundRows, sampling: SamplingBatch,
                             detail: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], Packing]:
-        """A round program's host inputs after the state, (i32[I], f32[F]), and their layout
-        (the program's static `packing`): `rows` as `shape` takes them, `sampling`, and the
-        log-probability detail (i32[])."""
-        host = (rows_for(shape, rows), sampling, detail)
-        key = (shape, len(rows.slots))
-        packing = self._round_packings.get(key) or self._round_packings.setdefault(
-            key, layout(host))
-        return pack(host, packing), packing
+        """A round program's host inputs after the state (`rows` as `shape` takes them,
+        `sampling`, the log-probability detail) packed, and their layout (its `packing`)."""
+        return self._round_layouts.pack((shape, len(rows.slots)),
+                                        (rows_for(shape, rows), sampling, detail))
 
     @device_call
     def draft_trees(self, rows: RoundRows) -> DraftTree:
