@@ -15,6 +15,11 @@ engine's dispatch methods (the runner's `launch`; the speculative runner's `pref
 - floor: the same calls in a Python loop that reads each one's results back before the
   next: the best a synchronous loop over the same programs can do.
 
+The engine CPU column is the engine thread's CPU time per step over the same two runs (its
+`time.thread_time`, so waits for the device are left out): the host work a step costs,
+which is what a step takes wherever the device is faster than that, and which a busy
+machine distorts less than the wall-clock columns.
+
 The tiny model is a random Llama as transformers writes it (2 layers, hidden 64, vocab 512);
 the demo model is SmolLM2-135M-Instruct (float32), plain, with its shipped EAGLE3 head, and
 with NGRAM (whose drafting on the host is part of the engine's time and not the replay's).
@@ -112,12 +117,21 @@ def make_engine(model_path: str | None, batches: list[int], dtype: str = "float3
     return engine
 
 
-def engine_run_seconds(engine, prompts: list[list[int]], new_tokens: int) -> float:
+def engine_run_seconds(engine, prompts: list[list[int]], new_tokens: int
+                       ) -> tuple[float, float]:
+    """(wall seconds, the engine thread's CPU seconds) of one generate call."""
     engine.flush_cache()  # every run prefills the same way
+    cpu = engine_thread_cpu(engine)
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={
         "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return seconds, engine_thread_cpu(engine) - cpu
+
+
+def engine_thread_cpu(engine) -> float:
+    """CPU seconds the engine thread has used: its host work, waits excluded."""
+    return engine.runtime.call(lambda scheduler: time.thread_time())
 
 
 def scheduler_counters(engine) -> tuple[int]:
@@ -126,15 +140,17 @@ def scheduler_counters(engine) -> tuple[int]:
 
 
 def engine_and_replay_ms(engine, owner, dispatches: tuple[str, ...], prompts: list[list[int]],
-                         short: int, steps: int) -> tuple[float, float, float, int]:
-    """(engine, device, floor) ms per decode step or round, and the steps or rounds counted.
-    Each is the difference between a run of `short` + `steps` new tokens and one of `short`
-    over the steps between them: the engine's from its runs (the faster of two), device and
-    floor from replays of the calls of `owner`'s `dispatches` that a third run made."""
+                         short: int, steps: int) -> tuple[float, float, float, int, float]:
+    """(engine, device, floor) ms per decode step or round, the steps or rounds counted, and
+    the engine thread's CPU ms per step. Each is the difference between a run of `short` +
+    `steps` new tokens and one of `short` over the steps between them: the engine's from its
+    runs (the faster of two, and the least CPU of two), device and floor from replays of the
+    calls of `owner`'s `dispatches` that a third run made."""
     engine_run_seconds(engine, prompts, short + steps)  # first runs of every program
-    seconds, calls, counts = {}, {}, {}
+    seconds, cpu, calls, counts = {}, {}, {}, {}
     for new in (short, short + steps):
-        seconds[new] = min(engine_run_seconds(engine, prompts, new) for _ in range(2))
+        runs = [engine_run_seconds(engine, prompts, new) for _ in range(2)]
+        seconds[new], cpu[new] = (min(times) for times in zip(*runs, strict=True))
         before = scheduler_counters(engine)[0]
         with recorded_dispatches(owner, dispatches) as calls[new]:
             engine_run_seconds(engine, prompts, new)
@@ -147,7 +163,8 @@ def engine_and_replay_ms(engine, owner, dispatches: tuple[str, ...], prompts: li
     def replay_ms(read_each: bool) -> float:
         return per_step(lambda new: min(replay_seconds(calls[new], read_each) for _ in range(2)))
 
-    return per_step(seconds.get), replay_ms(read_each=False), replay_ms(read_each=True), taken
+    return (per_step(seconds.get), replay_ms(read_each=False), replay_ms(read_each=True), taken,
+            per_step(cpu.get))
 
 
 # --------------------------------------------------------------------------- the replay
@@ -318,9 +335,10 @@ def model_label(args) -> str:
 
 
 def result_row(model: str, kind: str, batch: int, engine_ms: float, device_ms: float,
-               floor_ms: float, steps: int) -> dict:
+               floor_ms: float, steps: int, engine_cpu_ms: float) -> dict:
     return {"model": model, "kind": kind, "batch": batch, "engine_ms": engine_ms,
             "device_ms": device_ms, "floor_ms": floor_ms, "steps": steps,
+            "engine_cpu_ms": engine_cpu_ms,
             "engine_over_floor": engine_ms / floor_ms, "engine_over_device": engine_ms / device_ms}
 
 
@@ -333,9 +351,9 @@ def _kind(step: str, args) -> str:
 def print_row(row: dict) -> None:
     kernels = row.get("decode_kernels")
     print(f"| {row['model']} | {row['kind']} | {row['batch']} | {row['engine_ms']:.2f} | "
-          f"{row['device_ms']:.2f} | {row['floor_ms']:.2f} | {row['engine_over_device']:.2f}x | "
-          f"{row['engine_over_floor']:.2f}x | {'-' if kernels is None else kernels} |",
-          flush=True)
+          f"{row['engine_cpu_ms']:.2f} | {row['device_ms']:.2f} | {row['floor_ms']:.2f} | "
+          f"{row['engine_over_device']:.2f}x | {row['engine_over_floor']:.2f}x | "
+          f"{'-' if kernels is None else kernels} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -350,9 +368,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
     print(json.dumps(machine))
-    print("| model | step | batch | engine ms | device ms | floor ms | engine / device | "
-          "engine / floor | decode kernels |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | step | batch | engine ms | engine CPU ms | device ms | floor ms | "
+          "engine / device | engine / floor | decode kernels |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     wanted = set(args.rows.split(","))
     if "tiny" in wanted:
         from sgl_jax.testing import write_tiny_checkpoint

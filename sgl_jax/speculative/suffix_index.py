@@ -35,8 +35,11 @@ is explicit only where text repeats (`suffix_trie.SuffixTrie`). Measured on one 
 (ShareGPT text, SmolLM2 tokenizer): a 2k-token prompt is indexed in 1.8 ms into ~1k nodes and
 205 KiB, where a plain trie of depth 30 takes 63 ms, 46k nodes and 11.7 MiB; `extend` costs
 1.2-2.6 us per token (up to 6 us on degenerate text such as one token repeated); `propose`
-(16 nodes, depth 8) with 800k tokens of responses kept takes 40-75 us on average, 0.2 ms at
-the 99th percentile; kept responses cost 1.8 us per token to add and ~130 bytes per token.
+(16 nodes, depth 8) with 800k tokens of responses kept took 40-75 us on average, 0.2 ms at
+the 99th percentile, before each structure's candidate matches were found by bisection
+(`_MatchSearch`), which took code edits and chat (benchmark/bench_suffix_index.py, 7 nodes,
+depth 6) from 87 to 52 us; kept responses cost 1.8 us per token to add and ~130 bytes per
+token.
 """
 
 from __future__ import annotations

@@ -15,9 +15,12 @@ def test_tiny_rows_print_and_save(tmp_path, capsys):
     assert [(r["model"], r["batch"]) for r in rows] == [("tiny", 2)]
     row = rows[0]
     assert row["steps"] == 48  # the long run took exactly --steps more decode steps
-    assert all(row[k] > 0 for k in ("engine_ms", "device_ms", "floor_ms"))
+    assert all(row[k] > 0 for k in ("engine_ms", "engine_cpu_ms", "device_ms", "floor_ms"))
     assert json.loads(out.read_text())["rows"] == rows
     assert "| tiny | decode | 2 |" in capsys.readouterr().out
+    # One thread's CPU time: within its wall time (the margin: both are differences of runs),
+    # where the process's would count the XLA threads' too.
+    assert row["engine_cpu_ms"] < 2 * row["engine_ms"]
 
 
 # An optimized module as XLA prints it: ENTRY calls a loop whose body runs two kernels and
