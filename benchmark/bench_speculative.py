@@ -354,9 +354,11 @@ def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: in
     """Per engine: output tokens per second over all prompts, `repeats` times (each from an
     emptied prefix cache, as the first); the outputs of every repeat; each repeat's
     tokens per second; and its scheduler's phases over its own timed turns
-    (phases_between). The prompts run in turns: waves of batch_size, each to its end, or
-    (`concurrent`) groups of CONCURRENT_GROUP * batch_size served with batch_size requests
-    in flight, the next starting as one finishes. The engines take turns, so a machine
+    (phases_between), with the programs traced meanwhile ("compilations": a compile stall,
+    or a build in the background, that the timing includes). The prompts run in turns:
+    waves of batch_size, each to its end, or (`concurrent`) groups of CONCURRENT_GROUP *
+    batch_size served with batch_size requests in flight, the next starting as one
+    finishes. The engines take turns, so a machine
     whose speed drifts over minutes (a shared VM's memory bandwidth does) weighs on each
     alike, and in alternating order. `outputs` keep the prompts' order whatever the turns."""
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
@@ -374,12 +376,15 @@ def paired_generate(engines: list[Any], prompts: list[list[int]], output_len: in
             # right after the other.
             order = list(enumerate(engines))
             for i, engine in order if (repeat + turn) % 2 == 0 else order[::-1]:
-                before = engine.get_server_info()["scheduler_phases"]
+                before = engine.get_server_info()
                 start = time.perf_counter()
                 outs = serve(engine, prompts[first: first + turn_size], params, batch_size)
                 seconds[repeat, i] += time.perf_counter() - start
-                phases[i] = phases_between(
-                    before, engine.get_server_info()["scheduler_phases"], phases[i])
+                after = engine.get_server_info()
+                phases[i] = {**phases_between(before["scheduler_phases"],
+                                              after["scheduler_phases"], phases[i]),
+                             "compilations": phases[i].get("compilations", 0)
+                             + after["num_compilations"] - before["num_compilations"]}
                 outputs[i] += [o["output_ids"] for o in outs]
                 tokens[repeat, i] += sum(len(o["output_ids"]) for o in outs)
     return [(tokens[:, i].sum() / seconds[:, i].sum(), outputs[i],
@@ -812,7 +817,8 @@ def print_row(row: Row) -> None:
 
 def describe_phases(phases: dict[str, Any]) -> str:
     """One line of phases_between: per kind of step its count, rows each, and the engine
-    thread's launch and settle ms each; then the seconds it waited for work."""
+    thread's launch and settle ms each; then the seconds it waited for work and the programs
+    it traced."""
     parts = []
     for kind in ("decode", "prefill"):
         phase = phases.get(kind)
@@ -821,7 +827,8 @@ def describe_phases(phases: dict[str, Any]) -> str:
             parts.append(f"{kind} {steps} steps x {phase['rows'] / steps:.1f} rows, launch "
                          f"{1e3 * phase['launch_s'] / steps:.2f} + settle "
                          f"{1e3 * phase['settle_s'] / steps:.2f} ms each")
-    return "; ".join(parts + [f"idle {phases.get('idle_s', 0.0):.2f} s"])
+    return "; ".join(parts + [f"idle {phases.get('idle_s', 0.0):.2f} s",
+                              f"{phases.get('compilations', 0)} programs traced"])
 
 
 def plot(rows: list[Row], path: str) -> None:

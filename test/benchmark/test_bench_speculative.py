@@ -72,6 +72,7 @@ def test_bench_speculative_reports_the_adaptive_policy_rounds(tmp_path):
     for engine in ("plain", "speculative"):
         assert row["phases"][engine]["prefill"]["rows"] == 4
         assert row["phases"][engine]["decode"]["steps"] >= 1
+        assert row["phases"][engine]["compilations"] == 0  # warm-up built every program
     assert len(row["repeat_speedups"]) == 2 and all(x > 0 for x in row["repeat_speedups"])
     assert set(row["round_ms"]) == set(row["rounds_by_shape"])  # the policy's bucket-2 costs
     assert all(ms > 0 for ms in row["round_ms"].values())
