@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.tree import host_node_depths
 
 INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
 PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
@@ -160,16 +159,16 @@ class Calibration:
         self.predicted = np.zeros((depth, 2 * bins))  # ... and their calibrated estimates
         self.midpoints = np.tile((np.arange(bins) + 0.5) / bins, 2)
 
-    def record(self, scores: np.ndarray, parents: np.ndarray, tried: np.ndarray,
-               accepted: np.ndarray) -> None:
-        """Rounds' trees: scores f32[R, N] (DraftTree.scores) and parents i32[R, N], and the
-        nodes verification tried (its parent accepted) and accepted, bool[R, N] each
-        (round_results.node_outcomes)."""
+    def record(self, scores: np.ndarray, parents: np.ndarray, depths: np.ndarray,
+               tried: np.ndarray, accepted: np.ndarray) -> None:
+        """Rounds' trees: scores f32[R, N] (DraftTree.scores), parents and node depths
+        i32[R, N] each (tree.host_node_depths), and the nodes verification tried (its parent
+        accepted) and accepted, bool[R, N] each (round_results.node_outcomes)."""
         scale = self.decay ** parents.shape[0]
         some = tried.any(axis=1)  # rows without a tried node only decay the counts
         scores, parents, tried, accepted = scores[some], parents[some], tried[some], accepted[some]
         which, own = calibration_cells(np.asarray(scores, np.float64), parents, self.bins)
-        depth = host_node_depths(parents) - 1  # a table row per draft depth
+        depth = depths[some] - 1  # a table row per draft depth
         tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
         cells = depth * self.tried.shape[1] + which  # [R, N]: flat index into a table
         estimate = self.table(self.tried.shape[0]).ravel()[cells[tried]]  # before

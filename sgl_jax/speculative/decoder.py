@@ -308,7 +308,7 @@ class SpecDecoder:
         if self.spec.drafter.full_depth:
             steps = launched.shape.num_steps
             return [max_depth(req, steps) for req in launched.reqs]
-        return tree_depths(output.tree_parents, len(launched.reqs))
+        return tree_depths(output, len(launched.reqs))
 
     def _dispatch(self, reqs: list[Req], padded: int, shape: TreeShape, masked: bool,
                   hints: Any, verified: list[int] | None) -> PendingRound:

@@ -16,6 +16,7 @@ the round reads the slot's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from sgl_jax.model_executor.forward_batch import (
 )
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words
 from sgl_jax.model_executor.target_forward import TargetForward
-from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths
+from sgl_jax.speculative.tree import DraftTree, ancestor_mask, host_node_depths, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
 
 # Pending tokens one catch-up program extends the draft over, per request.
@@ -124,6 +125,12 @@ class RoundOutput:
     verified_nodes: np.ndarray | None = None
     # f32[B, N]: the draft's own log-survival of each node (DraftTree.scores; None: none)
     tree_scores: np.ndarray | None = None
+
+    @functools.cached_property
+    def node_depths(self) -> np.ndarray:
+        """i32[B, N]: each node's depth in its tree (root and unused nodes 0), for the
+        round's bookkeeping: drafted depths, the deepest verified, calibration cells."""
+        return host_node_depths(self.tree_parents)
 
 
 class PendingRound:

@@ -9,22 +9,22 @@ from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
 from sgl_jax.model_executor.model_runner import bitmask_words
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.round import RoundOutput, RoundRows
-from sgl_jax.speculative.tree import host_node_depths
 
 
-def tree_depths(parents: np.ndarray | None, rows: int) -> list[int]:
-    """Per row of a round's trees (parents i32[rows, N]; None: no trees), the deepest draft
-    node it verified: the draft positions the round tried (0 where a row had no draft)."""
-    if parents is None:
+def tree_depths(output: RoundOutput, rows: int) -> list[int]:
+    """Per row of a round's trees (none: a decode step), the deepest draft node it verified:
+    the draft positions the round tried (0 where a row had no draft)."""
+    if output.tree_parents is None:
         return [0] * rows
-    return host_node_depths(parents).max(axis=1).tolist()
+    return output.node_depths.max(axis=1).tolist()
 
 
-def deepest_verified(parents: np.ndarray, counts: list[int]) -> list[int]:
-    """Per row of a packed round's trees (parents i32[B, N], in the order the round verified
-    them), the deepest of the first counts[r] draft nodes it verified: a chain's count."""
-    kept = np.arange(parents.shape[1])[None, :] <= np.asarray(counts)[:, None]
-    return np.where(kept, host_node_depths(parents), 0).max(axis=1).tolist()
+def deepest_verified(output: RoundOutput, counts: list[int]) -> list[int]:
+    """Per row of a packed round's trees (in the order the round verified them), the deepest
+    of the first counts[r] draft nodes it verified: a chain's count."""
+    depths = output.node_depths  # i32[B, N]
+    kept = np.arange(depths.shape[1])[None, :] <= np.asarray(counts)[:, None]
+    return np.where(kept, depths, 0).max(axis=1).tolist()
 
 
 def verified_in(output: RoundOutput, host_counts: list[int] | None, steps: int, rows: int
@@ -35,15 +35,15 @@ def verified_in(output: RoundOutput, host_counts: list[int] | None, steps: int, 
     nodes = host_counts if output.verified_nodes is None else output.verified_nodes.tolist()
     if nodes is None:
         return None, [steps] * rows
-    return nodes, deepest_verified(output.tree_parents, nodes)
+    return nodes, deepest_verified(output, nodes)
 
 
 def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For acceptance.Calibration: `rows`' draft scores f32[R, N] and parents i32[R, N], and
-    which nodes verification tried (verified, with their parent on the accepted path) and
-    accepted (on it), bool[R, N] each. `verified`: a packed round's draft nodes per row
-    (its first ones), None: every node of the tree."""
+                  ) -> tuple[np.ndarray, ...]:
+    """For acceptance.Calibration: `rows`' draft scores f32[R, N], parents and node depths
+    i32[R, N] each, and which nodes verification tried (verified, with their parent on the
+    accepted path) and accepted (on it), bool[R, N] each. `verified`: a packed round's draft
+    nodes per row (its first ones), None: every node of the tree."""
     parents, tokens = output.tree_parents[rows], output.tree_tokens[rows]
     on_path = np.zeros(parents.shape, bool)
     on_path[:, 0] = True
@@ -57,7 +57,7 @@ def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | No
     if verified is not None:
         counted &= np.arange(parents.shape[1])[None, :] <= np.take(verified, rows)[:, None]
     tried = counted & np.take_along_axis(on_path, np.maximum(parents, 0), axis=1)
-    return output.tree_scores[rows], parents, tried, tried & on_path
+    return output.tree_scores[rows], parents, output.node_depths[rows], tried, tried & on_path
 
 
 def max_depth(req: Req, num_steps: int) -> int:

@@ -7,7 +7,7 @@ list itself. Counts are exact either way; buckets bound how many positions a loo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 # Closes a text in a token list that holds several texts. Real tokens are >= 0, so no match
 # and no continuation runs across it.
@@ -138,37 +138,48 @@ class SuffixTrie:
 
     def total(self, handle: Handle) -> int:
         """How many occurrences of a located string are followed by a token."""
-        node, starts, depth = handle
-        if node >= 0:
-            if self._children[node] is not None:
-                return self._total[node]
-            starts = self._starts[node] or ()
-        tokens, offset = self.tokens, depth - self.base
-        size = len(tokens)
-        return sum(1 for start in starts if start + offset < size and tokens[start + offset] >= 0)
+        starts = self._scanned_starts(handle)
+        if starts is None:
+            return self._total[handle[0]]
+        return sum(1 for _ in self._followed(starts, handle[2]))
 
     def continuations(self, handle: Handle) -> tuple[int, list[Child]]:
         """(total, children) of a located string: how many of its occurrences are followed by
         a token, and (count, token, handle) for each token with count / total >= min_fraction,
         the most frequent first (equal counts in no particular order)."""
-        node, starts, depth = handle
-        if node >= 0:
-            if self._children[node] is not None:
-                return self._explicit_continuations(node, depth)
-            starts = self._starts[node] or ()  # a count-only node is never expanded
+        depth = handle[2]
+        starts = self._scanned_starts(handle)
+        if starts is None:
+            return self._explicit_continuations(handle[0], depth)
         groups: dict[int, list[int]] = {}
-        tokens, offset = self.tokens, depth - self.base
-        size = len(tokens)
-        for start in starts:
-            i = start + offset
-            if i < size and tokens[i] >= 0:
-                groups.setdefault(tokens[i], []).append(start)
+        for start, token in self._followed(starts, depth):
+            groups.setdefault(token, []).append(start)
         total = sum(len(group) for group in groups.values())
         children = [(len(group), token, (-1, group, depth + 1))
                     for token, group in groups.items()
                     if len(group) / total >= self.min_fraction]
         children.sort(key=_by_count, reverse=True)
         return total, children
+
+    def _scanned_starts(self, handle: Handle) -> Sequence[int] | None:
+        """The start positions of a located string's occurrences, to be read from `tokens`;
+        None for an explicit node, whose counts are kept."""
+        node, starts, _ = handle
+        if node < 0:
+            return starts
+        if self._children[node] is not None:
+            return None
+        return self._starts[node] or ()  # a count-only node is never expanded
+
+    def _followed(self, starts: Sequence[int], depth: int) -> Iterator[tuple[int, int]]:
+        """(start, next token) for each occurrence of a `depth`-token string at `starts` that
+        a token follows (not the end of its text or of the list)."""
+        tokens, offset = self.tokens, depth - self.base
+        size = len(tokens)
+        for start in starts:
+            i = start + offset
+            if i < size and tokens[i] >= 0:
+                yield start, tokens[i]
 
     def _explicit_continuations(self, node: int, depth: int) -> tuple[int, list[Child]]:
         counts, total = self._count, self._total[node]

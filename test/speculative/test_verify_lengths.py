@@ -18,7 +18,7 @@ from sgl_jax.speculative.acceptance import Acceptance, Calibration
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
 from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.tree import DraftTree, host_node_depths
 from sgl_jax.speculative.verify_lengths import (
     confident_packing,
     draft_counts,
@@ -205,7 +205,7 @@ def test_calibration_learns_each_cells_acceptance_and_the_raw_error():
     for _ in range(400):
         draw = rng.random()
         hit = np.array([[False, draw < 0.6, 0.6 <= draw < 0.65, False]])
-        calibration.record(scores, parents, tried, hit)
+        calibration.record(scores, parents, host_node_depths(parents), tried, hit)
     table = calibration.table(2)
     assert table.shape == (2, 8)
     assert table[0, 1] == pytest.approx(0.6, abs=0.06)  # first choices, bin [0.25, 0.5)
