@@ -3,10 +3,11 @@ trace, lower, compile and load, and what each decodes at.
 
 The unrolled program is `sgl_jax.models.llama.forward` as the engine runs it: one copy of the
 layer per layer. The scanned one runs the same `decoder_layer` under `jax.lax.scan` over
-parameters stacked along a leading layer axis; its KV cache is one pair of page arrays
-holding every layer's pages (layer i owns pages i*P .. (i+1)*P - 1), so each layer's
-attention writes and reads the shared arrays at its own page offset and the cache stays a
-loop carry updated in place. Both compute the same logits; the script checks that they agree.
+parameters stacked along a leading layer axis. Both keep the engine's KV cache, one pair of
+page arrays holding every layer's pages (layer i owns pages i*P .. (i+1)*P - 1), so each
+layer's attention writes and reads the shared arrays at its own page offset (the scan's
+cache a loop carry updated in place). Both compute the same logits; the script checks that
+they agree.
 
 For the model (default: the built-in demo model, SmolLM2-135M's 30 layers), on this host:
   - trace + lower seconds of a decode step and of a prefill step, for the host and, with
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.layers.attention import get_attention_backend
+from sgl_jax.layers.attention import LayerKV, ModelCache, get_attention_backend
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
 from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
@@ -73,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # -- the two programs -------------------------------------------------------------------------
 
 def unrolled_forward(params, kv, input_ids, positions, metadata, *, config, attention):
-    """params: the engine's pytree (a list of layers); kv: a list of (k, v) per layer."""
+    """params: the engine's pytree (a list of layers); kv: the engine's ModelCache."""
     hidden, kv, _ = llama.forward(params, kv, input_ids, positions, metadata, config=config,
                                   attention=attention)
     return hidden, kv
@@ -94,8 +95,8 @@ def scanned_forward(params, kv, input_ids, positions, metadata, *, config, atten
 
         def attend(p, x, layer_kv):
             return llama.self_attention(p, x, cos, sin, layer_kv, own_pages, config, attention)
-        hidden, kv = llama.decoder_layer(layer, hidden, attend, kv, config)
-        return (hidden, kv, index + 1), None
+        hidden, layer_kv = llama.decoder_layer(layer, hidden, attend, LayerKV(*kv), config)
+        return (hidden, (layer_kv.k, layer_kv.v), index + 1), None
 
     hidden = embedding_rows(params["embed"], input_ids)
     (hidden, kv, _), _ = jax.lax.scan(one_layer, (hidden, kv, jnp.int32(0)), params["layers"])
@@ -118,8 +119,8 @@ def kv_caches(config: ModelConfig, num_pages: int, dtype) -> dict[str, object]:
     """Zeroed caches of `num_pages` pages per layer in each layout."""
     shape = (num_pages, config.num_kv_heads, PAGE_SIZE, config.head_dim)
     flat = (config.num_layers * num_pages, *shape[1:])
-    return {"unrolled": [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                         for _ in range(config.num_layers)],
+    return {"unrolled": ModelCache(jnp.zeros(flat, dtype), jnp.zeros(flat, dtype),
+                                   (None,) * config.num_layers, num_pages),
             "scanned": (jnp.zeros(flat, dtype), jnp.zeros(flat, dtype))}
 
 

@@ -412,7 +412,7 @@ def profile_decode_step(model: LoadedModel, runner: ModelRunner, page_ids: list,
     logits_only = jax.jit(lambda p, h: model.impl.compute_logits(p, h, model.config))
     hidden = jnp.zeros((1, model.config.hidden_size), model.dtype)
     ids, positions = device_batch.input_ids, device_batch.positions
-    pool = runner.state.kv_cache[0][0].shape[0]
+    pool = runner.state.kv_cache.pages_per_layer
     parts = {
         f"runner.forward, whole step ({pool}-page pool)": lambda: runner.forward(chunks),
         "  build_forward_batch (host)": lambda: _build(runner, chunks),

@@ -1,6 +1,6 @@
-"""The device-side paged KV cache: one (K, V) pair of page arrays per attention layer, split
-across the tensor-parallel mesh by KV head (a hybrid model's linear-attention layers hold a
-recurrent-state pool instead, see `state_pool`).
+"""The device-side paged KV cache: one (K, V) pair of page arrays holding every attention
+layer's pages (`ModelCache`), split across the tensor-parallel mesh by KV head (a hybrid
+model's linear-attention layers hold a recurrent-state pool each, see `state_pool`).
 
 The pages' dtype is `--kv-cache-dtype` (`kv_cache_dtype`): the model dtype, bfloat16 or an
 fp8 format. Values are cast when written (no scales: SGLang's and vLLM's default scale 1.0)
@@ -11,8 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import LayerKV
-from sgl_jax.layers.gated_delta_net import GdnState
+from sgl_jax.layers.attention import ModelCache
 from sgl_jax.mem_cache.state_pool import allocate_state_pool
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.parallel import TensorParallel
@@ -36,20 +35,24 @@ def allocate_kv_cache(
     config: ModelConfig, *, num_pages: int, page_size: int, dtype: jax.typing.DTypeLike,
     tp: TensorParallel | None = None, num_state_slots: int = 0,
     kv_dtype: jax.typing.DTypeLike | None = None,
-) -> list[LayerKV | GdnState]:
-    """Per attention layer: (k_pages, v_pages), each kv_dtype[num_pages, kv_heads, page_size,
-    head_dim] with kv_heads = tp.kv_heads(config.num_kv_heads) (the model's, or one per device
-    when it has fewer) and kv_dtype the model's `dtype` unless given. Per linear-attention
-    layer of a hybrid model: its pool of `num_state_slots` recurrent states, in the dtypes
-    `state_pool` gives them from the model's `dtype`, never kv_dtype (a recurrent state is
-    rewritten every step: rounding it to 8 bits each time would compound)."""
+) -> ModelCache:
+    """Every attention layer's `num_pages` pages in one (K, V) pair of kv_dtype[A * num_pages,
+    kv_heads, page_size, head_dim] arrays (A attention layers, layer a's pages from row
+    a * num_pages on), kv_heads = tp.kv_heads(config.num_kv_heads) (the model's, or one per
+    device when it has fewer) and kv_dtype the model's `dtype` unless given. Per
+    linear-attention layer of a hybrid model: its pool of `num_state_slots` recurrent states,
+    in the dtypes `state_pool` gives them from the model's `dtype`, never kv_dtype (a
+    recurrent state is rewritten every step: rounding it to 8 bits each time would
+    compound)."""
     tp = tp or TensorParallel.of_size(1)
-    shape = (num_pages, tp.kv_heads(config.num_kv_heads), page_size, config.head_dim)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    return [allocate_state_pool(config, num_slots=num_state_slots, dtype=dtype, tp=tp)
-            if config.is_linear_layer(i)
-            else (tp.kv_pages(shape, kv_dtype), tp.kv_pages(shape, kv_dtype))
-            for i in range(config.num_layers)]
+    states = tuple(allocate_state_pool(config, num_slots=num_state_slots, dtype=dtype, tp=tp)
+                   if config.is_linear_layer(i) else None for i in range(config.num_layers))
+    layers = sum(state is None for state in states)
+    shape = (layers * num_pages, tp.kv_heads(config.num_kv_heads), page_size, config.head_dim)
+    k, v = ((tp.kv_pages(shape, kv_dtype), tp.kv_pages(shape, kv_dtype)) if layers
+            else (None, None))
+    return ModelCache(k, v, states, num_pages)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype, tp: TensorParallel) -> int:

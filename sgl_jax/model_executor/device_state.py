@@ -15,16 +15,15 @@ from dataclasses import dataclass
 
 import jax
 
-from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.attention import LayerKV
+from sgl_jax.layers.attention import ModelCache
 from sgl_jax.layers.sampler import PenaltyState
 
 
 @dataclass
 class DeviceState:
-    # Per target layer: (K, V) pages in the KV dtype (--kv-cache-dtype), or a linear layer's
-    # GdnState pool (hybrid models) in the model's.
-    kv_cache: list[LayerKV | gated_delta_net.GdnState]
+    # Every attention layer's pages in one (K, V) pair in the KV dtype (--kv-cache-dtype), and
+    # each linear layer's GdnState pool (hybrid models) in the model's.
+    kv_cache: ModelCache
     penalties: PenaltyState  # per request slot: token counts for the penalties
     # i32[num_request_slots]: each request slot's last sampled token, so a decode step can
     # take its input from the step before without the host reading it first.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import jax
 
 from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.models import qwen3_next
 from sgl_jax.models.loader import LoadedModel
 
@@ -39,7 +39,7 @@ class TargetForward:
         capture: tuple[int, ...] = (),  # layers whose outputs come back (EAGLE3 features)
         state_slots: jax.Array | None = None,  # i32[NB]: hybrid extends, one per query block
         tree: gated_delta_net.TreeLayout | None = None,  # hybrid verifies: the draft trees
-    ) -> tuple[jax.Array, list[LayerKV], tuple[jax.Array, ...]]:
+    ) -> tuple[jax.Array, ModelCache, tuple[jax.Array, ...]]:
         """hidden f[T, H] (after the final norm), the cache, the captured layers f[T, H]
         each. With `tree`, a hybrid model's linear layers return each node's state in place
         of their pools (gated_delta_net.commit_node picks the one to keep)."""

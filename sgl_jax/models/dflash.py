@@ -39,8 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
-from sgl_jax.layers.attention.native import write_kv
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import apply_rope, inverse_frequencies, rope_cos_sin
 from sgl_jax.layers.weights import WeightSpec
@@ -147,21 +146,22 @@ def context_keys_values(
 
 def context_kv(
     params: Params,
-    kv_cache: list[LayerKV],
+    kv_cache: ModelCache,
     features: jax.Array,  # f[T, L*H]: the target's, at committed tokens
     positions: jax.Array,  # i32[T]
     slot_mapping: jax.Array,  # i32[T]: where each token's keys go (0: the null slot)
     *,
     config: DFlashConfig,
-) -> list[LayerKV]:
+) -> ModelCache:
     """Write every layer's context keys and values for the tokens into the cache."""
-    return [write_kv(layer_kv, k, v, slot_mapping) for layer_kv, (k, v) in zip(
-        kv_cache, context_keys_values(params, features, positions, config), strict=True)]
+    for i, (k, v) in enumerate(context_keys_values(params, features, positions, config)):
+        kv_cache = kv_cache.with_layer(i, kv_cache.layer(i).write(slot_mapping, k, v))
+    return kv_cache
 
 
 def block_forward(
     params: Params,
-    kv_cache: list[LayerKV],
+    kv_cache: ModelCache,
     input_ids: jax.Array,  # i32[T]: each block, its last verified token then mask tokens
     positions: jax.Array,  # i32[T]
     metadata: AttentionMetadata,  # one query block per block, every block key visible
@@ -169,17 +169,16 @@ def block_forward(
     config: DFlashConfig,
     attention: AttentionBackend,
     embed: jax.Array,  # [V, H]: the target's
-) -> tuple[jax.Array, list[LayerKV]]:
+) -> tuple[jax.Array, ModelCache]:
     """The blocks' final-normed hidden states f[T, H] (the target's lm_head of each one past
     the first is a draft) and the cache, the blocks' own keys written past the context."""
     layer_config = config.layer
     x = embedding_rows(embed, input_ids)
-    written = []
-    for p, layer_kv, attend in zip(params["layers"], kv_cache, _layer_mixers(
-            positions, metadata, config, attention), strict=True):
-        x, layer_kv = llama.decoder_layer(p, x, attend, layer_kv, layer_config)
-        written.append(layer_kv)
-    return llama.norm(x, params["norm"], layer_config), written
+    mixers = _layer_mixers(positions, metadata, config, attention)
+    for i, (p, attend) in enumerate(zip(params["layers"], mixers, strict=True)):
+        x, layer_kv = llama.decoder_layer(p, x, attend, kv_cache.layer(i), layer_config)
+        kv_cache = kv_cache.with_layer(i, layer_kv)
+    return llama.norm(x, params["norm"], layer_config), kv_cache
 
 
 def _layer_mixers(positions: jax.Array, metadata: AttentionMetadata, config: DFlashConfig,

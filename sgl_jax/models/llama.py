@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV, ModelCache
 from sgl_jax.layers.linear import matmul_rows
 from sgl_jax.layers.moe import has_experts, moe_mlp
 from sgl_jax.layers.norm import rms_norm
@@ -133,7 +133,7 @@ def _gate_up_parts(config: ModelConfig) -> list[Callable[..., FusedPart]]:
 
 def forward(
     params: Params,
-    kv_cache: list[LayerKV],
+    kv_cache: ModelCache,
     input_ids: jax.Array,  # i32[T]
     positions: jax.Array,  # i32[T]
     metadata: AttentionMetadata,
@@ -141,7 +141,7 @@ def forward(
     config: ModelConfig,
     attention: AttentionBackend,
     capture_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, list[LayerKV], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, ModelCache, tuple[jax.Array, ...]]:
     """Run the decoder over a ragged batch.
 
     Returns the final-normed hidden states f[T, H], the updated cache, and for each index in
@@ -170,26 +170,25 @@ def attention_mixer(positions: jax.Array, metadata: AttentionMetadata, config: M
 
 def decoder(
     params: Params,
-    cache: list[Any],
+    cache: ModelCache,
     input_ids: jax.Array,  # i32[T]
     mixers: Sequence[Mixer],  # one per layer
     *,
     config: ModelConfig,
     capture_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, list[Any], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, ModelCache, tuple[jax.Array, ...]]:
     """The pre-norm decoder stack (see `forward` for what it returns): each layer is
     x + mixer(norm(x)), then x + mlp(norm(x))."""
     hidden = embedding_rows(params["embed"], input_ids)
     captured: dict[int, jax.Array] = {}
-    new_cache = []
     for i, (layer, mix) in enumerate(zip(params["layers"], mixers, strict=True)):
         if i in capture_layers:
             captured[i] = hidden
-        hidden, layer_cache = decoder_layer(layer, hidden, mix, cache[i], config)
-        new_cache.append(layer_cache)
+        hidden, layer_cache = decoder_layer(layer, hidden, mix, cache.layer(i), config)
+        cache = cache.with_layer(i, layer_cache)
     captured[config.num_layers] = hidden
     hidden = norm(hidden, params["norm"], config)
-    return hidden, new_cache, tuple(captured[i] for i in capture_layers)
+    return hidden, cache, tuple(captured[i] for i in capture_layers)
 
 
 def decoder_layer(p: Params, x: jax.Array, mix: Mixer, layer_cache: Any, config: ModelConfig

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
@@ -54,7 +54,7 @@ def hf_weight_specs(config: ModelConfig, names: Collection[str]
 
 def forward(
     params: Params,
-    kv_cache: list[LayerKV],
+    kv_cache: ModelCache,
     input_ids: jax.Array,  # i32[T]: token t + 1 for feature t
     positions: jax.Array,  # i32[T]
     features: jax.Array,  # f[T, H]: the target's final (normed) hidden state, or the draft's
@@ -63,19 +63,18 @@ def forward(
     config: ModelConfig,
     attention: AttentionBackend,
     embed: jax.Array,  # [V, H]
-) -> tuple[jax.Array, list[LayerKV]]:
+) -> tuple[jax.Array, ModelCache]:
     """Returns the draft's output f[T, H] (logits = target lm_head of it) and its cache."""
     tokens = embedding_rows(embed, input_ids)
     x = llama.matmul_rows(jnp.concatenate([tokens, features], axis=-1), params["fc"])
     if "fc_bias" in params:
         x = x + params["fc_bias"]
     cos, sin = rope_cos_sin(positions, inverse_frequencies(config.rope, config.head_dim))
-    new_cache = []
     for i, layer in enumerate(params["layers"]):
         normed = x if i == 0 else rms_norm(x, layer["input_norm"], config.rms_norm_eps)
-        attn_out, layer_kv = llama.self_attention(layer, normed, cos, sin, kv_cache[i],
+        attn_out, layer_kv = llama.self_attention(layer, normed, cos, sin, kv_cache.layer(i),
                                                   metadata, config, attention)
         x = x + attn_out
         x = x + llama.mlp(layer, rms_norm(x, layer["post_norm"], config.rms_norm_eps))
-        new_cache.append(layer_kv)
-    return x, new_cache
+        kv_cache = kv_cache.with_layer(i, layer_kv)
+    return x, kv_cache

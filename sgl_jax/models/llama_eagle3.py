@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.layers.norm import rms_norm
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.rotary import inverse_frequencies, rope_cos_sin
@@ -142,7 +142,7 @@ def hf_weight_specs(config: Eagle3Config, names: Collection[str]) -> dict[str, W
 
 def forward(
     params: Params,
-    kv_cache: list[LayerKV],  # the draft's own one-layer cache
+    kv_cache: ModelCache,  # the draft's own one-layer cache
     input_ids: jax.Array,  # i32[T]: token t + 1 for feature t
     positions: jax.Array,  # i32[T]
     features: jax.Array,  # f[T, 3*Ht] target states, or f[T, H] the draft's previous output
@@ -152,7 +152,7 @@ def forward(
     attention: AttentionBackend,
     embed: jax.Array,  # [V, H]: the draft's own embedding, or the target's
     from_target: bool,
-) -> tuple[jax.Array, list[LayerKV]]:
+) -> tuple[jax.Array, ModelCache]:
     """One draft step over a ragged batch; returns the pre-norm output h f[T, H] (fed back as
     the next step's features) and the updated cache."""
     c = config.layer
@@ -161,11 +161,11 @@ def forward(
     x = jnp.concatenate([rms_norm(tokens, params["input_norm"], c.rms_norm_eps),
                          rms_norm(g, params["hidden_norm"], c.rms_norm_eps)], axis=-1)
     cos, sin = rope_cos_sin(positions, inverse_frequencies(c.rope, c.head_dim))
-    attn_out, layer_kv = self_attention(params, x, cos, sin, kv_cache[0], metadata, c,
+    attn_out, layer_kv = self_attention(params, x, cos, sin, kv_cache.layer(0), metadata, c,
                                         attention)
     hidden = g + attn_out
     hidden = hidden + mlp(params, rms_norm(hidden, params["post_norm"], c.rms_norm_eps))
-    return hidden, [layer_kv]
+    return hidden, kv_cache.with_layer(0, layer_kv)
 
 
 def compute_logits(params: Params, hidden: jax.Array, config: Eagle3Config,

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net as gdn
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.layers.attention.metadata import from_windows, to_windows
 from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import llama, qwen3_moe
@@ -78,7 +78,7 @@ def hf_weight_specs(config: ModelConfig, names: Collection[str] | None = None
 
 def forward(
     params: Params,
-    cache: list[Any],  # per layer: (K, V) pages, or the GdnState pool of a linear layer
+    cache: ModelCache,  # the attention layers' pages and the linear layers' GdnState pools
     input_ids: jax.Array,  # i32[T]
     positions: jax.Array,  # i32[T]
     metadata: AttentionMetadata,
@@ -88,7 +88,7 @@ def forward(
     state_slots: jax.Array,  # i32[NB]: each query block's sequence's state slot (0: padding)
     linear_attention: LinearAttention | None = None,
     capture_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, list[Any], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, ModelCache, tuple[jax.Array, ...]]:
     """llama.forward's contract, with each sequence's recurrent state read from and written
     back to its slot of the linear layers' pools."""
     attend = llama.attention_mixer(positions, metadata, config, attention)
@@ -105,7 +105,7 @@ def forward(
 
 def verify_forward(
     params: Params,
-    cache: list[Any],
+    cache: ModelCache,
     input_ids: jax.Array,  # i32[B * N]: each request's draft tree, node 0 its root
     positions: jax.Array,  # i32[B * N]
     metadata: AttentionMetadata,  # the verify window with the trees' ancestor mask
@@ -115,11 +115,12 @@ def verify_forward(
     tree: gdn.TreeLayout,
     linear_attention: LinearAttention | None = None,
     capture_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, list[Any], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, ModelCache, tuple[jax.Array, ...]]:
     """The target's forward over draft trees (speculative verify). Attention layers attend
     with the tree mask and write the nodes' K/V as `forward` does. Each linear layer runs
     every node from its parent's state, the root from the request's committed state in its
-    slot, and writes nothing: its entry in the returned cache is the state after every node,
+    slot, and writes nothing: its entry in the returned cache's `states` is the state after
+    every node,
     GdnState [B * N, ...], for `gdn.commit_node` once the accepted path is known."""
     attend = llama.attention_mixer(positions, metadata, config, attention)
     run = linear_attention or partial(gdn.verify_slots, config=config.linear_attention)

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.layers.quantization import embedding_rows
 from sgl_jax.layers.weights import WeightSpec
 from sgl_jax.models import llama, qwen3_moe
@@ -73,7 +73,7 @@ def hf_weight_specs(config: ModelConfig, names: Collection[str]) -> dict[str, We
 
 def forward(
     params: Params,
-    kv_cache: list[LayerKV],  # one layer's pages
+    kv_cache: ModelCache,  # one layer's pages
     input_ids: jax.Array,  # i32[T]: token t + 1 for position t
     positions: jax.Array,  # i32[T]
     features: jax.Array,  # f[T, H]: the target's final-norm hidden state, or the MTP's output
@@ -82,12 +82,12 @@ def forward(
     config: ModelConfig,
     attention: AttentionBackend,
     embed: jax.Array,  # [V, H]: the target's
-) -> tuple[jax.Array, list[LayerKV]]:
+) -> tuple[jax.Array, ModelCache]:
     """Returns the MTP's normed output f[T, H] (logits: the target's lm_head of it, and the
     next step's features) and its cache."""
     token = llama.norm(embedding_rows(embed, input_ids), params["pre_fc_norm_embedding"], config)
     hidden = llama.norm(features, params["pre_fc_norm_hidden"], config)
     x = llama.matmul_rows(jnp.concatenate([token, hidden], axis=-1), params["fc"])
     attend = llama.attention_mixer(positions, metadata, config, attention)
-    x, layer_kv = llama.decoder_layer(params["layers"][0], x, attend, kv_cache[0], config)
-    return llama.norm(x, params["norm"], config), [layer_kv]
+    x, layer_kv = llama.decoder_layer(params["layers"][0], x, attend, kv_cache.layer(0), config)
+    return llama.norm(x, params["norm"], config), kv_cache.with_layer(0, layer_kv)

@@ -126,11 +126,12 @@ class TensorParallel:
     def attention(self, backend: AttentionBackend) -> AttentionBackend:
         """The backend run on each device over its own heads and its own KV cache shard."""
         def sharded(q, k, v, layer_kv, metadata, *, scale, sliding_window=None):
+            pages = jax.tree.map(lambda _: _PAGES, layer_kv)  # the layer's view, split by head
             local = jax.shard_map(
                 functools.partial(backend, scale=scale, sliding_window=sliding_window),
                 mesh=self.mesh,
-                in_specs=(_HEADS, _HEADS, _HEADS, (_PAGES, _PAGES), P()),
-                out_specs=(_HEADS, (_PAGES, _PAGES)), check_vma=False)
+                in_specs=(_HEADS, _HEADS, _HEADS, pages, P()),
+                out_specs=(_HEADS, pages), check_vma=False)
             return local(q, k, v, layer_kv, metadata)
         return sharded
 

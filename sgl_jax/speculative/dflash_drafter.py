@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import AttentionBackend, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, ModelCache
 from sgl_jax.layers.sampler import vocab_top_k
 from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
 from sgl_jax.models import dflash
@@ -77,8 +77,8 @@ class DFlashDrafter:
         return position_topk_tree(roots, logprobs, topk=shape.topk,
                                   num_draft_tokens=shape.num_draft_tokens), kv
 
-    def block(self, params, kv: list[LayerKV], inputs, page_table: jax.Array
-              ) -> tuple[jax.Array, list[LayerKV]]:
+    def block(self, params, kv: ModelCache, inputs, page_table: jax.Array
+              ) -> tuple[jax.Array, ModelCache]:
         """Each row's block [root, MASK x (B-1)] at its root's position over its cache: the
         final-normed outputs f[rows, B, H] and the cache, the block's keys written past the
         context."""
@@ -101,13 +101,13 @@ class DFlashDrafter:
         return self.catch_up(params, kv, verdict.tokens, verified.features, page_table,
                              inputs.kv_lens, valid)
 
-    def catch_up(self, params, kv: list[LayerKV],
+    def catch_up(self, params, kv: ModelCache,
                  tokens: jax.Array,  # i32[B, W]: only its shape is read
                  features: jax.Array,  # f[B*W, F]: the target's, per position
                  page_table: jax.Array,  # i32[B, P]
                  start: jax.Array,  # i32[B]: positions the cache holds
                  valid: jax.Array,  # i32[B]: real positions per row (0: nothing written)
-                 ) -> tuple[jax.Array, list[LayerKV]]:
+                 ) -> tuple[jax.Array, ModelCache]:
         """Write the context of `valid` positions per row from `start`."""
         batch, width = tokens.shape
         offsets = jnp.arange(width)[None, :]

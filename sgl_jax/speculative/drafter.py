@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import LayerKV
+from sgl_jax.layers.attention import ModelCache
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from sgl_jax.mem_cache.state_pool import state_bytes_per_slot
 from sgl_jax.model_executor.forward_batch import ForwardBatch
@@ -54,7 +54,7 @@ class DraftCache:
         return state_bytes_per_slot(self.config, dtype, tp) if self.recurrent else 0
 
     def allocate(self, *, num_pages: int, page_size: int, dtype: Any, tp: TensorParallel,
-                 num_state_slots: int, kv_dtype: Any) -> list[LayerKV]:
+                 num_state_slots: int, kv_dtype: Any) -> ModelCache:
         return allocate_kv_cache(self.config, num_pages=num_pages, page_size=page_size,
                                  dtype=dtype, tp=tp, kv_dtype=kv_dtype,
                                  num_state_slots=num_state_slots if self.recurrent else 0)
@@ -85,28 +85,28 @@ class Drafter(Protocol):
         """`RoundRows.hints` for rows it proposes nothing for (None: it takes no hints)."""
 
     def prefill(self, params, kv, batch: ForwardBatch, features: jax.Array | None,
-                next_ids: jax.Array, run: jax.Array) -> tuple[jax.Array, list[LayerKV]]:
+                next_ids: jax.Array, run: jax.Array) -> tuple[jax.Array, ModelCache]:
         """Extend over a prefill batch; returns its slot rows [rows, D] at each chunk's last
         token (written where the chunk completes a prompt)."""
 
     def propose(self, params, kv, inputs: RoundInputs, page_table: jax.Array,
                 state_slots: jax.Array, hints: Any, *, shape: TreeShape
-                ) -> tuple[DraftTree, list[LayerKV]]:
+                ) -> tuple[DraftTree, ModelCache]:
         """A tree per row of `shape`, which has more than one node (the runner handles the
         one-node shape, plain decoding, without asking)."""
 
     def advance(self, params, kv, tree: DraftTree, verified: Verified, inputs: RoundInputs,
                 page_table: jax.Array, state_slots: jax.Array
-                ) -> tuple[jax.Array, list[LayerKV]]:
+                ) -> tuple[jax.Array, ModelCache]:
         """Move past the accepted tokens; returns the new slot rows [B, D]."""
 
-    def catch_up(self, params, kv: list[LayerKV],
+    def catch_up(self, params, kv: ModelCache,
                  tokens: jax.Array,  # i32[B, W]: the token after each pending position
                  features: jax.Array,  # f[B*W, F]: the target's, per pending position
                  page_table: jax.Array,  # i32[B, P]
                  start: jax.Array,  # i32[B]: tokens the draft's cache holds
                  valid: jax.Array,  # i32[B]: pending positions per row (0: nothing written)
-                 ) -> tuple[jax.Array, list[LayerKV]]:
+                 ) -> tuple[jax.Array, ModelCache]:
         """Extend over the positions plain rounds left behind (only asked of a drafter that
         `defers`); returns the slot rows [B, D] at each row's last one."""
 

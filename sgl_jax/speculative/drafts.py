@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
 from sgl_jax.layers.sampler import vocab_top_k
 from sgl_jax.model_executor.forward_batch import window_metadata
 from sgl_jax.models import llama, llama_eagle, llama_eagle3, qwen3_next_mtp
@@ -39,9 +39,9 @@ class DraftModel(Protocol):
     root_in_window: bool  # the root token is re-run in every draft window
     recurrent: bool  # keeps a recurrent state per request (a hybrid STANDALONE draft)
 
-    def forward(self, params: Params, kv: list[LayerKV], tokens: jax.Array,
+    def forward(self, params: Params, kv: ModelCache, tokens: jax.Array,
                 positions: jax.Array, inputs: jax.Array | None, metadata: AttentionMetadata,
-                *, from_target: bool) -> tuple[jax.Array, list[LayerKV]]: ...
+                *, from_target: bool) -> tuple[jax.Array, ModelCache]: ...
 
     def logits(self, params: Params, hidden: jax.Array) -> jax.Array: ...
 
@@ -141,7 +141,7 @@ def target_head_logits(lm_head: jax.Array, hidden: jax.Array, vocab_size: int) -
 def grow_tree(
     draft: DraftModel,
     params: Params,
-    kv: list[LayerKV],
+    kv: ModelCache,
     root_tokens: jax.Array,  # i32[B]: the last committed token of each request
     root_hidden: jax.Array | None,  # f[B, H]: EAGLE3's output at the root pair, fed forward
     root_logits: jax.Array | None,  # f32[B, Vd]: EAGLE3's prediction of the first draft token
@@ -152,7 +152,7 @@ def grow_tree(
     shape: TreeShape,
     page_size: int,
     state_slots: jax.Array | None = None,  # i32[B]: a recurrent draft's state slots
-) -> tuple[DraftTree, list[LayerKV]]:
+) -> tuple[DraftTree, ModelCache]:
     """EAGLE-2 drafting: expand the best `topk` nodes by `topk` children for `num_steps`
     levels, then keep the best N-1 candidates by cumulative log-probability.
 
@@ -253,7 +253,7 @@ class _Window:
 
 
 def _run_window(draft, params, kv, window: _Window, prefix_lens, page_table, active,
-                page_size, state_slots=None) -> tuple[jax.Array, list[LayerKV]]:
+                page_size, state_slots=None) -> tuple[jax.Array, ModelCache]:
     """hidden f[B, W, H] of every window node; a node at depth d sits at prefix_len + d
     counted from the first node after the committed prefix."""
     batch, width = window.tokens.shape

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import LayerKV
+from sgl_jax.layers.attention import ModelCache
 from sgl_jax.model_executor.forward_batch import window_metadata
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.drafter import DraftCache
@@ -73,13 +73,13 @@ class HeadDrafter:
         return self.catch_up(params, kv, verdict.tokens, verified.features, page_table,
                              inputs.kv_lens, valid)
 
-    def catch_up(self, params, kv: list[LayerKV],
+    def catch_up(self, params, kv: ModelCache,
                  tokens: jax.Array,  # i32[B, W]: the token after each position
                  features: jax.Array,  # f[B*W, F]: the target's, per position
                  page_table: jax.Array,  # i32[B, P]
                  start: jax.Array,  # i32[B]: tokens the draft's cache holds
                  valid: jax.Array,  # i32[B]: real positions per row (0: nothing written)
-                 ) -> tuple[jax.Array, list[LayerKV]]:
+                 ) -> tuple[jax.Array, ModelCache]:
         """Run the head over `valid` new pairs per row from `start`; returns its output at
         each row's last one (f[B, H])."""
         batch, width = tokens.shape

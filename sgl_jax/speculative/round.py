@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.attention import LayerKV
+from sgl_jax.layers.attention import ModelCache
 from sgl_jax.layers.attention.metadata import (
     from_windows,
     read_slots,
@@ -89,8 +89,8 @@ class DraftDeviceState:
     """The speculative runner's device arrays that outlive a round, beside the target's
     DeviceState. Programs take them donated and the runner stores their successors here."""
 
-    kv: list[LayerKV]  # the drafter's own paged cache (page ids and KV dtype the target's);
-    # [] for a drafter that keeps none
+    kv: ModelCache | list  # the drafter's own paged cache (page ids and KV dtype the
+    # target's); [] for a drafter that keeps none
     slots: SlotState  # per request slot: what the round in flight left for the next
 
 
@@ -167,24 +167,24 @@ class Verified:
 
 
 
-def commit_path_kv(kv: list[LayerKV], page_table: jax.Array, prefix_lens: jax.Array,
-                   verdict: Verdict, page_size: int) -> list[LayerKV]:
+def commit_path_kv(kv: ModelCache, page_table: jax.Array, prefix_lens: jax.Array,
+                   verdict: Verdict, page_size: int) -> ModelCache:
     """Copy the K/V of each accepted node (at slot prefix + node index) to slot prefix + depth,
-    so the accepted path lies in consecutive slots like ordinary decoded tokens."""
+    so the accepted path lies in consecutive slots like ordinary decoded tokens (in every
+    attention layer at once; a hybrid model's state pools are committed apart)."""
     depth = jnp.arange(1, verdict.path.shape[1])[None, :]  # i32[1, S]
     nodes = verdict.path[:, 1:]
     moved = (depth <= verdict.num_accepted[:, None]) & (nodes != depth)
     source = kv_slots(page_table, prefix_lens[:, None] + jnp.maximum(nodes, 0), page_size)
     dest = kv_slots(page_table, prefix_lens[:, None] + depth, page_size)
-    source = jnp.where(moved, source, 0).reshape(-1)  # unmoved pairs copy the null slot
-    dest = jnp.where(moved, dest, 0).reshape(-1)
+    # unmoved pairs copy the null slot
+    source = kv.every_layer_slots(jnp.where(moved, source, 0)).reshape(-1)
+    dest = kv.every_layer_slots(jnp.where(moved, dest, 0)).reshape(-1)
 
     def move(pages: jax.Array) -> jax.Array:
         return write_slots(pages, dest, read_slots(pages, source))
 
-    # A hybrid model's linear layers hold state pools, committed apart.
-    return [layer if isinstance(layer, gated_delta_net.GdnState) else tuple(map(move, layer))
-            for layer in kv]
+    return dataclasses.replace(kv, k=move(kv.k), v=move(kv.v))
 
 
 def path_logprobs(logits: jax.Array, rows: jax.Array, tokens: jax.Array, detail: jax.Array):
@@ -289,7 +289,7 @@ def keep_first_nodes(tree: DraftTree, packed: jax.Array) -> tuple[DraftTree, jax
 
 
 def verify_trees(
-    forward: TargetForward, params, kv: list[LayerKV],
+    forward: TargetForward, params, kv: ModelCache,
     page_table: jax.Array,  # i32[B, P]
     inputs: RoundInputs,
     tree: DraftTree,  # [B, N]
@@ -304,7 +304,7 @@ def verify_trees(
     capture: tuple[int, ...] = (),
     node_allowed: jax.Array | None = None,  # i32[B, N, W]: grammar bitmasks per node
     packed: jax.Array | None = None,  # i32[T]: verify only these nodes (RoundRows.packed_nodes)
-) -> tuple[list[LayerKV], Verified]:
+) -> tuple[ModelCache, Verified]:
     """The target's forward over every tree with the tree mask, the acceptance walk, and the
     accepted nodes' K/V moved into place. `node_allowed` masks each node's distribution (else
     each request's row applies). A hybrid target's linear layers run the trees from each
@@ -327,7 +327,7 @@ def verify_trees(
     if forward.hybrid:
         verified = jnp.arange(n)[None, :] < counts[:, None]  # bool[B, N]
         layout = gated_delta_net.TreeLayout(slots, tree.parents, active[:, None] & verified)
-    pools = list(kv)
+    pools = kv.states
     hidden, kv, captured = forward(params, kv, from_windows(tree.tokens.reshape(-1), metadata),
                                    from_windows((kv_lens[:, None] + depths).reshape(-1),
                                                 metadata),
@@ -342,9 +342,9 @@ def verify_trees(
     verdict = verify_tree(tree, logits, per_node, num_steps=num_steps, thresholds=thresholds)
     if forward.hybrid:
         last = jnp.take_along_axis(verdict.path, verdict.num_accepted[:, None], axis=1)[:, 0]
-        kv = [gated_delta_net.commit_node(pools[i], nodes, slots, last, active)
-              if isinstance(pools[i], gated_delta_net.GdnState) else nodes
-              for i, nodes in enumerate(kv)]
+        kv = kv.with_states([None if pool is None else
+                             gated_delta_net.commit_node(pool, nodes, slots, last, active)
+                             for pool, nodes in zip(pools, kv.states, strict=True)])
     if not chain:  # a chain's accepted nodes are already consecutive
         kv = commit_path_kv(kv, page_table, kv_lens, verdict, page_size)
     path_rows = (jnp.arange(batch)[:, None] * n + jnp.maximum(verdict.path, 0)).reshape(-1)

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgl_jax.layers.attention import ModelCache
 from sgl_jax.layers.sampler import SamplingBatch, logprob_detail, sample
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
@@ -142,16 +143,14 @@ class SpecRunner:
         # Seconds of one round by (shape, padded batch size), measured by warmup().
         self.round_seconds: dict[tuple[TreeShape, int], float] = {}
 
-    def _allocate_draft_cache(self) -> list:
-        """The drafter's paged cache, as many pages as the target's first attention layer (a
-        hybrid model's layer 0 may be a state pool): one allocator serves both."""
+    def _allocate_draft_cache(self) -> ModelCache | list:
+        """The drafter's paged cache, as many pages a layer as the target's: one allocator
+        serves both ([] for a drafter that keeps none)."""
         cache, target = self.drafter.cache, self.target
         if cache is None:
             return []
-        config = target.config
-        first = next(i for i in range(config.num_layers) if not config.is_linear_layer(i))
         return cache.allocate(
-            num_pages=self.state.kv_cache[first][0].shape[0], page_size=target.page_size,
+            num_pages=self.state.kv_cache.pages_per_layer, page_size=target.page_size,
             dtype=target.model.dtype, tp=target.tp, num_state_slots=target.num_state_slots,
             kv_dtype=target.kv_dtype)
 

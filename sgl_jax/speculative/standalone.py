@@ -15,7 +15,7 @@ from functools import partial
 import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net
-from sgl_jax.layers.attention import AttentionBackend, LayerKV
+from sgl_jax.layers.attention import AttentionBackend, ModelCache
 from sgl_jax.model_executor.forward_batch import window_metadata
 from sgl_jax.models import qwen3_next
 from sgl_jax.models.loader import LoadedModel
@@ -58,15 +58,15 @@ class StandaloneDraft:
                 linear_attention=self.model.tp.linear_attention(layer))
             return hidden, kv
         layer = partial(gated_delta_net.verify_slots, config=linear)
-        pools = list(kv)
+        pools = kv.states
         hidden, nodes, _ = qwen3_next.verify_forward(
             params, kv, tokens, positions, metadata, config=config, attention=self.attention,
             tree=tree, linear_attention=self.model.tp.linear_attention(layer))
         written = tree.valid[:, 0]
-        kv = [(pools[i] if commit is None else
-               gated_delta_net.commit_node(pools[i], layer_nodes, tree.slot, commit, written))
-              if config.is_linear_layer(i) else layer_nodes
-              for i, layer_nodes in enumerate(nodes)]
+        kv = nodes.with_states([
+            pool if pool is None or commit is None else
+            gated_delta_net.commit_node(pool, layer_nodes, tree.slot, commit, written)
+            for pool, layer_nodes in zip(pools, nodes.states, strict=True)])
         return hidden, kv
 
     def logits(self, params, hidden):
@@ -134,5 +134,5 @@ class StandaloneDrafter:
                                    from_target=True, **extra)
         return jnp.zeros((batch, 0), self.slot_dtype), kv
 
-    def catch_up(self, params, kv: list[LayerKV], tokens, features, page_table, start, valid):
+    def catch_up(self, params, kv: ModelCache, tokens, features, page_table, start, valid):
         raise NotImplementedError("a STANDALONE draft never defers: nothing to catch up")

@@ -9,10 +9,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.layers.attention import AttentionMetadata
+from sgl_jax.layers.attention import AttentionMetadata, LayerKV
 from sgl_jax.model_executor.forward_batch import (
     Buckets,
     SeqChunk,
@@ -237,24 +238,41 @@ def check_wide_heads(kernel, mode: str, heads: tuple[int, int, int]) -> None:
     assert_kernel_matches_reference(kernel, problem, dtype="bfloat16")
 
 
+# Pages of other layers before the problem's in the arrays a kernel reads (a model's layers
+# share one pair): NaN, so a kernel that ignores its page_offset reads them and fails.
+OTHER_LAYERS_PAGES = 3
+
+
+def written_pages(problem: AttentionProblem, leading_pages: int = 0) -> LayerKV:
+    """The problem's pages with this step's K/V written (cast to the pages' dtype), behind
+    `leading_pages` NaN pages of other layers (the view's first_page)."""
+    def pages(array: np.ndarray) -> jax.Array:
+        others = np.full((leading_pages, *array.shape[1:]), np.nan, array.dtype)
+        return jnp.asarray(np.concatenate([others, array]))
+
+    layer_kv = LayerKV(pages(problem.k_pages), pages(problem.v_pages), leading_pages)
+    return layer_kv.write(problem.metadata.slot_mapping, jnp.asarray(problem.new_k),
+                          jnp.asarray(problem.new_v))
+
+
 def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype: str,
                                     sliding_window: int | None = None) -> None:
-    """kernel(q, k_pages, v_pages, metadata, scale) against the jnp reference on the same
-    cache: equal on every real token, and finite everywhere although unused slots are NaN.
-    The reference runs with `sliding_window`; the kernel must carry the same one itself."""
+    """kernel(q, k_pages, v_pages, metadata, scale, page_offset) against the jnp reference on
+    the same cache: equal on every real token, and finite everywhere although unused slots
+    are NaN. The kernel reads the layer's pages behind other layers' NaN pages (page_offset);
+    the reference reads them alone. The reference runs with `sliding_window`; the kernel must
+    carry the same one itself."""
     from sgl_jax.layers.attention.checks import check_dynamic_inputs
-    from sgl_jax.layers.attention.native import ragged_paged_attention_reference, write_kv
+    from sgl_jax.layers.attention.native import ragged_paged_attention_reference
 
     page_size, head_dim = problem.k_pages.shape[2], problem.q.shape[2]
     check_dynamic_inputs(problem.metadata, num_pages=problem.k_pages.shape[0],
                          page_size=page_size)
-    layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
-                        jnp.asarray(problem.new_k), jnp.asarray(problem.new_v),
-                        problem.metadata.slot_mapping)
+    alone, shared = written_pages(problem), written_pages(problem, OTHER_LAYERS_PAGES)
     q, scale = jnp.asarray(problem.q), head_dim**-0.5
-    expected = ragged_paged_attention_reference(q, *layer_kv, problem.metadata, scale=scale,
-                                                sliding_window=sliding_window)
-    out = kernel(q, *layer_kv, problem.metadata, scale)
+    expected = ragged_paged_attention_reference(q, alone.k, alone.v, problem.metadata,
+                                                scale=scale, sliding_window=sliding_window)
+    out = kernel(q, shared.k, shared.v, problem.metadata, scale, shared.first_page)
     assert out.shape == q.shape and out.dtype == q.dtype
     out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
     assert np.isfinite(out).all(), "a NaN from an unused cache slot reached the output"
@@ -265,19 +283,16 @@ def assert_kernel_matches_reference(kernel, problem: AttentionProblem, *, dtype:
 
 def assert_reads_kv_pages(kernel, problem: AttentionProblem, *,
                           sliding_window: int | None = None) -> None:
-    """kernel(q, k_pages, v_pages, metadata, scale) over pages stored in another dtype than q
-    (fp8): this step's K/V are written (cast) by `write_kv`, then the output must equal the
-    float64 per-token oracle over the keys and values as the pages hold them, within float32
-    tolerance, and be q's dtype. With a `sliding_window` the kernel must carry it itself."""
-    from sgl_jax.layers.attention.native import write_kv
-
+    """kernel(q, k_pages, v_pages, metadata, scale, page_offset) over pages stored in another
+    dtype than q (fp8), behind other layers' pages: this step's K/V are written (cast) by
+    `LayerKV.write`, then the output must equal the float64 per-token oracle over the keys and
+    values as the pages hold them, within float32 tolerance, and be q's dtype. With a
+    `sliding_window` the kernel must carry it itself."""
     head_dim = problem.q.shape[2]
-    pages = (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages))
-    layer_kv = write_kv(pages, jnp.asarray(problem.new_k), jnp.asarray(problem.new_v),
-                        problem.metadata.slot_mapping)
-    assert layer_kv[0].dtype == problem.k_pages.dtype != problem.q.dtype
+    layer_kv = written_pages(problem, OTHER_LAYERS_PAGES)
+    assert layer_kv.k.dtype == problem.k_pages.dtype != problem.q.dtype
     q, scale = jnp.asarray(problem.q), head_dim**-0.5
-    out = kernel(q, *layer_kv, problem.metadata, scale)
+    out = kernel(q, layer_kv.k, layer_kv.v, problem.metadata, scale, layer_kv.first_page)
     assert out.shape == q.shape and out.dtype == q.dtype
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), "a NaN from an unused cache slot reached the output"

@@ -30,6 +30,7 @@ from sgl_jax.parallel import TensorParallel
 from sgl_jax.training.draft import INIT_STD, ArraySource, save_head
 from sgl_jax.training.objective import Batch
 from sgl_jax.training.target import target_outputs
+from sgl_jax.training.ttt import StepCache
 
 DEFAULT_LAYERS = 5  # the published b16 heads' depth
 DEFAULT_BLOCK = 16
@@ -195,7 +196,7 @@ def block_hidden(params, embed: jax.Array, features: jax.Array, input_ids: jax.A
     blocks = blocks.at[..., 0].set(first)
     block_pos = anchors[..., None] + jnp.arange(width, dtype=jnp.int32)
     hidden, _ = dflash.block_forward(
-        params, context, blocks.reshape(-1), block_pos.reshape(-1),
+        params, StepCache(tuple(context)), blocks.reshape(-1), block_pos.reshape(-1),
         AnchoredBlocks(anchors, length, width), config=config, attention=anchored_attention,
         embed=embed)
     return hidden.reshape(*anchors.shape, width, -1)

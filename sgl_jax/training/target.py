@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.models.loader import LoadedModel
-from sgl_jax.training.ttt import DenseBatch, ttt_attention
+from sgl_jax.training.ttt import DenseBatch, StepCache, ttt_attention
 
 
 class TargetOutputs(NamedTuple):
@@ -29,7 +29,7 @@ def target_outputs(target: LoadedModel, params, input_ids: jax.Array,
     impl, config = target.impl, target.config
     b, t = input_ids.shape
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
-    kv = [None] * config.num_layers
+    kv = StepCache.empty(config.num_layers)
     hidden, _, captured = impl.forward(params, kv, input_ids.reshape(-1), positions,
                                        DenseBatch(b), config=config, attention=ttt_attention,
                                        capture_layers=capture_layers)

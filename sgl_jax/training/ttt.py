@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.layers.attention import LayerKV
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.llama_eagle3 import Eagle3Config, Params
 
@@ -35,16 +34,40 @@ class DenseBatch:
 
 jax.tree_util.register_dataclass(DenseBatch, data_fields=[], meta_fields=["batch_size"])
 
+# One layer's keys and values [s, B*T, n_kv, hd] of TTT steps 0..s-1 (None before step 0).
+StepKV = tuple[jax.Array, jax.Array] | None
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """The models' cache contract (`layer(i)`, `with_layer(i, ...)`) over dense batches: each
+    layer's keys and values of the TTT steps so far, in place of paged ones."""
+
+    layers: tuple[StepKV, ...]
+
+    @classmethod
+    def empty(cls, num_layers: int) -> StepCache:
+        return cls((None,) * num_layers)
+
+    def layer(self, i: int) -> StepKV:
+        return self.layers[i]
+
+    def with_layer(self, i: int, layer_kv: StepKV) -> StepCache:
+        return StepCache(self.layers[:i] + (layer_kv,) + self.layers[i + 1:])
+
+
+jax.tree_util.register_dataclass(StepCache, data_fields=["layers"], meta_fields=[])
+
 
 def ttt_attention(
     q: jax.Array,  # [B*T, n_heads, hd]
     k: jax.Array,  # [B*T, n_kv, hd]
     v: jax.Array,
-    layer_kv: LayerKV | None,  # keys, values [s, B*T, n_kv, hd] of steps 0..s-1 (None: s = 0)
+    layer_kv: StepKV,  # keys, values [s, B*T, n_kv, hd] of steps 0..s-1 (None: s = 0)
     metadata: DenseBatch,
     *,
     scale: float,
-) -> tuple[jax.Array, LayerKV]:
+) -> tuple[jax.Array, StepKV]:
     """An `AttentionBackend` for TTT: step s (= len of layer_kv) attends causally over the
     step-0 keys and to index t's own keys of steps 1..s. With no earlier step this is plain
     causal attention, which is also how the target runs over a training batch."""
@@ -83,7 +106,7 @@ def ttt_logits(
     """f32[length, B, T, Vd]: step k's draft logits at index t predict token t + k + 2."""
     b, t = input_ids.shape
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)  # i32[B*T]
-    kv = [None]
+    kv = StepCache.empty(1)
     hidden = features.reshape(b * t, -1)
     tokens = input_ids
     logits = []

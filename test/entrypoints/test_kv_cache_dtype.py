@@ -59,13 +59,11 @@ def test_a_hybrid_models_recurrent_states_keep_the_model_dtype():
     config = get_model_impl(hf).config_from_hf(hf)
     cache = allocate_kv_cache(config, num_pages=4, page_size=4, dtype=jnp.bfloat16,
                               num_state_slots=2, kv_dtype=jnp.float8_e4m3fn)
-    states = [layer for layer in cache if isinstance(layer, GdnState)]
-    pages = [layer for layer in cache if not isinstance(layer, GdnState)]
-    assert states and pages
+    states = [layer for layer in cache.states if isinstance(layer, GdnState)]
+    assert states and cache.k is not None
     for state in states:  # conv windows in the activation dtype, delta-rule states in f32
         assert (state.conv.dtype, state.ssm.dtype) == (jnp.bfloat16, jnp.float32)
-    for k_pages, v_pages in pages:
-        assert k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn
+    assert cache.k.dtype == cache.v.dtype == jnp.float8_e4m3fn
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +109,8 @@ def test_fp8_pages_cost_half_of_bfloat16s_and_a_budget_buys_twice_the_pages(fp8,
 
 def test_the_engine_sizes_and_stores_fp8_pages(fp8, sized):
     assert sized[0] == [FP8_BYTES_PER_TOKEN]  # what the pool was sized with
-    for k_pages, v_pages in fp8.runtime.runner.state.kv_cache:
-        assert k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn
+    pages = fp8.runtime.runner.state.kv_cache
+    assert pages.k.dtype == pages.v.dtype == jnp.float8_e4m3fn
     info = fp8.get_server_info()
     assert (info["kv_cache_dtype"], info["kv_pages_dtype"]) == ("fp8_e4m3", "float8_e4m3fn")
     assert info["dtype"] == "float32"  # the model computes in float32 all the same
@@ -124,9 +122,8 @@ def test_greedy_speculation_equals_plain_decoding_over_fp8_pages(fp8, model_dir)
                 speculative_algorithm="STANDALONE",
                 speculative_draft_model_path=str(model_dir), **CHAIN, **SMALL) as spec:
         # The draft's own cache stores the target's KV dtype too.
-        assert spec.runtime.spec_runner.draft_state.kv
-        for k_pages, v_pages in spec.runtime.spec_runner.draft_state.kv:
-            assert k_pages.dtype == v_pages.dtype == jnp.float8_e4m3fn
+        draft_pages = spec.runtime.spec_runner.draft_state.kv
+        assert draft_pages.k.dtype == draft_pages.v.dtype == jnp.float8_e4m3fn
         outputs = spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outputs] == plain
     rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outputs)

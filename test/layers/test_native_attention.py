@@ -8,23 +8,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.layers.attention.metadata import pack_mask_bits, window_visible
-from sgl_jax.layers.attention.native import (
-    native_attention,
-    ragged_paged_attention_reference,
-    write_kv,
-)
+from sgl_jax.layers.attention.metadata import LayerKV, pack_mask_bits, window_visible
+from sgl_jax.layers.attention.native import native_attention, ragged_paged_attention_reference
 from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
 from sgl_jax.speculative.round import packed_nodes
 from sgl_jax.testing.attention import (
     BATCH_MODES,
     FP8_KV_DTYPES,
+    OTHER_LAYERS_PAGES,
     TREE_PREFIX_LENS,
     assert_reads_kv_pages,
     expected_outputs,
     kernel_problem,
     random_problem,
+    written_pages,
 )
+
+
+def pages_of(problem) -> LayerKV:
+    return LayerKV(jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages))
 
 
 def pack(chunks, page_size):
@@ -43,16 +45,16 @@ def test_matches_per_token_loop(mode, page_size, gqa, tree, block_tokens):
     n_kv, hd = 2, 8
     problem = random_problem(rng, **BATCH_MODES[mode], page_size=page_size, n_heads=n_kv * gqa,
                              n_kv=n_kv, head_dim=hd, tree=tree)
-    layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
-                        problem.new_k, problem.new_v, problem.metadata.slot_mapping)
+    # The layer's pages behind other layers' NaN pages, as in a model's shared arrays.
+    layer_kv = written_pages(problem, OTHER_LAYERS_PAGES)
     out = ragged_paged_attention_reference(
-        problem.q, *layer_kv, problem.metadata, scale=hd**-0.5, block_tokens=block_tokens
-    )
-    out, k_after = np.asarray(out), np.asarray(layer_kv[0])
+        problem.q, layer_kv.k, layer_kv.v, problem.metadata, scale=hd**-0.5,
+        block_tokens=block_tokens, page_offset=layer_kv.first_page)
+    out, k_after = np.asarray(out), np.asarray(layer_kv.k)
     for expected, rows in zip(expected_outputs(problem, hd**-0.5), problem.rows, strict=True):
         np.testing.assert_allclose(out[rows], expected, rtol=1e-5, atol=1e-5)
     for chunk, k in zip(problem.chunks, problem.full_k, strict=True):
-        last = chunk.page_ids[(len(k) - 1) // page_size]
+        last = OTHER_LAYERS_PAGES + chunk.page_ids[(len(k) - 1) // page_size]
         np.testing.assert_array_equal(k_after[last, :, (len(k) - 1) % page_size], k[-1])
     assert not np.isnan(out[np.concatenate(problem.rows)]).any()
 
@@ -65,10 +67,9 @@ def test_device_built_tree_windows_match_per_token_loop(page_size, tree):
     problem = random_problem(rng, q_lens=[7, 7, 5], prefix_lens=TREE_PREFIX_LENS,
                              page_size=page_size, n_heads=4, n_kv=2, head_dim=8, tree=tree,
                              windows=True)
-    layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
-                        problem.new_k, problem.new_v, problem.metadata.slot_mapping)
-    out = np.asarray(ragged_paged_attention_reference(problem.q, *layer_kv, problem.metadata,
-                                                      scale=0.5))
+    layer_kv = written_pages(problem)
+    out = np.asarray(ragged_paged_attention_reference(problem.q, layer_kv.k, layer_kv.v,
+                                                      problem.metadata, scale=0.5))
     for expected, rows in zip(expected_outputs(problem, 0.5), problem.rows, strict=True):
         np.testing.assert_allclose(out[rows], expected, rtol=1e-5, atol=1e-5)
 
@@ -82,10 +83,9 @@ def test_sliding_window_matches_per_token_loop(batch, window):
     """Query i sees key j only when i - W < j: prefix keys and earlier new tokens drop out."""
     rng = np.random.default_rng(4)
     problem = random_problem(rng, **batch, page_size=4, n_heads=4, n_kv=2, head_dim=8)
-    layer_kv = write_kv((jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
-                        problem.new_k, problem.new_v, problem.metadata.slot_mapping)
+    layer_kv = written_pages(problem)
     out = np.asarray(ragged_paged_attention_reference(
-        problem.q, *layer_kv, problem.metadata, scale=0.5, block_tokens=4,
+        problem.q, layer_kv.k, layer_kv.v, problem.metadata, scale=0.5, block_tokens=4,
         sliding_window=window))
     windowed, full = expected_outputs(problem, 0.5, window), expected_outputs(problem, 0.5)
     for expected, rows in zip(windowed, problem.rows, strict=True):
@@ -98,8 +98,7 @@ def test_sliding_window_must_be_a_positive_int(window):
     problem = random_problem(np.random.default_rng(0), **BATCH_MODES["decode"], page_size=4,
                              n_heads=2, n_kv=2, head_dim=8)
     with pytest.raises(ValueError, match="sliding_window must be a positive int or None"):
-        native_attention(problem.q, problem.new_k, problem.new_v,
-                         (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
+        native_attention(problem.q, problem.new_k, problem.new_v, pages_of(problem),
                          problem.metadata, scale=1.0, sliding_window=window)
 
 
@@ -112,15 +111,15 @@ def test_reads_fp8_pages(mode, window, kv_dtype):
     over K/V rounded to fp8 (causal, a tree window, sliding windows)."""
     problem = kernel_problem(mode, page_size=4, gqa=2, dtype="float32", kv_dtype=kv_dtype)
 
-    def backend(q, k_pages, v_pages, metadata, scale):
+    def backend(q, k_pages, v_pages, metadata, scale, page_offset):
         return ragged_paged_attention_reference(q, k_pages, v_pages, metadata, scale=scale,
-                                                block_tokens=16, sliding_window=window)
+                                                block_tokens=16, sliding_window=window,
+                                                page_offset=page_offset)
     assert_reads_kv_pages(backend, problem, sliding_window=window)
     written = native_attention(jnp.asarray(problem.q), jnp.asarray(problem.new_k),
-                               jnp.asarray(problem.new_v),
-                               (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)),
+                               jnp.asarray(problem.new_v), pages_of(problem),
                                problem.metadata, scale=0.125)[1]
-    assert written[0].dtype == written[1].dtype == FP8_KV_DTYPES[kv_dtype]
+    assert written.k.dtype == written.v.dtype == FP8_KV_DTYPES[kv_dtype]
 
 
 def test_mask_bits_round_trip_past_one_word():
@@ -144,7 +143,7 @@ def test_hand_worked_single_query():
     batch = pack([SeqChunk([0], 2, [1, 2])], page_size=2)
     q = np.ones((1, 1, 1), np.float32)
     new = np.full((1, 1, 1), 2.0, np.float32)
-    layer_kv = (jnp.asarray(k_pages), jnp.asarray(v_pages))
+    layer_kv = LayerKV(jnp.asarray(k_pages), jnp.asarray(v_pages))
     out, _ = native_attention(q, new, new * 15, layer_kv, batch.attention, scale=1.0)
     weights = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum()
     assert float(np.asarray(out)[0, 0, 0]) == pytest.approx(weights @ [10, 20, 30], rel=1e-6)
@@ -168,10 +167,10 @@ def test_a_packed_batch_attends_and_writes_only_its_tokens(tree):
         kv_lens=np.where(counts > 0, np.asarray(meta.window_starts) + counts, 0),
         token_windows=packed)
     take = np.minimum(packed, len(kept) - 1)  # padding tokens carry any values
-    out, (k_after, _) = native_attention(
-        problem.q[take], problem.new_k[take], problem.new_v[take],
-        (jnp.asarray(problem.k_pages), jnp.asarray(problem.v_pages)), meta, scale=0.5)
-    out, k_after = np.asarray(out), np.asarray(k_after)
+    out, written = native_attention(
+        problem.q[take], problem.new_k[take], problem.new_v[take], pages_of(problem), meta,
+        scale=0.5)
+    out, k_after = np.asarray(out), np.asarray(written.k)
     start = 0
     for count, expected in zip(counts, expected_outputs(problem, 0.5), strict=False):
         np.testing.assert_allclose(out[start : start + count], expected[:count], rtol=1e-5,

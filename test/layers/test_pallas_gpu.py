@@ -32,9 +32,9 @@ def interpreted(**tunables):
 
 
 def compiled(**tunables):
-    def run(q, k_pages, v_pages, metadata, scale):
+    def run(q, k_pages, v_pages, metadata, scale, page_offset):
         return ragged_paged_attention_gpu(q, k_pages, v_pages, metadata, scale=scale,
-                                          **tunables)
+                                          page_offset=page_offset, **tunables)
     return run
 
 

@@ -27,9 +27,9 @@ from sgl_jax.testing.attention import (
 
 
 def interpreted(kernel=ragged_paged_attention_tpu):
-    def run(q, k_pages, v_pages, metadata, scale):
+    def run(q, k_pages, v_pages, metadata, scale, page_offset):
         with pltpu.force_tpu_interpret_mode():
-            return kernel(q, k_pages, v_pages, metadata, scale=scale)
+            return kernel(q, k_pages, v_pages, metadata, scale=scale, page_offset=page_offset)
     return run
 
 

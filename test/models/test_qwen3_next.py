@@ -181,7 +181,7 @@ def test_chunks_and_decode_steps_continue_each_state(checkpoint):
         np.testing.assert_allclose(ours, expected, atol=ATOL, rtol=0, err_msg=str(row))
     for i in range(model.config.num_layers):
         if model.config.is_linear_layer(i):
-            for field in runner.state.kv_cache[i]:
+            for field in runner.state.kv_cache.layer(i):
                 assert not np.asarray(field)[[0, 2, 4]].any(), i
     with pytest.raises(ValueError, match="state slot"):
         runner.forward([SeqChunk(a[:3], 0, pages[1])])  # a hybrid chunk needs a slot

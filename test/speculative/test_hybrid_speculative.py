@@ -221,7 +221,7 @@ def test_capture_layers(paths, tmp_path):
 
 def _pools(runner, slot):
     config = runner.config
-    return [jax.tree.map(lambda a: np.asarray(a[slot]), runner.state.kv_cache[i])
+    return [jax.tree.map(lambda a: np.asarray(a[slot]), runner.state.kv_cache.layer(i))
             for i in range(config.num_layers) if config.is_linear_layer(i)]
 
 
@@ -318,4 +318,4 @@ def test_verify_commits_the_state_of_the_last_accepted_node(paths, references, s
             engine.runtime.state_slots.free(slot)
         for page_ids in pages:
             engine.runtime.allocator.free(page_ids)
-        assert isinstance(runner.state.kv_cache[0], gated_delta_net.GdnState)
+        assert isinstance(runner.state.kv_cache.layer(0), gated_delta_net.GdnState)

@@ -3,7 +3,12 @@
 import jax
 
 from sgl_jax.layers.attention.flash import flash_attention
-from sgl_jax.layers.attention.metadata import AttentionBackend, AttentionMetadata, LayerKV
+from sgl_jax.layers.attention.metadata import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKV,
+    ModelCache,
+)
 from sgl_jax.layers.attention.native import native_attention
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {"native": native_attention,
@@ -30,5 +35,5 @@ def get_attention_backend(name: str | None) -> AttentionBackend:
     return ATTENTION_BACKENDS[resolve_attention_backend(name)]
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "LayerKV", "get_attention_backend",
-           "resolve_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "LayerKV", "ModelCache",
+           "get_attention_backend", "resolve_attention_backend"]

@@ -29,6 +29,7 @@ fully visible and needs no mask at all.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,10 +131,84 @@ def within_sliding_window(key_index: jax.Array, query_index: jax.Array,
     return key_index > query_index - sliding_window
 
 
-# (k_pages, v_pages), each [num_pages, n_kv, page_size, hd]. Head-major within a page, so one
-# KV head's tokens of a page are one contiguous [page_size, hd] slab: gathering a sequence's
-# keys per head (what attention reads) is a plain copy of slabs, with no transpose.
-LayerKV = tuple[jax.Array, jax.Array]
+@dataclass(frozen=True)
+class LayerKV:
+    """One attention layer's paged K/V: its pages are `k` and `v` from `first_page` on.
+
+    The pages are [num_pages, n_kv, page_size, hd]. Head-major within a page, so one KV
+    head's tokens of a page are one contiguous [page_size, hd] slab: gathering a sequence's
+    keys per head (what attention reads) is a plain copy of slabs, with no transpose. A model's
+    layers share one pair of arrays (`ModelCache`), each at its own offset, so a step program
+    takes and returns two arrays for the whole cache instead of two per layer: every array
+    crossing a compiled call costs the dispatching thread its own work, both ways. Page ids,
+    slots and page tables are the layer's own (0 .. pages_per_layer - 1); a backend adds the
+    offset where it reads and writes (`slots`, and its kernel's `page_offset`)."""
+
+    k: jax.Array  # [num_pages, n_kv, page_size, hd]: every layer's pages
+    v: jax.Array
+    first_page: int = 0  # static: the layer's page 0
+
+    def slots(self, slots: jax.Array) -> jax.Array:
+        """The layer's flat cache slots (page * page_size + offset) in the shared arrays."""
+        return slots + self.first_page * self.k.shape[2]
+
+    def write(self, slots: jax.Array, k: jax.Array, v: jax.Array) -> LayerKV:
+        """k, v [T, n_kv, hd] written at the layer's slots i32[T], cast to the pages' dtype."""
+        slots = self.slots(slots)
+        return dataclasses.replace(self, k=write_slots(self.k, slots, k),
+                                   v=write_slots(self.v, slots, v))
+
+
+jax.tree_util.register_dataclass(LayerKV, data_fields=["k", "v"], meta_fields=["first_page"])
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """What a model's layers keep between steps: every attention layer's pages in one pair of
+    arrays [A * P, n_kv, page_size, hd] (attention layer a's page p is row a * P + p), and a
+    hybrid model's linear layers' recurrent-state pools (`states[i]`; None for attention
+    layers). `layer(i)` is what layer i's mixer reads; `with_layer(i, ...)` what it wrote."""
+
+    k: jax.Array | None  # None: a model without attention layers
+    v: jax.Array | None
+    states: tuple  # per layer: a linear layer's state pool, None for an attention layer
+    pages_per_layer: int  # static: P
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.states)
+
+    def layer(self, i: int):
+        """Layer i's cache: its LayerKV view of the shared pages, or its state pool."""
+        if self.states[i] is not None:
+            return self.states[i]
+        return LayerKV(self.k, self.v, self._attention_index(i) * self.pages_per_layer)
+
+    def with_layer(self, i: int, cache) -> ModelCache:
+        """The cache after layer i wrote `cache` (what its mixer returned)."""
+        if isinstance(cache, LayerKV):
+            return dataclasses.replace(self, k=cache.k, v=cache.v)
+        states = list(self.states)
+        states[i] = cache
+        return dataclasses.replace(self, states=tuple(states))
+
+    def with_states(self, states: list) -> ModelCache:
+        """Every linear layer's pool replaced (None for attention layers)."""
+        return dataclasses.replace(self, states=tuple(states))
+
+    def every_layer_slots(self, slots: jax.Array) -> jax.Array:
+        """i32[A, ...]: layer-local slots as every attention layer's slots in the shared
+        arrays (one gather or scatter then moves a token's K/V in all layers)."""
+        layers = sum(s is None for s in self.states)
+        offsets = jnp.arange(layers, dtype=slots.dtype) * self.pages_per_layer * self.k.shape[2]
+        return offsets.reshape((layers,) + (1,) * slots.ndim) + slots[None]
+
+    def _attention_index(self, i: int) -> int:
+        return sum(s is None for s in self.states[:i])
+
+
+jax.tree_util.register_dataclass(ModelCache, data_fields=["k", "v", "states"],
+                                 meta_fields=["pages_per_layer"])
 
 
 def write_slots(pages: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ values are zeroed so that garbage (even NaN) in unused pages can never leak into
 A sliding window (a static int) only narrows the mask; every KV block is still walked.
 
 The pages may be stored in another dtype than the queries (`--kv-cache-dtype`, e.g. fp8):
-`write_kv` casts this step's K/V to the pages' dtype, and each gathered block is cast to the
+`LayerKV.write` casts this step's K/V to the pages' dtype, and each gathered block is cast to the
 query's dtype before any arithmetic.
 """
 
@@ -27,17 +27,11 @@ from sgl_jax.layers.attention.metadata import (
     token_slots,
     window_visible,
     within_sliding_window,
-    write_slots,
 )
 
 _MASKED = -1e30  # finite, so fully masked padding rows give zeros instead of NaN
 
 
-def write_kv(layer_kv: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
-    """Scatter this step's k, v ([T, n_kv, hd]) into the paged cache at slot_mapping (i32[T]),
-    cast to the pages' dtype."""
-    k_pages, v_pages = layer_kv
-    return write_slots(k_pages, slot_mapping, k), write_slots(v_pages, slot_mapping, v)
 
 
 def ragged_paged_attention_reference(
@@ -49,6 +43,7 @@ def ragged_paged_attention_reference(
     scale: float,
     block_tokens: int = 32,
     sliding_window: int | None = None,  # static: hide keys this far or further behind
+    page_offset: jax.Array | int = 0,  # i32[]: the layer's first page (LayerKV.first_page)
 ) -> jax.Array:  # [T, n_heads, hd]
     """Each query block walks its sequence's KV in blocks of pages with an online softmax.
 
@@ -69,7 +64,8 @@ def ragged_paged_attention_reference(
         mask_words = [bits[:, :, j : j + 1] for j in range(bits.shape[2])]
 
     def kv_block(b: jax.Array, carry: tuple) -> tuple:
-        pages = jax.lax.dynamic_slice_in_dim(page_table, b * pages_per_block, pages_per_block, 1)
+        pages = jax.lax.dynamic_slice_in_dim(page_table, b * pages_per_block, pages_per_block,
+                                             1) + page_offset
         kv_index = b * block_len + jnp.arange(block_len)  # i32[B]: KV positions of this block
         kv_valid = kv_index[None, :] < metadata.kv_lens[:, None]  # bool[NB, B]
         # Scores of invisible keys are overwritten, so garbage keys need no masking; values
@@ -172,8 +168,9 @@ def native_attention(
 def paged_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, layer_kv: LayerKV,
                     metadata: AttentionMetadata, **options) -> tuple[jax.Array, LayerKV]:
     """Write this step's K/V, then attend with `kernel` (which reads q in the window layout
-    and the cache): q, k, v [T, heads, hd] per token, packed or not (to_windows)."""
-    layer_kv = write_kv(layer_kv, k, v, token_slots(metadata))
+    and the layer's pages): q, k, v [T, heads, hd] per token, packed or not (to_windows)."""
+    layer_kv = layer_kv.write(token_slots(metadata), k, v)
     windows = dataclasses.replace(metadata, token_windows=None)
-    out = kernel(to_windows(q, metadata), *layer_kv, windows, **options)
+    out = kernel(to_windows(q, metadata), layer_kv.k, layer_kv.v, windows,
+                 page_offset=jnp.int32(layer_kv.first_page), **options)
     return from_windows(out, metadata), layer_kv

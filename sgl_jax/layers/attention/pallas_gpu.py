@@ -7,6 +7,9 @@ program walks the sequence's KV in blocks of `kv_block_tokens` tokens, gathering
 slot by slot through the page table (so any page size works, 1 included) and folding them in
 with an online softmax in f32. Triton has no scalar prefetch, so per-block lengths and the page
 table are ordinary inputs the kernel loads itself.
+The pages may hold other layers' pages too (a model's layers share one pair of arrays):
+`page_offset`, a dynamic scalar so every layer runs the same compiled kernel, is added to
+every page id the kernel loads.
 
 Head dims. Any multiple of 8 works; Triton tensors are a power of two wide, so the kernel
 computes over `padded_head_dim` columns (the next power of two >= 16). The queries are padded
@@ -81,6 +84,7 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    page_offset: jax.Array | int = 0,  # i32[]: the page table's page 0 in the pages
 ) -> jax.Array:  # [T, n_heads, hd], q.dtype
     """Attention of every query block over its sequence's paged KV (see module docstring)."""
     check_static_inputs(q, k_pages, v_pages, metadata, head_dim_ok=_head_dim_ok,
@@ -122,6 +126,7 @@ def ragged_paged_attention_gpu(
         metadata.kv_lens,
         metadata.window_starts,
         metadata.q_starts,
+        jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,)),
         tree_bits,
     )
     return _from_rows(out, q_block, group, hd).reshape(num_tokens, n_heads, hd)
@@ -159,7 +164,8 @@ def _tree_bits_to_rows(
 
 def _in_specs(rows: int, width: int, hd: int, num_pages: int, page_size: int,
               table_width: int, words: int | None):
-    """Blocks of (queries, k, v, page table, kv_lens, window_starts, q_starts, tree bits)."""
+    """Blocks of (queries, k, v, page table, kv_lens, window_starts, q_starts, page offset,
+    tree bits)."""
     per_block = pl.BlockSpec((None,), lambda b, h: (b,))  # one scalar per query block
     # The cache keeps its real head_dim: the kernel's masked loads pad it to `width`.
     cache = pl.BlockSpec((num_pages, None, page_size, hd), lambda b, h: (0, h, 0, 0))  # 1 head
@@ -172,6 +178,7 @@ def _in_specs(rows: int, width: int, hd: int, num_pages: int, page_size: int,
         per_block,
         per_block,
         per_block,
+        pl.BlockSpec((1,), lambda b, h: (0,)),
         bits,
     ]
 
@@ -184,6 +191,7 @@ def _attention_kernel(
     kv_len_ref,  # i32[]
     window_start_ref,  # i32[]
     q_start_ref,  # i32[]
+    page_offset_ref,  # i32[1]: the page table's page 0 in the cache
     bits_ref,  # i32[R, W] or None: tree-mask words of each row
     o_ref,  # [R, D]
     *,
@@ -218,8 +226,8 @@ def _attention_kernel(
 
     def body(i, carry):
         kv_index = i * kv_block_tokens + jnp.arange(kv_block_tokens, dtype=jnp.int32)  # i32[Bk]
-        keys, values = _load_kv_block(k_ref, v_ref, page_table_ref, kv_index, kv_len, page_size,
-                                      width, q.dtype)
+        keys, values = _load_kv_block(k_ref, v_ref, page_table_ref, page_offset_ref[0], kv_index,
+                                      kv_len, page_size, width, q.dtype)
         offset = (kv_index - window_start)[None, :]  # i32[1, Bk]: negative for prefix keys
         visible = ((offset < 0) | in_window(offset)) & (kv_index < kv_len)[None, :]
         if sliding_window is not None:  # offsets from one window start compare as KV indices
@@ -239,6 +247,7 @@ def _attention_kernel(
 def _load_kv_block(
     k_ref, v_ref,  # [num_pages, page_size, hd]
     page_table_ref,  # i32[P]
+    page_offset: jax.Array,  # i32[]: added to every page id
     kv_index: jax.Array,  # i32[Bk]: KV positions of this block's keys
     kv_len: jax.Array,  # i32[]
     page_size: int,
@@ -248,7 +257,7 @@ def _load_kv_block(
     valid = kv_index < kv_len  # bool[Bk]
     # Clamped so positions past the table read a real entry; they are masked below anyway.
     page_col = jnp.minimum(kv_index // page_size, page_table_ref.shape[0] - 1)
-    page, offset = page_table_ref[page_col], kv_index % page_size  # i32[Bk] each
+    page, offset = page_table_ref[page_col] + page_offset, kv_index % page_size  # i32[Bk] each
     hd = k_ref.shape[2]
     column = jnp.arange(width, dtype=jnp.int32)  # i32[D]
     # Integer indices on every axis: the interpreter cannot mix an index array with a slice.

@@ -8,7 +8,8 @@ is always visible, a causal or packed tree-mask window, zero output for padding 
 Layout. The grid is (query block, KV block). Queries of a block are regrouped per KV head as
 rows (query token, head in group), so each KV head's scores are one [rows, B] matmul. Pages
 stay in HBM (`pl.ANY`); the kernel DMAs the pages of one KV block, per KV head, into VMEM,
-using page ids from the scalar-prefetched page table. KV blocks past the sequence's length are
+using page ids from the scalar-prefetched page table (plus `page_offset`, the layer's first
+page when a model's layers share one pair of page arrays). KV blocks past the sequence's length are
 skipped, and the online-softmax state lives in VMEM scratch across the KV axis of the grid.
 With a `sliding_window` W, keys W or more behind a row's query are masked, and KV blocks
 wholly behind the window of the block's earliest query are skipped too (no DMA, no matmul).
@@ -49,6 +50,7 @@ def ragged_paged_attention_tpu(
     scale: float,
     sliding_window: int | None = None,
     kv_block_tokens: int = 128,
+    page_offset: jax.Array | int = 0,  # i32[]: the page table's page 0 in the pages
 ) -> jax.Array:  # [T, n_heads, hd]
     """Attention of every query block over its sequence's pages. On a CPU, run it under
     `pltpu.force_tpu_interpret_mode()`."""
@@ -90,7 +92,7 @@ def ragged_paged_attention_tpu(
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(num_blocks, num_kv_blocks),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((None, n_kv, rows, hd), lambda b, kb, *_: (b, 0, 0, 0)),
@@ -108,7 +110,7 @@ def ragged_paged_attention_tpu(
             dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY)),
         name="ragged_paged_attention_tpu",
     )(page_table.reshape(-1), metadata.kv_lens, metadata.window_starts, metadata.q_starts,
-      *operands)
+      jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,)), *operands)
     out = out.reshape(num_blocks, n_kv, q_block, group, hd).transpose(0, 2, 1, 3, 4)
     return out.reshape(num_tokens, n_heads, hd)
 
@@ -119,6 +121,7 @@ def _attention_kernel(
     kv_lens_ref,  # i32[NB]
     window_starts_ref,  # i32[NB]
     q_starts_ref,  # i32[NB]
+    page_offset_ref,  # i32[1]: added to every page id of the table
     # inputs
     q_ref,  # [n_kv, rows, hd]: this query block, rows = (token, head in group)
     *refs,  # [bits_ref i32[rows, words]], k_hbm, v_hbm, o_ref, scratch...
@@ -152,7 +155,7 @@ def _attention_kernel(
 
     @pl.when(holds_visible_keys)
     def _fold_kv_block():
-        _copy_kv_block(page_table_ref, k_hbm, v_hbm, k_buf, v_buf, sems,
+        _copy_kv_block(page_table_ref, page_offset_ref[0], k_hbm, v_hbm, k_buf, v_buf, sems,
                        first_page=block * table_width + kv_block * pages_per_block,
                        num_pages=jnp.minimum(pages_per_block, jax.lax.div(
                            kv_len - block_start + page_size - 1, page_size)))
@@ -186,14 +189,15 @@ def _attention_kernel(
         o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _copy_kv_block(page_table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, *, first_page, num_pages):
+def _copy_kv_block(page_table_ref, page_offset, k_hbm, v_hbm, k_buf, v_buf, sems, *, first_page,
+                   num_pages):
     """DMA the first `num_pages` pages of one KV block (the ones holding tokens), KV head by KV
     head, from HBM into VMEM, and wait for them. The rest of the buffer is stale; the caller
     masks it."""
     n_kv = k_buf.shape[0]
 
     def copies(i):
-        page = page_table_ref[first_page + i]
+        page = page_table_ref[first_page + i] + page_offset
         return [pltpu.make_async_copy(src.at[page, head], dst.at[head, i],
                                       sems.at[kind, head, i])
                 for head in range(n_kv)
