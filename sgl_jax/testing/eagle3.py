@@ -160,6 +160,7 @@ def cached_draft_keys(engine: Any, token_ids: list[int]) -> np.ndarray:
     """f32[T, heads, dim]: the draft's first-layer keys that an Engine's prefix cache holds
     for the full pages of token_ids it matches (T tokens)."""
     match = engine.runtime.scheduler.cache.radix.match_prefix(token_ids)
-    draft_kv = engine.runtime.spec_runner.draft_state.kv
-    keys = np.asarray(draft_kv[0][0])[match.page_ids]  # [pages, heads, page, dim]
+    first = engine.runtime.spec_runner.draft_state.kv.layer(0)
+    pages = first.first_page + np.asarray(match.page_ids, np.int64)
+    keys = np.asarray(first.k)[pages]  # [pages, heads, page, dim]
     return keys.transpose(0, 2, 1, 3).reshape(match.num_tokens, *keys.shape[1::2])
