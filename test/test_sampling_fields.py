@@ -12,7 +12,11 @@ import pytest
 from sgl_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.layers import sampler
 from sgl_jax.layers.sampler import PenaltyState, SamplingBatch
-from sgl_jax.model_executor.model_runner import MAX_SUPPRESSED_IDS, greedy_sampling_batch
+from sgl_jax.model_executor.model_runner import (
+    MAX_SUPPRESSED_IDS,
+    decode_columns,
+    greedy_sampling_batch,
+)
 from sgl_jax.sampling_fields import REQUEST_PARAMS, ROW_FIELDS, TOP_K_OFF, Source
 from sgl_jax.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -85,7 +89,7 @@ def test_row_parameters_are_refused_as_before(kwargs, message):
 
 
 def test_join_copies_what_the_table_says():
-    table = SlotTable(num_slots=3, pages_per_seq=2, vocab_size=VOCAB)
+    table = SlotTable(num_slots=3, columns=decode_columns(2, 16), vocab_size=VOCAB)
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
                             frequency_penalty=0.5, presence_penalty=-0.5,
                             repetition_penalty=1.2, seed=11, logit_bias=((3, 2.0),))

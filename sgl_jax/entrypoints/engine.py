@@ -48,7 +48,7 @@ class Engine:
             raise ValueError(f"dp_size {args.dp_size}: an Engine is one replica; "
                              "`python -m sgl_jax.launch_server --dp-size N` starts N behind a "
                              "router")
-        self.outputs = OutputRouter(abort=self._abort_if_running)
+        self.outputs = OutputRouter(abort=self._abort_if_running, end=self._end_if_running)
         self.runtime = Runtime(args, on_output=self.outputs.deliver)
         self.server_args = args = self.runtime.args
         self.model = self.runtime.model
@@ -133,12 +133,18 @@ class Engine:
         return builder is None or builder.wait_idle(timeout)
 
     def shutdown(self) -> None:
-        """Abort what is still running, stop the engine thread, release the device memory."""
+        """Abort what is still running, stop the engine thread, release the device memory;
+        every caller gets its last chunk."""
         self.runtime.shutdown()
+        self.outputs.close()
 
     def _abort_if_running(self, rid: str) -> None:
         if self.runtime.running:
             self.runtime.abort(rid)
+
+    def _end_if_running(self, rid: str, reason: dict[str, Any]) -> None:
+        if self.runtime.running:
+            self.runtime.end(rid, reason)
 
     def __enter__(self) -> Engine:
         return self

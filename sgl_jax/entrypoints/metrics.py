@@ -11,6 +11,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sgl_jax.entrypoints.engine import Engine
+from sgl_jax.entrypoints.outputs import final_finish_reason
 from sgl_jax.scheduler.req import Req
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -120,8 +121,8 @@ class ServerMetrics:
                                              [*names, "position"], registry=r)
         self._vllm_seen: dict[tuple, float] = {}  # what each counter was raised to so far
 
-    def on_output(self, req: Req, num_new_tokens: int) -> None:
-        """Engine thread: a request produced tokens or finished."""
+    def on_output(self, req: Req, num_new_tokens: int, finished: bool) -> None:
+        """Output thread: a request produced tokens or finished."""
         now = time.perf_counter()
         if num_new_tokens:
             self.generation_tokens.labels(**self._label).inc(num_new_tokens)
@@ -133,12 +134,12 @@ class ServerMetrics:
                 for _ in range(num_new_tokens):
                     self.itl.labels(**self._label).observe(gap)
             self._last_output_at[req.rid] = now
-        if req.finished:
+        if finished:
             self._last_output_at.pop(req.rid, None)
             self.e2e.labels(**self._label).observe(now - req.created_at)
             self.prompt_tokens.labels(**self._label).inc(len(req.prompt_ids))
             self.requests.labels(**self._label,
-                                 finish_reason=req.finish_reason["type"]).inc()
+                                 finish_reason=final_finish_reason(req)["type"]).inc()
 
     def render(self) -> bytes:
         """The exposition text, with the load gauges read now."""

@@ -1,28 +1,61 @@
-"""Where a request's outputs go: the registry of output streams, the chunks a caller reads
-(streamed or whole) and the meta_info they carry.
+"""Where a request's outputs go: the registry of output streams, the output thread that turns
+the engine's tokens into text and chunks, and what a caller reads (streamed or whole, with its
+meta_info).
 
-`deliver` runs on the engine thread (the scheduler's output callback); everything else on the
-caller's thread or event loop.
+The engine thread only hands each step's new tokens on (`deliver`, one queue put a step); the
+output thread detokenizes them, watches for stop strings, and puts each caller's chunks, so
+no text or per-token Python runs on the thread that keeps the device busy (as SGLang's and
+vLLM's detokenizers run beside their schedulers). A stop string is found here, a step or two
+after its tokens were sampled: the output thread cuts the output where the string ends and
+asks the engine to end the request (`end`), which may have sampled a few tokens past it
+meanwhile; those are never shown. The request's last chunk goes out when the engine's finish
+comes back, so its meta_info holds everything the engine knows of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from sgl_jax.entrypoints.output_stream import OutputStream
 from sgl_jax.scheduler.req import Req
 
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+# One step's outputs as the engine hands them on: (request, new token ids, finished).
+StepOutputs = list[tuple[Req, list[int], bool]]
+
+
+@dataclass
+class _Target:
+    """Where a request's chunks go, and how far the output thread has read it."""
+
+    stream: OutputStream  # its call's
+    index: int  # its index in the call
+    streaming: bool  # a chunk per step (else one when it finishes)
+    read: int = 0  # output tokens the output thread has detokenized
+    released: int = 0  # of those, the ones a caller sees (up to a stop string)
+
 
 class OutputRouter:
-    def __init__(self, abort: Callable[[str], None]):
+    def __init__(self, abort: Callable[[str], None],
+                 end: Callable[[str, dict[str, Any]], None] | None = None):
         self._abort = abort  # stops a request the caller walked away from
-        # rid -> (its call's output stream, its index in the call, whether it streams)
-        self._streams: dict[str, tuple[OutputStream, int, bool]] = {}
+        self._end = end or (lambda rid, reason: None)  # ends a request at a stop string
+        self._targets: dict[str, _Target] = {}  # by rid, until its last chunk is put
         # Optional observer of request progress (the HTTP server's Prometheus metrics),
-        # called on the engine thread with each request and its count of new tokens.
-        self.observer: Callable[[Req, int], None] | None = None
+        # called on the output thread with each request, its count of new tokens a caller
+        # sees and whether it finished.
+        self.observer: Callable[[Req, int, bool], None] | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="sgl-jax-outputs", daemon=True)
+        self._thread.start()
 
     def register(self, reqs: list[Req], loop: asyncio.AbstractEventLoop | None,
                  stream: bool) -> OutputStream:
@@ -31,30 +64,58 @@ class OutputRouter:
         gets one chunk per request, when it finishes."""
         output_stream = OutputStream(loop)
         for index, req in enumerate(reqs):
-            self._streams[req.rid] = (output_stream, index, stream)
+            self._targets[req.rid] = _Target(output_stream, index, stream)
         return output_stream
 
-    def deliver(self, req: Req, text: str, token_ids: list[int]) -> None:
-        """Engine thread: route a request's new output to whoever waits for it."""
-        if self.observer is not None:
-            self.observer(req, len(token_ids))
-        target = self._streams.get(req.rid)
+    def deliver(self, outputs: StepOutputs) -> None:
+        """Engine thread: hand a step's new tokens to the output thread."""
+        self._inbox.put(outputs)
+
+    def close(self) -> None:
+        """Process what was delivered, then stop the output thread."""
+        self._inbox.put(_STOP)
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the output thread
+
+    def _run(self) -> None:
+        while (outputs := self._inbox.get()) is not _STOP:
+            for req, token_ids, finished in outputs:
+                try:
+                    self._route(req, token_ids, finished)
+                except Exception:  # one request's text must not stop everyone's
+                    logger.exception("output of request %s failed", req.rid)
+
+    def _route(self, req: Req, token_ids: list[int], finished: bool) -> None:
+        """Turn a request's new tokens into text; end it at a stop string; put its chunk
+        where its caller waits."""
+        target = self._targets.get(req.rid)
         if target is None:
             return
-        output_stream, index, streaming = target
-        if not (streaming or req.finished):
+        detokenizer, before = req.detokenizer, target.released
+        stopped = detokenizer.stopped
+        text = detokenizer.push(token_ids)  # nothing once a stop string matched
+        target.read += len(token_ids)
+        if detokenizer.stopped and not stopped and not finished:
+            self._end(req.rid, stop_reason(req))
+        if finished:
+            text += detokenizer.flush()
+        target.released = released_count(req, target.read)
+        new = target.released - before
+        if self.observer is not None:
+            self.observer(req, new, finished)
+        if not (target.streaming or finished):
             return
-        if req.finished:
-            del self._streams[req.rid]
-        chunk = {"index": index, "text": text, "output_ids": token_ids,
-                 "finished": req.finished}
-        if req.return_logprob:  # sliced here: the engine thread keeps appending to req
-            new = len(token_ids)
-            chunk["output_token_logprobs"] = list(zip(req.output_logprobs[-new:] if new else [],
-                                                      token_ids, strict=True))
-            chunk["output_top_logprobs"] = top_pairs(req.output_top_logprobs[-new:]
-                                                     if new else [])
-        output_stream.put(chunk)
+        if finished:
+            del self._targets[req.rid]
+        chunk = {"index": target.index, "text": text, "finished": finished,
+                 "output_ids": req.output_ids[before: before + new]}
+        if req.return_logprob:
+            chunk["output_token_logprobs"] = list(zip(
+                req.output_logprobs[before: before + new], chunk["output_ids"], strict=True))
+            chunk["output_top_logprobs"] = top_pairs(
+                req.output_top_logprobs[before: before + new])
+        target.stream.put(chunk)
 
     # ------------------------------------------------------------------ a caller's side
 
@@ -96,8 +157,28 @@ class OutputRouter:
 
     def _abort_unfinished(self, reqs: list[Req]) -> None:
         for req in reqs:
-            if req.rid in self._streams:
+            if req.rid in self._targets:
                 self._abort(req.rid)
+
+
+def released_count(req: Req, read: int | None = None) -> int:
+    """Output tokens a caller sees of the first `read` (default: all, once the request
+    finished): up to where a stop string ended."""
+    read = len(req.output_ids) if read is None else read
+    at_stop = req.detokenizer.num_tokens_at_stop
+    return read if at_stop is None else min(at_stop, read)
+
+
+def stop_reason(req: Req) -> dict[str, Any]:
+    return {"type": "stop", "matched": req.detokenizer.matched_stop}
+
+
+def final_finish_reason(req: Req) -> dict[str, Any] | None:
+    """The reason a caller sees: a stop string the text reached before any rule the engine
+    applied by token (which may have ended the request a few tokens later) wins."""
+    if req.detokenizer.stopped:
+        return stop_reason(req)
+    return req.finish_reason
 
 
 def chunk_output(req: Req, chunk: dict[str, Any]) -> dict[str, Any]:
@@ -110,25 +191,28 @@ def chunk_output(req: Req, chunk: dict[str, Any]) -> dict[str, Any]:
 
 
 def final_outputs(reqs: list[Req], single: bool) -> dict[str, Any] | list[dict[str, Any]]:
-    outputs = [{"text": req.detokenizer.text, "output_ids": list(req.output_ids),
+    outputs = [{"text": req.detokenizer.text,
+                "output_ids": req.output_ids[: released_count(req)],
                 "meta_info": meta_info(req)} for req in reqs]
     return outputs[0] if single and len(outputs) == 1 else outputs
 
 
 def meta_info(req: Req) -> dict[str, Any]:
+    """A finished request's meta_info (after its last chunk)."""
+    count = released_count(req)
     meta = {
         "id": req.rid,
         "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids),
+        "completion_tokens": count,
         "cached_tokens": req.cached_tokens,
-        "finish_reason": req.finish_reason,
+        "finish_reason": final_finish_reason(req),
         "e2e_latency": (req.finished_at or req.created_at) - req.created_at,
         **req.decoding_info,
     }
     if req.return_logprob:
-        meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids,
-                                                 strict=True))
-        meta["output_top_logprobs"] = top_pairs(req.output_top_logprobs)
+        meta["output_token_logprobs"] = list(zip(req.output_logprobs[:count],
+                                                 req.output_ids[:count], strict=True))
+        meta["output_top_logprobs"] = top_pairs(req.output_top_logprobs[:count])
     return meta
 
 

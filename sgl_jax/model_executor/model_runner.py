@@ -34,6 +34,7 @@ from sgl_jax.layers.sampler import (
     sample,
 )
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax.model_executor.decode_rows import DecodeColumns
 from sgl_jax.model_executor.device_state import DeviceState
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
@@ -166,10 +167,14 @@ class ModelRunner:
         )
         self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
         self.store, self.builder = store, builder
-        # Compiled sampling steps by bucket, and the layout of each one's packed host inputs:
-        # serving calls them directly, never tracing.
+        # Compiled sampling steps by bucket, and the layout of each one's packed host inputs
+        # (decode steps': their rows' columns): serving calls them directly, never tracing.
         self.sampling_programs = Programs("sampling_step", self._sampling_step, store)
         self._layouts = Layouts()
+        self.decode_columns = decode_columns(self.buckets.pages_per_seq, page_size)
+        # i32[N, W] of -1 by bucket rows: the bitmask of a step that no grammar masks, made
+        # once (never written: a step may read it in place).
+        self._unmasked: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------------ public steps
 
@@ -214,34 +219,62 @@ class ModelRunner:
         sampling = jax.tree.map(lambda a: pad_rows(np.asarray(a), rows), sampling)
         n = len(chunks)
         slots = np.full(n, -1, np.int32) if slots is None else slots
-        return self.launch(batch, sampling, pad_rows(penalty_slots.astype(np.int32), rows, -1),
-                           pad_rows(slots.astype(np.int32), rows, -1),
-                           pad_rows(emits, rows, False), n, want_top_logprobs=want_top_logprobs,
-                           want_logprobs=want_logprobs)
+        host = (batch, dataclasses.replace(sampling, allowed=None),
+                pad_rows(penalty_slots.astype(np.int32), rows, -1),
+                pad_rows(slots.astype(np.int32), rows, -1), pad_rows(emits, rows, False),
+                logprob_detail(want_logprobs, want_top_logprobs))
+        if shape.q_block == 1:  # one token a row: a decode-shaped program's rows
+            ints, floats = self.decode_columns.rows_of(*host)
+        else:
+            (ints, floats), _ = self._layouts.pack(shape, host)
+        return self.launch(shape, ints, floats, sampling.allowed, n,
+                           want_top_logprobs=want_top_logprobs, want_logprobs=want_logprobs)
 
     @device_call
-    def launch(
+    def launch_decode(
         self,
-        batch: ForwardBatch,  # a bucket's shape (build_forward_batch, build_decode_batch)
-        sampling: SamplingBatch,  # host arrays of N rows (the shape's num_logits)
-        penalty_slots: np.ndarray,  # i32[N]: -1 for rows without penalties
-        slots: np.ndarray,  # i32[N]: request slots; -1 none
-        emits: np.ndarray,  # bool[N]
+        ints: np.ndarray,  # i32[N, Ci]: the rows of decode_rows.DecodeColumns, N a bucket
+        floats: np.ndarray,  # f32[N, Cf]
+        allowed: np.ndarray | None,  # i32[N, W]: the grammar bitmask (None: no grammar)
         num_rows: int,  # real rows, first in the batch
         *,
         want_top_logprobs: bool,
         want_logprobs: bool,
     ) -> PendingStep:
-        """Dispatch a batch already padded to its bucket (see step)."""
-        shape = BatchShape(batch.input_ids.shape[0], batch.attention.q_block,
-                           batch.attention.page_table.shape[1], batch.logits_indices.shape[0])
-        host = (batch, sampling, penalty_slots, slots, emits,
-                logprob_detail(want_logprobs, want_top_logprobs))
-        packed, program = self._sampling_program(shape, host)
+        """Dispatch a decode step from its rows (SlotTable.decode_rows)."""
+        shape = self.buckets.decode_shape(ints.shape[0])
+        return self.launch(shape, ints, floats, allowed, num_rows,
+                           want_top_logprobs=want_top_logprobs, want_logprobs=want_logprobs)
+
+    @device_call
+    def launch(
+        self,
+        shape: BatchShape,  # the bucket
+        ints: np.ndarray,  # the step's packed host inputs, in the layout of its bucket's
+        floats: np.ndarray,  # program (decode: DecodeColumns; extend: its Packing)
+        allowed: np.ndarray | None,  # i32[N, W]: the grammar bitmask (None: every id)
+        num_rows: int,  # real rows, first in the batch
+        *,
+        want_top_logprobs: bool,
+        want_logprobs: bool,
+    ) -> PendingStep:
+        """Dispatch a step padded to its bucket (see step and launch_decode): every step,
+        extend or decode, is dispatched here."""
+        if allowed is None:
+            allowed = self._every_id_allowed(shape.num_logits)
+        program = self._sampling_program(shape, (ints, floats, allowed))
         state = self.state
         (state.kv_cache, state.penalties, state.last_tokens, out) = program(
-            self.model.params, state.kv_cache, state.penalties, state.last_tokens, *packed)
+            self.model.params, state.kv_cache, state.penalties, state.last_tokens, ints,
+            floats, allowed)
         return PendingStep.of_sample(num_rows, out, want_logprobs, want_top_logprobs)
+
+    def _every_id_allowed(self, rows: int) -> np.ndarray:
+        """i32[rows, W] of -1: every id allowed."""
+        if rows not in self._unmasked:
+            self._unmasked[rows] = np.full((rows, bitmask_words(self.config.vocab_size)), -1,
+                                           np.int32)
+        return self._unmasked[rows]
 
     @device_call
     def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
@@ -295,15 +328,17 @@ class ModelRunner:
             lambda tokens: self.build_program(self.buckets.extend_shape(tokens)),
             "extend step")
 
-    def _sampling_program(self, shape: BatchShape, host_inputs: tuple
-                          ) -> tuple[tuple[np.ndarray, np.ndarray], jax.stages.Compiled]:
-        """The host inputs packed, and the sampling step of their bucket, built now if
-        nothing built it yet."""
-        packed, packing = self._layouts.pack(shape, host_inputs)
-        program = self.sampling_programs.get(shape) or self.sampling_programs.build(
-            shape, self.model.params, self.state.kv_cache, self.state.penalties,
-            self.state.last_tokens, *packed, packing=packing)
-        return packed, program
+    def _sampling_program(self, shape: BatchShape, inputs: tuple) -> jax.stages.Compiled:
+        """The sampling step of a bucket, built now if nothing built it yet; `inputs` are a
+        call's (ints, floats, allowed), or arrays of their shapes."""
+        program = self.sampling_programs.get(shape)
+        if program is None:
+            packing = (self.decode_columns if shape.q_block == 1
+                       else self._layouts.layout_of(shape))
+            program = self.sampling_programs.build(
+                shape, self.model.params, self.state.kv_cache, self.state.penalties,
+                self.state.last_tokens, *inputs, packing=packing)
+        return program
 
     # ------------------------------------------------------------------ jitted bodies
 
@@ -319,9 +354,14 @@ class ModelRunner:
         kv_cache, logits, captured = forward(params, kv_cache, batch)
         return kv_cache, *self.tp.constrain_replicated((logits, captured))
 
-    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, ints, floats, *,
-                            packing, forward):
-        batch, sampling, penalty_slots, slots, emits, detail = unpack(packing, ints, floats)
+    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, ints, floats,
+                            allowed, *, packing, forward):
+        if isinstance(packing, DecodeColumns):
+            batch, sampling, penalty_slots, slots, emits, detail = packing.unpack(
+                ints, floats, allowed)
+        else:
+            batch, sampling, penalty_slots, slots, emits, detail = unpack(packing, ints, floats)
+            sampling = dataclasses.replace(sampling, allowed=allowed)
         if batch.attention.q_block == 1:  # decode rows may read their input on the device
             batch = dataclasses.replace(batch, input_ids=_with_last_tokens(
                 batch.input_ids, last_tokens, slots))
@@ -357,17 +397,21 @@ class ModelRunner:
                              f"{self.num_state_slots - 1}, got {slots}")
 
     def _dummy_step_inputs(self, shape: BatchShape) -> tuple:
-        """Host inputs of a sampling step of the given shape (for compiling it)."""
-        if shape.q_block == 1:
-            chunks = [SeqChunk([0], 0, [0]) for _ in range(shape.num_tokens)]
-        else:  # one chunk padded up to the shape; it never needs more than a context's pages
-            length = min(shape.num_tokens, self.buckets.context_len)
-            chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
-        batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
+        """(ints, floats, allowed) of a sampling step of the given shape, every row padding
+        (for compiling it)."""
         rows = shape.num_logits
-        return (batch, greedy_sampling_batch(rows, self.config.vocab_size),
-                np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, bool),
-                np.int32(NO_LOGPROBS))
+        allowed = self._every_id_allowed(rows)
+        if shape.q_block == 1:
+            return (*self.decode_columns.padding_rows(rows), allowed)
+        # One chunk padded up to the shape; it never needs more than a context's pages.
+        length = min(shape.num_tokens, self.buckets.context_len)
+        chunks = [SeqChunk([0] * length, 0, [0] * -(-length // self.page_size))]
+        batch = build_forward_batch(chunks, page_size=self.page_size, shape=shape)
+        sampling = greedy_sampling_batch(rows, self.config.vocab_size)
+        host = (batch, dataclasses.replace(sampling, allowed=None), np.full(rows, -1, np.int32),
+                np.full(rows, -1, np.int32), np.zeros(rows, bool), np.int32(NO_LOGPROBS))
+        (ints, floats), _ = self._layouts.pack(shape, host)
+        return ints, floats, allowed
 
     def _log_compilation(self, batch: ForwardBatch) -> None:
         # Runs only while tracing, i.e. once per new bucket of shapes.
@@ -417,6 +461,12 @@ def pad_rows(array: np.ndarray, rows: int, fill=0) -> np.ndarray:
 def bitmask_words(vocab_size: int) -> int:
     """Width of a row of the grammar bitmask: one bit per token id."""
     return -(-vocab_size // 32)
+
+
+def decode_columns(pages_per_seq: int, page_size: int) -> DecodeColumns:
+    """The layout of a decode step's rows for page tables `pages_per_seq` wide."""
+    return DecodeColumns(pages_per_seq, page_size,
+                         (("E", MAX_SUPPRESSED_IDS), ("M", MAX_LOGIT_BIAS)))
 
 
 def greedy_sampling_batch(rows: int, vocab_size: int) -> SamplingBatch:

@@ -68,6 +68,10 @@ class Layouts:
         packing = self._by_key.get(key) or self._by_key.setdefault(key, layout(tree))
         return pack(tree, packing), packing
 
+    def layout_of(self, key: Any) -> Packing:
+        """The key's Packing, laid out by an earlier `pack`."""
+        return self._by_key[key]
+
 
 def pack(tree: Any, packing: Packing) -> tuple[np.ndarray, np.ndarray]:
     """A pytree laid out as `packing` says -> (i32[num_ints], f32[num_floats])."""

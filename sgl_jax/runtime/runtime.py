@@ -160,7 +160,7 @@ class Runtime:
                   drafter: DrafterSetup | None) -> Decoding:
         """Plain or speculative decoding over the runners."""
         buckets = self.runner.buckets
-        self.slot_table = SlotTable(buckets.max_seqs, buckets.pages_per_seq,
+        self.slot_table = SlotTable(buckets.max_seqs, self.runner.decode_columns,
                                     self.model.config.vocab_size)
         if spec is None:
             return PlainDecoding(runner, self.slot_table)
@@ -232,6 +232,10 @@ class Runtime:
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.submit(lambda scheduler: scheduler.abort(rid, message))
+
+    def end(self, rid: str, reason: dict[str, Any]) -> None:
+        """Finish a request now for `reason` (the output side found a stop string)."""
+        self.submit(lambda scheduler: scheduler.end(rid, reason))
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (and what the decoding keeps of finished requests);

@@ -19,16 +19,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sgl_jax.layers.sampler import SamplingBatch
-from sgl_jax.model_executor.forward_batch import SeqChunk, build_decode_batch
-from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput, pad_rows
+from sgl_jax.layers.sampler import SamplingBatch, logprob_detail
+from sgl_jax.model_executor.forward_batch import SeqChunk
+from sgl_jax.model_executor.model_runner import ModelRunner, PendingStep, StepOutput
 from sgl_jax.scheduler.page_reuse import PageReuse, ReuseEveryPage
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
 
-# What a settled step hands back, per request that produced tokens: (request, new text, new
-# token ids). A request its tokens finished is marked finished.
-Emitted = list[tuple[Req, str, list[int]]]
+# What a settled step hands back, per request that produced tokens: (request, new token ids).
+# A request its tokens finished is marked finished.
+Emitted = list[tuple[Req, list[int]]]
 
 
 @dataclass
@@ -158,27 +158,16 @@ class PlainDecoding:
 
 def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[Req],
                          padded: int | None = None) -> PendingStep:
-    """One token for every request, the batch built from row arrays (SlotTable) and padded
-    to batch bucket `padded` (default: the smallest that fits); lengths advance now, the
-    token is read when the step is settled."""
+    """One token for every request, its rows gathered from the slot table and padded to batch
+    bucket `padded` (default: the smallest that fits); lengths advance now, the token is read
+    when the step is settled."""
     n = len(reqs)
-    shape = runner.buckets.decode_shape(padded or n)
-    slots = np.fromiter((r.slot for r in reqs), np.int32, n)
-    num_sampled = np.fromiter((r.num_sampled for r in reqs), np.int32, n)
-    batch = build_decode_batch(
-        np.fromiter((-1 if r.num_inflight else r.last_token for r in reqs), np.int32, n),
-        np.fromiter((r.kv_len for r in reqs), np.int32, n),
-        slot_table.page_rows(reqs),
-        np.fromiter((r.state_slot for r in reqs), np.int32, n),
-        page_size=runner.page_size, shape=shape)
-    sampling, penalty_slots = slot_table.sampling_rows(reqs, slots, num_sampled,
-                                                       shape.num_logits)
-    rows = shape.num_logits
-    output = runner.launch(
-        batch, sampling, penalty_slots, pad_rows(slots, rows, fill=-1),
-        np.arange(rows) < n, n,
-        want_top_logprobs=any(r.top_logprobs_num for r in reqs),
-        want_logprobs=any(r.return_logprob for r in reqs))
+    want_top = any(r.top_logprobs_num for r in reqs)
+    want_logprobs = any(r.return_logprob for r in reqs)
+    ints, floats, allowed = slot_table.decode_rows(
+        reqs, runner.buckets.batch_padding(padded or n), logprob_detail(want_logprobs, want_top))
+    output = runner.launch_decode(ints, floats, allowed, n, want_top_logprobs=want_top,
+                                  want_logprobs=want_logprobs)
     for req in reqs:
         req.kv_len += 1
         req.num_inflight += 1
@@ -197,10 +186,10 @@ def emit_tokens(rows: list[tuple[Req, int, bool]], output: StepOutput) -> Emitte
         req.num_inflight -= 1
         if req.finished:
             continue
-        top = []
+        top = None
         if req.top_logprobs_num:
             ids, values = output.top_logprob_ids[row].tolist(), output.top_logprobs[row].tolist()
-            top = list(zip(ids, values, strict=True))
-        text = req.append_token(tokens[row], logprobs[row] if logprobs else 0.0, top)
-        emitted.append((req, text, [tokens[row]]))
+            top = [list(zip(ids, values, strict=True))]
+        req.append_tokens([tokens[row]], logprobs and [logprobs[row]], top)
+        emitted.append((req, [tokens[row]]))
     return emitted

@@ -18,7 +18,7 @@ class Req:
     seed: int  # the request's sampling seed (its own, or drawn by the engine)
     eos_ids: frozenset[int]
     context_len: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer  # the output side's (entrypoints/outputs.py) alone
     return_logprob: bool = False
     top_logprobs_num: int = 0
 
@@ -107,22 +107,30 @@ class Req:
         eos = frozenset() if self.params.ignore_eos else self.eos_ids
         return eos | frozenset(self.params.stop_token_ids)
 
-    def append_token(self, token: int, logprob: float, top: list[tuple[int, float]]) -> str:
-        """Record a sampled token, finish the request if it should; returns the new text."""
+    def append_tokens(self, tokens: list[int], logprobs: list[float] | None = None,
+                      tops: list[list[tuple[int, float]]] | None = None) -> int:
+        """Record sampled tokens up to where the request finishes, if it does; returns how
+        many it took. The rules by token are checked here (EOS and stop ids, max_new_tokens,
+        the context, a grammar); stop strings are the output side's (its detokenizer ends the
+        request through the engine, entrypoints/outputs.py)."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.output_ids.append(token)
-        if self.return_logprob:
-            self.output_logprobs.append(logprob)
-            self.output_top_logprobs.append(top[: self.top_logprobs_num])
-        text = self.detokenizer.push([token])
-        self.finish_reason = self._grammar_rejection(token) or self._finish_reason(token)
-        if self.finished:
-            text += self.detokenizer.flush()
-        return text
+        stop_ids = self.stop_ids()
+        for count, token in enumerate(tokens, start=1):
+            self.output_ids.append(token)
+            if self.return_logprob:
+                self.output_logprobs.append(logprobs[count - 1] if logprobs else 0.0)
+                self.output_top_logprobs.append(
+                    tops[count - 1][: self.top_logprobs_num] if tops else [])
+            self.finish_reason = (self._grammar_rejection(token)
+                                  or self._finish_reason(token, stop_ids))
+            if self.finish_reason is not None:
+                return count
+        return len(tokens)
 
-    def abort(self, message: str) -> None:
-        self.finish_reason = {"type": "abort", "message": message}
+    def end(self, reason: dict[str, Any]) -> None:
+        """Finish now for `reason` (an abort, or a stop string the output side found)."""
+        self.finish_reason = reason
 
     def _grammar_rejection(self, token: int) -> dict[str, Any] | None:
         """Advance the grammar. A matcher that cannot take the token (it reached a dead end:
@@ -134,11 +142,9 @@ class Req:
         return {"type": "grammar_error",
                 "message": "the grammar allows no token here (a dead end); the output ends"}
 
-    def _finish_reason(self, token: int) -> dict[str, Any] | None:
-        if token in self.stop_ids() and len(self.output_ids) >= self.params.min_new_tokens:
+    def _finish_reason(self, token: int, stop_ids: frozenset[int]) -> dict[str, Any] | None:
+        if token in stop_ids and len(self.output_ids) >= self.params.min_new_tokens:
             return {"type": "stop", "matched": token}
-        if self.detokenizer.stopped:
-            return {"type": "stop", "matched": self.detokenizer.matched_stop}
         if self.grammar is not None and self.grammar.is_stopped():
             return {"type": "stop", "matched": None}  # the grammar is complete
         if len(self.output_ids) >= self.params.max_new_tokens:

@@ -40,9 +40,10 @@ from sgl_jax.scheduler.slot_table import SlotTable
 
 logger = logging.getLogger(__name__)
 
-# Called after each step for every request that produced a token or finished:
-# (request, new text, new token ids).
-OutputCallback = Callable[[Req, str, list[int]], None]
+# Called after each step with every request that produced tokens or finished: (request, its
+# new token ids, whether it finished), in order. It runs on the engine thread and only hands
+# them on: text, stop strings and the caller's chunks are the output side's.
+OutputCallback = Callable[[list[tuple[Req, list[int], bool]]], None]
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Scheduler:
             req.finish_reason = {"type": "length", "length": 0}
             req.finished_at = req.created_at
             self.decoding.finish(req)
-            self.on_output(req, "", [])
+            self.on_output([(req, [], True)])
             return
         self.prefill.add(req)
 
@@ -127,13 +128,18 @@ class Scheduler:
         self.decoding.admit(req, batch_size, self.running)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        return self.end(rid, {"type": "abort", "message": message})
+
+    def end(self, rid: str, reason: dict) -> bool:
+        """Finish a running or waiting request now for `reason` (an abort; a stop string the
+        output side found); False if it is not here (it finished already)."""
         for queue in (self.prefill.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    req.abort(message)
+                    req.end(reason)
                     self._finish(req)
-                    self.on_output(req, "", [])
+                    self.on_output([(req, [], True)])
                     return True
         return False
 
@@ -244,17 +250,21 @@ class Scheduler:
         if launched.kind == "prefill":
             self._log_prefill(launched.rows)
         else:
-            self._log_decode(sum(len(tokens) for _, _, tokens in emitted))
+            self._log_decode(sum(len(tokens) for _, tokens in emitted))
         self.stats.phases[launched.kind].settle_s += time.perf_counter() - start
         return True
 
     def _emit(self, emitted: Emitted) -> None:
-        """Deliver each request's new tokens; a request they finished leaves."""
-        for req, text, tokens in emitted:
-            if req.finished:
+        """Hand on each request's new tokens; a request they finished leaves."""
+        outputs = []
+        for req, tokens in emitted:
+            finished = req.finished
+            if finished:
                 self.running.remove(req)
                 self._finish(req)
-            self.on_output(req, text, tokens)
+            outputs.append((req, tokens, finished))
+        if outputs:
+            self.on_output(outputs)
 
     # ------------------------------------------------------------------ bookkeeping
 

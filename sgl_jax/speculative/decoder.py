@@ -254,7 +254,7 @@ class SpecDecoder:
             self._last_result_at = time.perf_counter()
         else:
             emitted = self._settle_round(launched.output, launched.rows)
-        for req, _, tokens in emitted:
+        for req, tokens in emitted:
             self.proposer.extend(req, tokens)
         return emitted
 
@@ -287,11 +287,11 @@ class SpecDecoder:
             req, state = launched.reqs[row], self.states[launched.reqs[row]]
             self.stats.record(accepted[row], drafted[row])
             state.stats.record(accepted[row], drafted[row])
-            text, tokens = emit_run(req, output, row, accepted[row] + 1)
+            tokens = emit_run(req, output, row, accepted[row] + 1)
             req.kv_len += len(tokens) - 1  # the root was counted at launch
             if launched.defers and state.drafting:  # the draft is one more token behind
                 state.pending.append(output.features[row])
-            emitted.append((req, text, tokens))
+            emitted.append((req, tokens))
         return emitted
 
     def _device_seconds(self, launched: LaunchedRound) -> float:

@@ -67,22 +67,17 @@ def max_depth(req: Req, num_steps: int) -> int:
     return num_steps if cap is None else min(cap, num_steps)
 
 
-def emit_run(req: Req, output: RoundOutput, row: int, count: int) -> tuple[str, list[int]]:
-    """Append a round's tokens one by one, stopping where the request finishes (EOS, a stop
-    string, max_new_tokens or the context) so nothing past it is emitted."""
-    text, tokens = "", []
+def emit_run(req: Req, output: RoundOutput, row: int, count: int) -> list[int]:
+    """Append a round's `count` tokens up to where the request finishes (EOS, a stop id,
+    max_new_tokens or the context), so nothing past it is emitted; returns those taken."""
     run = output.tokens[row, :count].tolist()
-    logprobs = [0.0] * count if output.logprobs is None else output.logprobs[row, :count].tolist()
-    for j, (token, logprob) in enumerate(zip(run, logprobs, strict=True)):
-        top = []
-        if req.top_logprobs_num:
-            ids, values = output.top_logprob_ids[row, j], output.top_logprobs[row, j]
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        text += req.append_token(token, logprob, top)
-        tokens.append(token)
-        if req.finished:
-            break
-    return text, tokens
+    logprobs = None if output.logprobs is None else output.logprobs[row, :count].tolist()
+    tops = None
+    if req.top_logprobs_num:
+        tops = [list(zip(ids, values, strict=True)) for ids, values in zip(
+            output.top_logprob_ids[row, :count].tolist(),
+            output.top_logprobs[row, :count].tolist(), strict=True)]
+    return run[: req.append_tokens(run, logprobs, tops)]
 
 
 def tree_masks(reqs: list[Req], tokens: np.ndarray, parents: np.ndarray, vocab_size: int

@@ -14,6 +14,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.grammar import GrammarCompiler, fill_bitmasks, fill_tree_bitmasks
+from sgl_jax.model_executor.model_runner import decode_columns
 from sgl_jax.sampling_params import SamplingParams
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
@@ -176,13 +177,13 @@ def test_a_dead_end_allows_only_eos_and_finishes_with_grammar_error(tmp_path):
               grammar=grammars.constraint(*params.grammar), slot=0)
     no = tokenizer.encode("no", add_special_tokens=False)[0]
     assert not req.grammar.consume_token(no)  # the matcher is now at a dead end
-    table = SlotTable(1, 4, TINY_VOCAB_SIZE)
+    table = SlotTable(1, decode_columns(4, 16), TINY_VOCAB_SIZE)
     table.join(req)
     sampling, _ = table.sampling_rows([req], np.array([0], np.int32), np.array([0], np.int32), 1)
     (row,) = sampling.allowed.view(np.uint32)
     allowed = [i for i in range(TINY_VOCAB_SIZE) if row[i // 32] >> (i % 32) & 1]
     assert allowed == [ENDOFTEXT_ID]
-    req.append_token(ENDOFTEXT_ID, 0.0, [])
+    req.append_tokens([ENDOFTEXT_ID])
     assert req.finish_reason["type"] == "grammar_error"
     assert "dead end" in req.finish_reason["message"]
 
