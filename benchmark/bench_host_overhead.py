@@ -42,7 +42,17 @@ to --json as each finishes.
 
 Prompts are 8 random tokens (NGRAM's: those repeated four times), or `--context` tokens in
 every row (NGRAM's: a random phrase of a quarter of that, repeated four times), so plain
-steps and drafted rounds can be priced over the same context.
+steps and drafted rounds can be priced over the same context. `--dataset code-edits` gives
+the demo-model rows real requests instead: bench_speculative's code edits (a function to
+output again with one change) through the chat template, the first `batch` that fit in
+1000 tokens, so NGRAM drafts from the prompt as it would in service.
+
+Every row also gives the tokens a step committed (the batch for a plain step, more for a
+round that accepted drafts) and the engine thread's CPU per committed token: what a host
+that the device waits for pays per token, speculation's rows against plain's.
+
+    python benchmark/bench_host_overhead.py --rows demo,ngram --dataset code-edits \
+        --demo-batch-sizes 8,32 --spec-shape 6,1,7 --steps 96
 """
 
 from __future__ import annotations
@@ -94,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantization", default=None, help="of the demo, spec and ngram rows")
     parser.add_argument("--context", type=int, default=None,
                         help="prompt tokens of every row (default: 8, NGRAM's 32)")
+    parser.add_argument("--dataset", choices=("random", "code-edits"), default="random",
+                        help="the demo-model rows' prompts (the tiny rows' stay random)")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="time the synchronous engine loop instead (the rows say 'sync')")
@@ -164,7 +176,7 @@ def engine_and_replay_ms(engine, owner, dispatches: tuple[str, ...], prompts: li
         return per_step(lambda new: min(replay_seconds(calls[new], read_each) for _ in range(2)))
 
     return (per_step(seconds.get), replay_ms(read_each=False), replay_ms(read_each=True), taken,
-            per_step(cpu.get))
+            per_step(cpu.get), len(prompts) * steps / taken)
 
 
 # --------------------------------------------------------------------------- the replay
@@ -213,12 +225,13 @@ def replay_seconds(calls: list[tuple], read_each: bool) -> float:
 def bench_plain(model_path: str | None, label: str, batches: list[int], args,
                 **model_args) -> Iterator[dict]:
     """A row per batch size from one engine, with its decode program's kernel count."""
-    engine = make_engine(model_path, batches, context=args.context,
+    real = label != "tiny"
+    engine = make_engine(model_path, batches, context=engine_context(args, real),
                          disable_overlap_schedule=args.disable_overlap_schedule, **model_args)
     try:
         runner = engine.runtime.runner
         for batch in batches:
-            prompts = bench_prompts(batch, args.context, engine.model.config.vocab_size)
+            prompts = row_prompts(engine, batch, args, real=real)
             timings = engine_and_replay_ms(engine, runner, ("launch",), prompts,
                                            args.short, args.steps)
             row = result_row(label, _kind("decode", args), batch, *timings)
@@ -280,7 +293,7 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
     steps, topk, draft_tokens = (int(x) for x in args.spec_shape.split(","))
     draft = {} if algorithm == "NGRAM" or args.draft_model_path is None else {
         "speculative_draft_model_path": args.draft_model_path}
-    engine = make_engine(args.model_path, batches, args.dtype, args.context,
+    engine = make_engine(args.model_path, batches, args.dtype, engine_context(args, True),
                          quantization=args.quantization,
                          disable_overlap_schedule=args.disable_overlap_schedule,
                          speculative_algorithm=algorithm, **draft,
@@ -291,8 +304,7 @@ def bench_speculative(batches: list[int], args, algorithm: str = "EAGLE3") -> It
     kind = _kind(f"round {args.spec_shape.replace(',', '/')}", args)
     try:
         for batch in batches:
-            prompts = bench_prompts(batch, args.context, engine.model.config.vocab_size,
-                                    repeats=4 if algorithm == "NGRAM" else 1)
+            prompts = row_prompts(engine, batch, args, repeats=4 if algorithm == "NGRAM" else 1)
             yield result_row(label, kind, batch, *engine_and_replay_ms(
                 engine, engine.runtime.spec_runner, ("prefill", "round"), prompts, args.short,
                 args.steps))
@@ -306,19 +318,47 @@ def bench_adaptive_ngram(batches: list[int], args) -> Iterator[dict]:
     for steps that may draft. Engine ms per step beside the plain row's say what serving with
     the speculative engine costs where drafting does not pay (on random text, most steps);
     the device and floor columns replay its plain steps alone."""
-    engine = make_engine(args.model_path, batches, args.dtype, args.context,
+    engine = make_engine(args.model_path, batches, args.dtype, engine_context(args, True),
                          quantization=args.quantization,
                          disable_overlap_schedule=args.disable_overlap_schedule,
                          speculative_algorithm="NGRAM")
     try:
         for batch in batches:
-            prompts = bench_prompts(batch, args.context, engine.model.config.vocab_size,
-                                    repeats=4)
+            prompts = row_prompts(engine, batch, args, repeats=4)
             yield result_row(f"{model_label(args)} NGRAM", _kind("adaptive step", args), batch,
                              *engine_and_replay_ms(engine, engine.runtime.runner, ("launch",),
                                                    prompts, args.short, args.steps))
     finally:
         engine.shutdown()
+
+
+CODE_EDIT_TOKENS = 1000  # the longest code-edit prompt taken (the demo's context is 2048)
+
+
+def engine_context(args, real: bool) -> int | None:
+    """The prompt tokens an engine's prefill buckets must take."""
+    return 1024 if real and args.dataset == "code-edits" else args.context
+
+
+def row_prompts(engine, batch: int, args, *, real: bool = True, repeats: int = 1
+                ) -> list[list[int]]:
+    """A row's prompts: code edits through the chat template (--dataset code-edits, real
+    models), else bench_prompts."""
+    if not real or args.dataset != "code-edits":
+        return bench_prompts(batch, args.context, engine.model.config.vocab_size, repeats)
+    from bench_speculative import code_edits
+
+    from sgl_jax.tokenizer.chat_template import ChatTemplate
+
+    template = ChatTemplate(engine.tokenizer)
+    prompts = []
+    for edit in code_edits():
+        ids = template.encode([{"role": "user", "content": edit.request}])
+        if len(ids) <= CODE_EDIT_TOKENS:
+            prompts.append(ids)
+        if len(prompts) == batch:
+            return prompts
+    raise SystemExit(f"fewer than {batch} code edits fit in {CODE_EDIT_TOKENS} tokens")
 
 
 def bench_prompts(batch: int, context: int | None, vocab: int, repeats: int = 1
@@ -335,25 +375,30 @@ def model_label(args) -> str:
 
 
 def result_row(model: str, kind: str, batch: int, engine_ms: float, device_ms: float,
-               floor_ms: float, steps: int, engine_cpu_ms: float) -> dict:
+               floor_ms: float, steps: int, engine_cpu_ms: float, tokens_per_step: float
+               ) -> dict:
     return {"model": model, "kind": kind, "batch": batch, "engine_ms": engine_ms,
             "device_ms": device_ms, "floor_ms": floor_ms, "steps": steps,
-            "engine_cpu_ms": engine_cpu_ms,
+            "engine_cpu_ms": engine_cpu_ms, "tokens_per_step": tokens_per_step,
+            "engine_cpu_ms_per_token": engine_cpu_ms / tokens_per_step,
             "engine_over_floor": engine_ms / floor_ms, "engine_over_device": engine_ms / device_ms}
 
 
 def _kind(step: str, args) -> str:
     """The rows' step name, saying how the loop ran and over what prompts if not the default."""
     step = step if args.context is None else f"{step}, {args.context}-token prompts"
+    step = f"{step}, code edits" if args.dataset == "code-edits" else step
     return f"{step} (sync)" if args.disable_overlap_schedule else step
 
 
 def print_row(row: dict) -> None:
     kernels = row.get("decode_kernels")
     print(f"| {row['model']} | {row['kind']} | {row['batch']} | {row['engine_ms']:.2f} | "
-          f"{row['engine_cpu_ms']:.2f} | {row['device_ms']:.2f} | {row['floor_ms']:.2f} | "
-          f"{row['engine_over_device']:.2f}x | {row['engine_over_floor']:.2f}x | "
-          f"{'-' if kernels is None else kernels} |", flush=True)
+          f"{row['engine_cpu_ms']:.2f} | {row['tokens_per_step']:.1f} | "
+          f"{row['engine_cpu_ms_per_token']:.3f} | {row['device_ms']:.2f} | "
+          f"{row['floor_ms']:.2f} | {row['engine_over_device']:.2f}x | "
+          f"{row['engine_over_floor']:.2f}x | {'-' if kernels is None else kernels} |",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -368,9 +413,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
     print(json.dumps(machine))
-    print("| model | step | batch | engine ms | engine CPU ms | device ms | floor ms | "
-          "engine / device | engine / floor | decode kernels |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | step | batch | engine ms | engine CPU ms | tokens / step | "
+          "engine CPU ms / token | device ms | floor ms | engine / device | engine / floor | "
+          "decode kernels |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     wanted = set(args.rows.split(","))
     if "tiny" in wanted:
         from sgl_jax.testing import write_tiny_checkpoint

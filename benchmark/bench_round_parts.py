@@ -277,7 +277,8 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
         return out
 
     def run_round_device():
-        (state.kv_cache, draft_state.kv, draft_state.slots, state.last_tokens, out) = whole(
+        (state.kv_cache, draft_state.kv, draft_state.slots, state.lengths, state.last_tokens,
+         out) = whole(
             len(rows.slots), *spec.state_args(), *device_arrays, packing=packing)
         return out
 

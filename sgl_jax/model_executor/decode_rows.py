@@ -15,7 +15,9 @@ writes nothing), STATE_SLOT, PENALTY_SLOT (-1: none), MIN_NEW_TOKENS, KV_LEN (to
 before this one), TOKEN, POSITION (the index in the request's output of the token sampled),
 DETAIL (the log-probabilities the step computes, the same in every row), then each int
 sampling field of sampling_fields.ROW_FIELDS (2-D ones their width wide), then the page-table
-row. A float row holds the float sampling fields. The grammar bitmask (`allowed`, a STEP field
+row. TOKEN, KV_LEN and POSITION are -1 where only the device knows them: the slot's last token
+or its lengths, which the step or speculative round before left and the host has not read
+yet. A float row holds the float sampling fields. The grammar bitmask (`allowed`, a STEP field
 V/32 words wide) travels apart: a batch without a grammar sends a constant of -1.
 """
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from sgl_jax.layers.attention import AttentionMetadata
 from sgl_jax.layers.sampler import SamplingBatch
+from sgl_jax.model_executor.device_state import SlotLengths
 from sgl_jax.model_executor.forward_batch import ForwardBatch
 from sgl_jax.sampling_fields import ROW_FIELDS, RowField
 
@@ -111,12 +114,18 @@ class DecodeColumns:
                 return floating, slice(start, start + width)
         raise KeyError(name)
 
-    def unpack(self, ints: jax.Array, floats: jax.Array, allowed: jax.Array
-               ) -> tuple[ForwardBatch, SamplingBatch, jax.Array, jax.Array, jax.Array,
-                          jax.Array]:
+    def unpack(self, ints: jax.Array, floats: jax.Array, allowed: jax.Array,
+               lengths: SlotLengths) -> tuple[ForwardBatch, SamplingBatch, jax.Array,
+                                              jax.Array, jax.Array, jax.Array]:
         """Inside the step: ints i32[N, num_ints], floats f32[N, num_floats], allowed
-        i32[N, W] -> (the batch, its sampling rows, penalty slots i32[N], request slots
-        i32[N], whether each row emits bool[N], the log-probability detail i32[])."""
+        i32[N, W] and the slots' device lengths (for a KV_LEN or POSITION of -1: a round the
+        host has not read yet decided it) -> (the batch, its sampling rows, penalty slots
+        i32[N], request slots i32[N], whether each row emits bool[N], the log-probability
+        detail i32[])."""
+        slot = jnp.maximum(ints[:, SLOT], 0)
+        ints = ints.at[:, KV_LEN].set(_or_device(ints[:, KV_LEN], lengths.kv_lens[slot]))
+        ints = ints.at[:, POSITION].set(_or_device(ints[:, POSITION],
+                                                   lengths.num_sampled[slot]))
         kv_lens, live = ints[:, KV_LEN], ints[:, EMITS] >= 0
         page_table = ints[:, self.first_page_column:]  # i32[N, P]
         page = jnp.take_along_axis(page_table, (kv_lens // self.page_size)[:, None], axis=1)
@@ -149,3 +158,8 @@ class DecodeColumns:
         suppressing = (ints[:, POSITION] < ints[:, MIN_NEW_TOKENS])[:, None]
         values["suppress_ids"] = jnp.where(suppressing, values["suppress_ids"], -1)
         return SamplingBatch(**values)
+
+
+def _or_device(host: jax.Array, device: jax.Array) -> jax.Array:
+    """i32[N]: the host's value, or the device's where the host sent -1."""
+    return jnp.where(host < 0, device, host)

@@ -19,6 +19,17 @@ from sgl_jax.layers.attention import ModelCache
 from sgl_jax.layers.sampler import PenaltyState
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SlotLengths:
+    """Each request slot's lengths as the last speculative round that ran for it left them
+    (its host reads them a round later): a step launched before the host has read them
+    takes them from here. Plain steps neither need nor keep them (their host always knows)."""
+
+    kv_lens: jax.Array  # i32[S]: committed tokens before the root (the last sampled token)
+    num_sampled: jax.Array  # i32[S]: output tokens sampled (the next one's position)
+
+
 @dataclass
 class DeviceState:
     # Every attention layer's pages in one (K, V) pair in the KV dtype (--kv-cache-dtype), and
@@ -28,3 +39,4 @@ class DeviceState:
     # i32[num_request_slots]: each request slot's last sampled token, so a decode step can
     # take its input from the step before without the host reading it first.
     last_tokens: jax.Array
+    lengths: SlotLengths  # written by speculative rounds, read by any step launched after

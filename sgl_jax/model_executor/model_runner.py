@@ -35,7 +35,7 @@ from sgl_jax.layers.sampler import (
 )
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax.model_executor.decode_rows import DecodeColumns
-from sgl_jax.model_executor.device_state import DeviceState
+from sgl_jax.model_executor.device_state import DeviceState, SlotLengths
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
     Buckets,
@@ -46,7 +46,7 @@ from sgl_jax.model_executor.forward_batch import (
 )
 from sgl_jax.model_executor.packing import Layouts, unpack
 from sgl_jax.model_executor.programs import BackgroundBuilder, ExecutableStore, Programs
-from sgl_jax.model_executor.target_forward import TargetForward
+from sgl_jax.model_executor.target_forward import TargetForward, target_features
 from sgl_jax.models.loader import LoadedModel
 from sgl_jax.parallel.multihost import device_call
 from sgl_jax.process_maps import WarmupForecast
@@ -88,6 +88,7 @@ class StepOutput:
     logprobs: np.ndarray | None  # f32[n]: raw log-probability of each token (None: not asked)
     top_logprob_ids: np.ndarray | None  # i32[n, MAX_TOP_LOGPROBS] (None: not asked)
     top_logprobs: np.ndarray | None  # f32[n, MAX_TOP_LOGPROBS]
+    features: np.ndarray | None = None  # f[n, F]: a decode step's drafter features (asked)
 
 
 class PendingStep:
@@ -96,19 +97,21 @@ class PendingStep:
     copied."""
 
     def __init__(self, num_rows: int, tokens: jax.Array, logprobs: jax.Array | None = None,
-                 top: tuple[jax.Array, jax.Array] | None = None):
+                 top: tuple[jax.Array, jax.Array] | None = None,
+                 features: jax.Array | None = None):
         self._num_rows = num_rows
-        self._arrays = (tokens, logprobs, *(top or (None, None)))
+        self._arrays = (tokens, logprobs, *(top or (None, None)), features)
         for array in self._arrays:
             if array is not None:
                 array.copy_to_host_async()
 
     @classmethod
-    def of_sample(cls, num_rows: int, out: SampleOutput, want_logprobs: bool, want_top: bool
-                  ) -> PendingStep:
-        """A sampling step's result, holding the log-probabilities some row wanted."""
+    def of_sample(cls, num_rows: int, out: SampleOutput, want_logprobs: bool, want_top: bool,
+                  features: jax.Array | None = None) -> PendingStep:
+        """A sampling step's result, holding the log-probabilities some row wanted (and the
+        drafter's features, where asked)."""
         return cls(num_rows, out.tokens, out.logprob if want_logprobs else None,
-                   (out.top_logprob_ids, out.top_logprobs) if want_top else None)
+                   (out.top_logprob_ids, out.top_logprobs) if want_top else None, features)
 
     def result(self) -> StepOutput:
         n = self._num_rows
@@ -125,6 +128,9 @@ class ModelRunner:
         buckets: Buckets | None = None,
         attention_backend: str = "native",
         capture_layers: tuple[int, ...] = (),
+        # What a decode step hands a drafter that plain steps leave behind (target_forward's
+        # target_features kind: "aux" over capture_layers, "final", or "" for nothing).
+        features: str = "",
         num_request_slots: int = 1,  # rows of the per-request device state (penalties, tokens)
         num_state_slots: int = 0,  # hybrid models: recurrent-state slots, the null slot included
         kv_dtype: jax.typing.DTypeLike | None = None,  # the KV pages'; None: the model dtype
@@ -151,7 +157,11 @@ class ModelRunner:
                 tp=self.tp, num_state_slots=num_state_slots, kv_dtype=self.kv_dtype),
             penalties=self.tp.put_replicated(
                 init_penalty_state(num_request_slots, self.config.vocab_size)),
-            last_tokens=self.tp.put_replicated(jnp.zeros(num_request_slots, jnp.int32)))
+            last_tokens=self.tp.put_replicated(jnp.zeros(num_request_slots, jnp.int32)),
+            lengths=self.tp.put_replicated(SlotLengths(
+                jnp.zeros(num_request_slots, jnp.int32), jnp.zeros(num_request_slots,
+                                                                   jnp.int32))))
+        self.features = features
         self.num_state_slots = num_state_slots if model.config.is_hybrid else 0
         _warn_if_slow_on_cpu(attention_backend, model.dtype, model.weights.name)
         # The target's forward, which speculative rounds run too.
@@ -240,11 +250,15 @@ class ModelRunner:
         *,
         want_top_logprobs: bool,
         want_logprobs: bool,
+        want_features: bool = False,
     ) -> PendingStep:
-        """Dispatch a decode step from its rows (SlotTable.decode_rows)."""
+        """Dispatch a decode step from its rows (SlotTable.decode_rows); with
+        `want_features`, its results hold each row's drafter features (the runner's
+        `features`) too."""
         shape = self.buckets.decode_shape(ints.shape[0])
         return self.launch(shape, ints, floats, allowed, num_rows,
-                           want_top_logprobs=want_top_logprobs, want_logprobs=want_logprobs)
+                           want_top_logprobs=want_top_logprobs, want_logprobs=want_logprobs,
+                           want_features=want_features)
 
     @device_call
     def launch(
@@ -257,6 +271,7 @@ class ModelRunner:
         *,
         want_top_logprobs: bool,
         want_logprobs: bool,
+        want_features: bool = False,
     ) -> PendingStep:
         """Dispatch a step padded to its bucket (see step and launch_decode): every step,
         extend or decode, is dispatched here."""
@@ -264,10 +279,11 @@ class ModelRunner:
             allowed = self._every_id_allowed(shape.num_logits)
         program = self._sampling_program(shape, (ints, floats, allowed))
         state = self.state
-        (state.kv_cache, state.penalties, state.last_tokens, out) = program(
-            self.model.params, state.kv_cache, state.penalties, state.last_tokens, ints,
-            floats, allowed)
-        return PendingStep.of_sample(num_rows, out, want_logprobs, want_top_logprobs)
+        (state.kv_cache, state.penalties, state.last_tokens, out, features) = program(
+            self.model.params, state.kv_cache, state.penalties, state.last_tokens,
+            state.lengths, ints, floats, allowed)
+        return PendingStep.of_sample(num_rows, out, want_logprobs, want_top_logprobs,
+                                     features if want_features else None)
 
     def _every_id_allowed(self, rows: int) -> np.ndarray:
         """i32[rows, W] of -1: every id allowed."""
@@ -337,7 +353,7 @@ class ModelRunner:
                        else self._layouts.layout_of(shape))
             program = self.sampling_programs.build(
                 shape, self.model.params, self.state.kv_cache, self.state.penalties,
-                self.state.last_tokens, *inputs, packing=packing)
+                self.state.last_tokens, self.state.lengths, *inputs, packing=packing)
         return program
 
     # ------------------------------------------------------------------ jitted bodies
@@ -348,30 +364,33 @@ class ModelRunner:
             params, kv_cache, batch.input_ids, batch.positions, batch.attention,
             capture=capture, state_slots=batch.state_slots)
         logits = self.target_forward.logits(params, hidden[batch.logits_indices])
-        return kv_cache, logits, captured
+        return kv_cache, logits, captured, hidden
 
     def _logits_step_impl(self, params, kv_cache, batch, *, forward):
-        kv_cache, logits, captured = forward(params, kv_cache, batch)
+        kv_cache, logits, captured, _ = forward(params, kv_cache, batch)
         return kv_cache, *self.tp.constrain_replicated((logits, captured))
 
-    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, ints, floats,
-                            allowed, *, packing, forward):
+    def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, lengths, ints,
+                            floats, allowed, *, packing, forward):
+        features = None
         if isinstance(packing, DecodeColumns):
             batch, sampling, penalty_slots, slots, emits, detail = packing.unpack(
-                ints, floats, allowed)
+                ints, floats, allowed, lengths)
         else:
             batch, sampling, penalty_slots, slots, emits, detail = unpack(packing, ints, floats)
             sampling = dataclasses.replace(sampling, allowed=allowed)
         if batch.attention.q_block == 1:  # decode rows may read their input on the device
             batch = dataclasses.replace(batch, input_ids=_with_last_tokens(
                 batch.input_ids, last_tokens, slots))
-        kv_cache, logits, _ = forward(params, kv_cache, batch)
+        kv_cache, logits, captured, hidden = forward(params, kv_cache, batch)
+        if batch.attention.q_block == 1:  # f[N, F]: what a drafter left behind reads later
+            features = target_features(self.features, hidden, captured)
         out = sample(logits, sampling, penalties, penalty_slots, detail=detail,
                      num_top_logprobs=MAX_TOP_LOGPROBS)
         penalties = record_tokens(penalties, penalty_slots, out.tokens, emits)
         kept = jnp.where(emits & (slots >= 0), slots, last_tokens.shape[0])  # others: dropped
         last_tokens = last_tokens.at[kept].set(out.tokens, mode="drop")
-        return kv_cache, *self.tp.constrain_replicated((penalties, last_tokens, out))
+        return kv_cache, *self.tp.constrain_replicated((penalties, last_tokens, out, features))
 
     def _reset_slots_impl(self, penalties, slots, prompt_ids):
         self.num_compilations += 1

@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from sgl_jax.layers import gated_delta_net
 from sgl_jax.layers.attention import AttentionBackend, AttentionMetadata, ModelCache
@@ -63,3 +64,12 @@ class TargetForward:
     def logits(self, params, hidden: jax.Array) -> jax.Array:
         """f[T, H] -> f32[T, V]."""
         return self.model.impl.compute_logits(params, hidden, self.model.config)
+
+
+def target_features(kind: str, hidden: jax.Array, captured: tuple[jax.Array, ...]
+                    ) -> jax.Array | None:
+    """What a drafter reads of the target per token: f[T, L*H] for "aux" (the captured
+    layers, EAGLE3), f[T, H] for "final" (the last hidden state), None for ""."""
+    if kind == "aux":
+        return jnp.concatenate(captured, axis=-1)
+    return hidden if kind == "final" else None

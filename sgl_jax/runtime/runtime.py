@@ -82,7 +82,7 @@ class Runtime:
         self.allocator = PageAllocator(pools.num_pages)
         self.state_slots = (StateSlotAllocator(pools.num_state_slots)
                             if pools.num_state_slots else None)
-        self.runner: ModelRunner | None = self._model_runner(buckets, pools)
+        self.runner: ModelRunner | None = self._model_runner(buckets, pools, drafter)
         self.spec_runner: SpecRunner | None = drafter and self._spec_runner(drafter)
         # Kept apart from the runners, which shutdown() lets go of.
         self.lookahead = self.spec_runner.lookahead if self.spec_runner else 0
@@ -129,10 +129,16 @@ class Runtime:
                             page_size=self.args.page_size,
                             shapes=round_shapes(spec, self.adaptive))
 
-    def _model_runner(self, buckets: Buckets, pools: PoolSizes) -> ModelRunner:
+    def _model_runner(self, buckets: Buckets, pools: PoolSizes,
+                      drafter: DrafterSetup | None) -> ModelRunner:
+        """The target's runner; beside a drafter that plain rounds leave behind, its decode
+        steps hand back what that drafter reads of each token (for the catch-up)."""
+        defers = drafter is not None and drafter.drafter.defers
         return ModelRunner(
             self.model, num_pages=pools.num_pages, page_size=self.args.page_size,
             buckets=buckets, attention_backend=self.args.attention_backend,
+            capture_layers=drafter.drafter.capture_layers if defers else (),
+            features=drafter.drafter.features if defers else "",
             num_request_slots=buckets.max_seqs, num_state_slots=pools.num_state_slots,
             kv_dtype=pools.kv_dtype, store=self.store, builder=self.builder)
 

@@ -157,17 +157,19 @@ class PlainDecoding:
 
 
 def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[Req],
-                         padded: int | None = None) -> PendingStep:
+                         padded: int | None = None, want_features: bool = False
+                         ) -> PendingStep:
     """One token for every request, its rows gathered from the slot table and padded to batch
     bucket `padded` (default: the smallest that fits); lengths advance now, the token is read
-    when the step is settled."""
+    when the step is settled (with `want_features`, each row's features for a drafter that
+    plain steps leave behind too)."""
     n = len(reqs)
     want_top = any(r.top_logprobs_num for r in reqs)
     want_logprobs = any(r.return_logprob for r in reqs)
     ints, floats, allowed = slot_table.decode_rows(
         reqs, runner.buckets.batch_padding(padded or n), logprob_detail(want_logprobs, want_top))
     output = runner.launch_decode(ints, floats, allowed, n, want_top_logprobs=want_top,
-                                  want_logprobs=want_logprobs)
+                                  want_logprobs=want_logprobs, want_features=want_features)
     for req in reqs:
         req.kv_len += 1
         req.num_inflight += 1

@@ -107,10 +107,14 @@ class SlotTable:
         index[:n] = np.fromiter((r.slot for r in reqs), np.int32, n)
         ints, floats = self.ints[index], self.floats[index]
         live = ints[:n]
-        live[:, decode_rows.KV_LEN] = np.fromiter((r.kv_len for r in reqs), np.int32, n)
+        # -1 where only the device knows: the last token of a step in flight; the lengths
+        # a speculative round in flight decides.
+        live[:, decode_rows.KV_LEN] = np.fromiter(
+            (-1 if r.inflight_extra else r.kv_len for r in reqs), np.int32, n)
         live[:, decode_rows.TOKEN] = np.fromiter(
             (-1 if r.num_inflight else r.last_token for r in reqs), np.int32, n)
-        live[:, decode_rows.POSITION] = np.fromiter((r.num_sampled for r in reqs), np.int32, n)
+        live[:, decode_rows.POSITION] = np.fromiter(
+            (-1 if r.inflight_extra else r.num_sampled for r in reqs), np.int32, n)
         live[:, decode_rows.STATE_SLOT] = np.fromiter((r.state_slot for r in reqs), np.int32, n)
         ints[:, decode_rows.DETAIL] = detail
         constrained = [(req.grammar, row) for row, req in enumerate(reqs)

@@ -205,7 +205,7 @@ class SpecDecoder:
             records = self._offered(records, hints)
         unread = in_flight.output if in_flight is not None and in_flight.kind == "decode" \
             else None
-        settle_first = self._needs_settled(reqs, shape, unread, self._undrafted(reqs, shape))
+        settle_first = self._needs_settled(reqs, shape, unread)
         return DecodePlan(settle_first, _RoundPlan(shape, bucket, hints, records))
 
     def launch_decode(self, reqs: list[Req], plan: DecodePlan) -> LaunchedRound:
@@ -215,18 +215,22 @@ class SpecDecoder:
         if plan.settle_first and shape != PLAIN:  # the host has read more since: propose again
             hints = self.proposer.hints(reqs, bucket)
             records = self._offered(self._records(reqs), hints)
-        self._catch_up([req for req in reqs if self._pending(req) and (
-            shape != PLAIN or self._pending(req) >= CATCH_UP_WIDTH)])
+        due = [req for req in reqs if self._pending(req) and (
+            shape != PLAIN or self._pending(req) >= CATCH_UP_WIDTH)]
+        self._catch_up(due if shape != PLAIN else self._worth_catching_up(due))
         compilations = self.spec.target.num_compilations
         start = time.perf_counter()
         undrafted = self._undrafted(reqs, shape)
+        defers = shape == PLAIN and self.spec.defers_draft and not undrafted
         masked = shape != PLAIN and any(req.grammar is not None for req in reqs)
         verified = self.verified_nodes(reqs, shape, bucket, records)
-        output = (dispatch_decode_step(self.runner, self.slot_table, reqs, padded=bucket)
-                  if undrafted else self._dispatch(reqs, bucket, shape, masked, hints, verified))
+        if undrafted or defers:  # the target's own decode step
+            output = dispatch_decode_step(self.runner, self.slot_table, reqs, padded=bucket,
+                                          want_features=defers)
+        else:
+            output = self._dispatch(reqs, bucket, shape, masked, hints, verified)
         return LaunchedRound(
-            reqs, shape, bucket, records, masked,
-            shape == PLAIN and self.spec.defers_draft and not undrafted, output, start,
+            reqs, shape, bucket, records, masked, defers, output, start,
             compiled=self.spec.target.num_compilations != compilations, verified=verified)
 
     def verified_nodes(self, reqs: list[Req], shape: TreeShape, bucket: int,
@@ -260,11 +264,8 @@ class SpecDecoder:
 
     def _settle_round(self, launched: LaunchedRound, rows: list) -> Emitted:
         """Append each live request's accepted run (up to where it finishes)."""
-        if isinstance(launched.output, PendingStep):  # no draft anywhere: a decode step
-            emitted = emit_tokens(rows, launched.output.result())
-            self.policy.observe(PLAIN, launched.bucket, self._device_seconds(launched), [],
-                                timed=not launched.compiled)
-            return emitted
+        if isinstance(launched.output, PendingStep):
+            return self._settle_step(launched, rows)
         output = launched.output.result()
         seconds = self._device_seconds(launched)
         accepted = output.num_accepted.tolist()
@@ -289,9 +290,20 @@ class SpecDecoder:
             state.stats.record(accepted[row], drafted[row])
             tokens = emit_run(req, output, row, accepted[row] + 1)
             req.kv_len += len(tokens) - 1  # the root was counted at launch
-            if launched.defers and state.drafting:  # the draft is one more token behind
-                state.pending.append(output.features[row])
             emitted.append((req, tokens))
+        return emitted
+
+    def _settle_step(self, launched: LaunchedRound, rows: list) -> Emitted:
+        """A plain round that ran as the target's decode step: one token each; a drafting
+        request's draft, left behind, gets the token's features for its catch-up."""
+        result = launched.output.result()
+        if launched.defers:
+            for row, req in enumerate(launched.reqs):
+                if not req.finished and self.states[req].drafting:
+                    self.states[req].pending.append(result.features[row])
+        emitted = emit_tokens(rows, result)
+        self.policy.observe(PLAIN, launched.bucket, self._device_seconds(launched), [],
+                            timed=not launched.compiled)
         return emitted
 
     def _device_seconds(self, launched: LaunchedRound) -> float:
@@ -342,13 +354,9 @@ class SpecDecoder:
             req.inflight_extra += shape.num_steps
         return output
 
-    def _needs_settled(self, reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None,
-                       undrafted: bool) -> bool:
-        if unread is None:
-            return False
-        if undrafted:
-            return any(r.inflight_extra for r in reqs)
-        if not unread.defers:
+    def _needs_settled(self, reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None
+                       ) -> bool:
+        if unread is None or not unread.defers:
             return False
         in_round = set(unread.reqs)  # some may have finished since: only `reqs` are asked
         return any(req in in_round and self.states[req].drafting
@@ -357,6 +365,21 @@ class SpecDecoder:
 
     def _pending(self, req: Req) -> int:  # tokens its draft lacks (plain rounds left behind)
         return len(self.states[req].pending)
+
+    def _worth_catching_up(self, reqs: list[Req]) -> list[Req]:
+        """Of the drafts plain rounds have left CATCH_UP_WIDTH tokens behind, those whose
+        request would speculate at least alone (policy.pays_alone); the others give their
+        draft up (its catch-ups through a run of plain rounds would be pure cost), and their
+        rows ride without one from now on."""
+        kept = []
+        for req in reqs:
+            state = self.states[req]
+            if self.policy.pays_alone(state.acceptance):
+                kept.append(req)
+            else:
+                state.drafting = False
+                state.pending.clear()
+        return kept
 
     def _catch_up(self, reqs: list[Req]) -> None:
         """Extend the drafts that plain rounds left behind over their pending tokens."""

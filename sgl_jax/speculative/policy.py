@@ -188,6 +188,19 @@ class SpeculationPolicy:
         return (zlib.crc32(rid.encode()) % EXPLORE_EVERY == 0 and bool(self._could_win(
             bucket, drafted_peers + 1, self._timed(self.shapes, bucket), bucket)))
 
+    def pays_alone(self, record: Acceptance) -> bool:
+        """Whether a request with this record, alone in the smallest batch bucket timed,
+        would take a speculative round (always, without an adaptive policy): a draft that
+        could not pay even there is not worth keeping up to date through plain rounds."""
+        if not self.adaptive:
+            return True
+        bucket = min(b for _, b in self.round_seconds)
+        shapes = self._timed(self.shapes, bucket)
+        survival = self._survival([record])
+        tokens = {s: float(row_tokens(s, survival, bucket, 1)[0]) if s != PLAIN else 1.0
+                  for s in shapes}
+        return bool(beating_plain(tokens, {s: self.seconds(s, bucket) for s in shapes}))
+
     def count_finished(self, drafted: bool, batch_left: bool = True, *,
                        held_slot: bool = True) -> None:
         """A request finished; where it `held_slot` in the running batch, that slot is free

@@ -33,6 +33,7 @@ from sgl_jax.layers.attention.metadata import (
     write_slots,
 )
 from sgl_jax.layers.sampler import SamplingBatch, raw_logprobs
+from sgl_jax.model_executor.device_state import SlotLengths
 from sgl_jax.model_executor.forward_batch import (
     BatchShape,
     SeqChunk,
@@ -41,7 +42,7 @@ from sgl_jax.model_executor.forward_batch import (
     window_metadata,
 )
 from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words
-from sgl_jax.model_executor.target_forward import TargetForward
+from sgl_jax.model_executor.target_forward import TargetForward, target_features
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, host_node_depths, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
 
@@ -76,10 +77,9 @@ class RoundRows:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SlotState:
-    """Each request slot's speculative state between rounds, on the device."""
+    """Each request slot's speculative state between rounds, on the device (its lengths are
+    the target's DeviceState.lengths, which plain steps read too)."""
 
-    kv_lens: jax.Array  # i32[S]: committed tokens before the root, after the slot's last round
-    num_sampled: jax.Array  # i32[S]: output tokens sampled by then (the next one's position)
     draft: jax.Array  # [S, D]: the drafter's own (Drafter.slot_width; EAGLE: its output at
     # the root, f[S, H])
 
@@ -114,13 +114,9 @@ class RoundOutput:
     logprobs: np.ndarray | None  # f32[B, S+1]: raw target log-probability (None: not asked)
     top_logprob_ids: np.ndarray | None  # i32[B, S+1, MAX_TOP_LOGPROBS] (None: not asked)
     top_logprobs: np.ndarray | None  # f32[B, S+1, MAX_TOP_LOGPROBS]
-    # i32[B, N]: the tree this round verified (node 0 = the root); None for a round where no
-    # request had a draft (the target's decode step)
-    tree_tokens: np.ndarray | None
-    tree_parents: np.ndarray | None
-    # f[B, F]: a plain round that left the draft behind: the target's features at the root,
-    # for the catch-up; else None.
-    features: np.ndarray | None = None
+    # i32[B, N]: the tree this round verified (node 0 = the root)
+    tree_tokens: np.ndarray
+    tree_parents: np.ndarray
     # i32[B]: the draft nodes each row verified in a packed round (None: not packed)
     verified_nodes: np.ndarray | None = None
     # f32[B, N]: the draft's own log-survival of each node (DraftTree.scores; None: none)
@@ -139,12 +135,12 @@ class PendingRound:
 
     def __init__(self, num_rows: int, result: tuple, *, want_logprobs: bool,
                  want_top_logprobs: bool):
-        verdict, logprobs, top, tree, features, verified_nodes, scores = result
+        verdict, logprobs, top, tree, verified_nodes, scores = result
         self._num_rows = num_rows
         self._arrays = (verdict.tokens, verdict.num_accepted,
                         logprobs if want_logprobs else None,
                         *(top if want_top_logprobs else (None, None)),
-                        tree.tokens, tree.parents, features, verified_nodes, scores)
+                        tree.tokens, tree.parents, verified_nodes, scores)
         for array in self._arrays:
             if array is not None:
                 array.copy_to_host_async()
@@ -230,13 +226,13 @@ class RoundInputs:
     suppress_depth: jax.Array  # i32[B]: nodes shallower than this suppress EOS
 
 
-def round_inputs(state: SlotState, last_tokens: jax.Array, rows: RoundRows,
-                 sampling: SamplingBatch | None) -> RoundInputs:
+def round_inputs(state: SlotState, lengths: SlotLengths, last_tokens: jax.Array,
+                 rows: RoundRows, sampling: SamplingBatch | None) -> RoundInputs:
     slot = jnp.maximum(rows.slots, 0)
     unread = rows.kv_lens < 0  # a round the host has not read decided the length
-    kv_lens = jnp.where(unread, state.kv_lens[slot], rows.kv_lens)
+    kv_lens = jnp.where(unread, lengths.kv_lens[slot], rows.kv_lens)
     roots = jnp.where(rows.root_tokens < 0, last_tokens[slot], rows.root_tokens)
-    positions = state.num_sampled[slot]
+    positions = lengths.num_sampled[slot]
     if sampling is not None:
         positions = jnp.where(unread, positions, sampling.position)
         sampling = dataclasses.replace(sampling, position=positions)
@@ -244,9 +240,9 @@ def round_inputs(state: SlotState, last_tokens: jax.Array, rows: RoundRows,
                        jnp.maximum(rows.min_new_tokens - positions, 0))
 
 
-def advance_slots(state: SlotState, last_tokens: jax.Array, slots: jax.Array,
-                  inputs: RoundInputs, verdict: Verdict, draft: jax.Array | None
-                  ) -> tuple[SlotState, jax.Array]:
+def advance_slots(state: SlotState, lengths: SlotLengths, last_tokens: jax.Array,
+                  slots: jax.Array, inputs: RoundInputs, verdict: Verdict,
+                  draft: jax.Array | None) -> tuple[SlotState, SlotLengths, jax.Array]:
     """Each row's slot after the round: a + 1 more tokens committed and sampled, the bonus
     token as the root, and the drafter's new slot state `draft` [B, D] (unchanged where
     None: a round that left the draft behind)."""
@@ -254,11 +250,10 @@ def advance_slots(state: SlotState, last_tokens: jax.Array, slots: jax.Array,
     grown = verdict.num_accepted + 1
     bonus = jnp.take_along_axis(verdict.tokens, verdict.num_accepted[:, None], axis=1)[:, 0]
     drafts = state.draft if draft is None else state.draft.at[where].set(draft, mode="drop")
-    state = SlotState(state.kv_lens.at[where].set(inputs.kv_lens + grown, mode="drop"),
-                      state.num_sampled.at[where].set(inputs.sampling.position + grown,
-                                                      mode="drop"),
-                      drafts)
-    return state, last_tokens.at[where].set(bonus, mode="drop")
+    lengths = SlotLengths(
+        lengths.kv_lens.at[where].set(inputs.kv_lens + grown, mode="drop"),
+        lengths.num_sampled.at[where].set(inputs.sampling.position + grown, mode="drop"))
+    return SlotState(drafts), lengths, last_tokens.at[where].set(bonus, mode="drop")
 
 
 def packed_nodes(counts: Sequence[int], width: int, num_tokens: int) -> np.ndarray:
@@ -352,15 +347,6 @@ def verify_trees(
     path_features = target_features(features, hidden, captured)
     return kv, Verified(verdict, logprobs, top,
                         None if path_features is None else path_features[path_rows])
-
-
-def target_features(kind: str, hidden: jax.Array, captured: tuple[jax.Array, ...]
-                    ) -> jax.Array | None:
-    """What a drafter reads of the target per token: f[T, L*H] for "aux" (the captured
-    layers, EAGLE3), f[T, H] for "final" (the last hidden state), None for ""."""
-    if kind == "aux":
-        return jnp.concatenate(captured, axis=-1)
-    return hidden if kind == "final" else None
 
 
 def shifted_ids(chunks: Sequence[SeqChunk], shape: BatchShape, next_tokens: Sequence[int]

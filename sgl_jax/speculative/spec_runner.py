@@ -30,10 +30,11 @@ replay it). Warm-up, building and timing: spec_warmup.py.
 
 Invariant between steps: a request's target cache holds its first kv_len tokens (kv_len =
 all tokens but the last) and its draft cache the same, except that with an adaptive policy a
-plain round leaves the draft behind (`defers_draft`): it returns the target's features of the
-committed token instead of extending the draft, and the host keeps them until the draft is
-caught up (before the request's next speculative round, or once CATCH_UP_WIDTH are pending),
-so a run of plain rounds costs what plain decode steps cost. The radix cache shares draft
+plain round leaves the draft behind (`defers_draft`): it is the target's own decode step,
+which returns the target's features of the committed token instead of extending the draft,
+and the host keeps them until the draft is caught up (before the request's next speculative
+round, or once CATCH_UP_WIDTH are pending), so a run of plain rounds costs what plain decode
+steps cost. The radix cache shares draft
 pages where the draft is complete. Slots past kv_len are scratch that every round rewrites.
 A hybrid target's (and a hybrid STANDALONE draft's) state slot holds the state after those
 kv_len tokens: verify runs the tree's nodes from it without writing it, then commits the
@@ -116,9 +117,9 @@ class SpecRunner:
         self.capture_layers = drafter.capture_layers
         self.page_size = target.page_size
         self.tp = target.tp
-        # Every program that writes the per-slot state (SlotState, the target's last tokens)
-        # takes it donated, after the two caches.
-        state_args = (2, 3, 4, 5)
+        # Every program that writes the per-slot state (SlotState, the target's slot lengths
+        # and last tokens) takes it donated, after the two caches.
+        state_args = (2, 3, 4, 5, 6)
         store = target.store
 
         def programs(name: str, impl, donate=state_args, static=(), **bound) -> Programs:
@@ -139,6 +140,9 @@ class SpecRunner:
         # Plain rounds leave the draft behind when the policy may take them and the drafter
         # can be caught up (a recurrent draft's state would need its own catch-up).
         self.defers_draft = drafter.defers and any(s.num_draft_tokens == 1 for s in self.shapes)
+        # A plain round is the target's own decode step (its program, its cost) unless the
+        # drafter must advance on every token on the device (a STANDALONE draft).
+        self.plain_is_decode_step = not drafter.advances_on_plain or drafter.defers
         self.hybrid = target.config.is_hybrid
         # Seconds of one round by (shape, padded batch size), measured by warmup().
         self.round_seconds: dict[tuple[TreeShape, int], float] = {}
@@ -157,7 +161,6 @@ class SpecRunner:
     def _empty_slot_state(self) -> SlotState:
         num_slots = self.state.last_tokens.shape[0]
         return self.target.tp.put_replicated(SlotState(
-            np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32),
             np.zeros((num_slots, self.drafter.slot_width), self.drafter.slot_dtype)))
 
     @property
@@ -179,10 +182,11 @@ class SpecRunner:
 
     def state_args(self) -> tuple:
         """The leading arguments of every round and prefill program: both models' parameters,
-        then the state they donate (target KV, draft KV, slot state, last tokens)."""
+        then the state they donate (target KV, draft KV, slot state, slot lengths, last
+        tokens)."""
         state, draft = self.state, self.draft_state
         return (self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
-                draft.slots, state.last_tokens)
+                draft.slots, state.lengths, state.last_tokens)
 
     def masked_built(self, size: int) -> bool:
         return size in self.tree_drafts and size in self.masked_verifies
@@ -207,7 +211,8 @@ class SpecRunner:
             chunks, sampling, emits, logprob_detail(want_logprobs, want_top_logprobs),
             next_tokens, slots, run_draft)
         state, draft = self.state, self.draft_state
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, out) = self.prefills(
+        (state.kv_cache, draft.kv, draft.slots, state.lengths, state.last_tokens,
+         out) = self.prefills(
             shape, *self.state_args(), *inputs)
         return PendingStep.of_sample(len(chunks), out, want_logprobs, want_top_logprobs)
 
@@ -235,7 +240,8 @@ class SpecRunner:
         packed, packing = self.packed_round_inputs(
             shape, rows, sampling, logprob_detail(want_logprobs, want_top_logprobs))
         state, draft = self.state, self.draft_state
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens, result) = self.rounds[shape](
+        (state.kv_cache, draft.kv, draft.slots, state.lengths, state.last_tokens,
+         result) = self.rounds[shape](
             len(rows.slots), *self.state_args(), *packed, packing=packing)
         return PendingRound(len(rows.slots) if num_rows is None else num_rows, result,
                             want_logprobs=want_logprobs, want_top_logprobs=want_top_logprobs)
@@ -253,7 +259,8 @@ class SpecRunner:
         arrays (tokens and parents i32[B, N]). Every row's length must be known (>= 0)."""
         draft, rows = self.draft_state, rows_for(self.shape, rows)
         tree, draft.kv = self.tree_drafts(len(rows.slots), self.drafter.params, draft.kv,
-                                          draft.slots, self.state.last_tokens, rows)
+                                          draft.slots, self.state.lengths,
+                                          self.state.last_tokens, rows)
         return jax.device_get(tree)
 
     @device_call
@@ -264,7 +271,7 @@ class SpecRunner:
         target distribution masked by `allowed` (i32[B, N, W] bitmasks, W = ceil(V / 32), in
         place of `sampling.allowed`), then advance the drafter."""
         state, draft, rows = self.state, self.draft_state, rows_for(self.shape, rows)
-        (state.kv_cache, draft.kv, draft.slots, state.last_tokens,
+        (state.kv_cache, draft.kv, draft.slots, state.lengths, state.last_tokens,
          result) = self.masked_verifies(
             len(rows.slots), *self.state_args(), rows, tree, sampling,
             logprob_detail(want_logprobs, want_top_logprobs), allowed)
@@ -289,7 +296,7 @@ class SpecRunner:
     # ------------------------------------------------------------------ jitted bodies
 
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
-                      last_tokens, batch, sampling, emits, slots, detail, draft_ids,
+                      lengths, last_tokens, batch, sampling, emits, slots, detail, draft_ids,
                       run_draft):
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self.forward(
@@ -311,53 +318,49 @@ class SpecRunner:
             slot_state, draft=slot_state.draft.at[where].set(slot_rows, mode="drop"))
         last_tokens = last_tokens.at[where].set(out.tokens, mode="drop")
         return target_kv, draft_kv, *self.tp.constrain_replicated(
-            (slot_state, last_tokens, out))
+            (slot_state, lengths, last_tokens, out))
 
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
-                    last_tokens, ints, floats, *, shape: TreeShape, packing: Packing):
+                    lengths, last_tokens, ints, floats, *, shape: TreeShape,
+                    packing: Packing):
         rows, sampling, detail = unpack(packing, ints, floats)
         self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
-        inputs = round_inputs(slot_state, last_tokens, rows, sampling)
+        inputs = round_inputs(slot_state, lengths, last_tokens, rows, sampling)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
         tree, packed = round_packing(tree, rows)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
                                            detail, shape, packed=packed)
-        features = slot_rows = None
-        if shape.num_draft_tokens == 1 and self.defers_draft:
-            features = verified.features  # f[B, F]: the root's, for a later catch-up
-        else:
-            slot_rows, draft_kv = self.drafter.advance(draft_params, draft_kv, tree, verified,
-                                                       inputs, rows.page_table,
-                                                       rows.state_slots)
-        slot_state, last_tokens = advance_slots(slot_state, last_tokens, rows.slots, inputs,
-                                                verified.verdict, slot_rows)
+        slot_rows, draft_kv = self.drafter.advance(draft_params, draft_kv, tree, verified,
+                                                   inputs, rows.page_table, rows.state_slots)
+        slot_state, lengths, last_tokens = advance_slots(
+            slot_state, lengths, last_tokens, rows.slots, inputs, verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
-            (slot_state, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree.structure(), features,
+            (slot_state, lengths, last_tokens,
+             (verified.verdict, verified.logprobs, verified.top, tree.structure(),
               None if packed is None else packed_counts(packed, tree.tokens.shape),
               tree.scores)))
 
-    def _draft_trees_impl(self, draft_params, draft_kv, slot_state, last_tokens,
+    def _draft_trees_impl(self, draft_params, draft_kv, slot_state, lengths, last_tokens,
                           rows: RoundRows, *, shape: TreeShape):
-        inputs = round_inputs(slot_state, last_tokens, rows, None)
+        inputs = round_inputs(slot_state, lengths, last_tokens, rows, None)
         tree, draft_kv = self.propose(draft_params, draft_kv, inputs, rows, shape)
         tree = dataclasses.replace(tree, scores=None)  # a masked round packs nothing
         return self.tp.constrain_replicated(tree), draft_kv
 
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
-                            last_tokens, rows: RoundRows, tree, sampling, detail,
+                            lengths, last_tokens, rows: RoundRows, tree, sampling, detail,
                             node_allowed, *, shape: TreeShape):
         self._count_compilation("masked verify", tree.tokens.shape[0])
-        inputs = round_inputs(slot_state, last_tokens, rows, sampling)
+        inputs = round_inputs(slot_state, lengths, last_tokens, rows, sampling)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
                                            detail, shape, node_allowed=node_allowed)
         slot_rows, draft_kv = self.drafter.advance(draft_params, draft_kv, tree, verified,
                                                    inputs, rows.page_table, rows.state_slots)
-        slot_state, last_tokens = advance_slots(slot_state, last_tokens, rows.slots, inputs,
-                                                verified.verdict, slot_rows)
+        slot_state, lengths, last_tokens = advance_slots(
+            slot_state, lengths, last_tokens, rows.slots, inputs, verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
-            (slot_state, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree.structure(), None, None,
+            (slot_state, lengths, last_tokens,
+             (verified.verdict, verified.logprobs, verified.top, tree.structure(), None,
              None)))
 
     def propose(self, draft_params, draft_kv, inputs: RoundInputs, rows: RoundRows,

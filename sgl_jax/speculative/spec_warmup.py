@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sgl_jax.layers.sampler import NO_LOGPROBS
+from sgl_jax.model_executor import decode_rows
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.model_executor.programs import build_in_pairs
@@ -88,18 +89,26 @@ def base_shapes(spec: SpecRunner) -> tuple[TreeShape, ...]:
     return (PLAIN, *drafted) if len(drafted) == 1 else (PLAIN,)
 
 
+def round_built(spec: SpecRunner, shape: TreeShape, size: int) -> bool:
+    """Whether a round of `shape` in batch bucket `size` can run: its round program, or for
+    a plain round that is the target's decode step, that step."""
+    if shape == PLAIN and spec.plain_is_decode_step:
+        return spec.target.has_program(spec.buckets.decode_shape(size))
+    return size in spec.rounds[shape]
+
+
 def bucket_usable(spec: SpecRunner, size: int) -> bool:
     """Whether a batch may run in batch bucket `size` now: its base shapes' round programs,
     the target's decode step (rounds where no request drafts) and, for a drafter that plain
     rounds leave behind, the catch-up are built."""
     deferred = not spec.defers_draft or size in spec.catch_ups
     return (deferred and spec.target.has_program(spec.buckets.decode_shape(size))
-            and all(size in spec.rounds[shape] for shape in base_shapes(spec)))
+            and all(round_built(spec, shape, size) for shape in base_shapes(spec)))
 
 
 def shapes_built(spec: SpecRunner, size: int) -> tuple[TreeShape, ...]:
     """The round shapes whose programs for batch bucket `size` are built."""
-    return tuple(shape for shape in spec.shapes if size in spec.rounds[shape])
+    return tuple(shape for shape in spec.shapes if round_built(spec, shape, size))
 
 
 def bucket_built(spec: SpecRunner, size: int) -> bool:
@@ -238,6 +247,8 @@ def _round_builds(spec: SpecRunner, shapes: Sequence[TreeShape], size: int
     sampling = greedy_sampling_batch(size, spec.vocab_size)
     builds = []
     for shape in shapes:
+        if shape == PLAIN and spec.plain_is_decode_step:  # a _base_builds program
+            continue
         packed, packing = spec.packed_round_inputs(shape, rows, sampling, np.int32(NO_LOGPROBS))
         builds.append(functools.partial(spec.rounds[shape].build, size, *spec.state_args(),
                                         *packed, packing=packing))
@@ -249,7 +260,7 @@ def build_masked(spec: SpecRunner, size: int) -> None:
     rows = _padding_rows(spec, size)
     draft = spec.draft_state
     trees = spec.tree_drafts.build(size, spec.drafter.params, draft.kv, draft.slots,
-                                   spec.state.last_tokens, rows)
+                                   spec.state.lengths, spec.state.last_tokens, rows)
     # The tree comes back to the host between the two (draft_trees): plain host arrays.
     tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trees.out_info[0])
     spec.masked_verifies.build(
@@ -293,11 +304,26 @@ def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
     kept = store.read_json(TIMINGS) if store else {}
     for shape in spec.shapes if shapes is None else shapes:
         def run(shape: TreeShape = shape) -> None:
-            spec.round(rows, sampling, False, shape).result()
+            if shape == PLAIN and spec.plain_is_decode_step:
+                _run_decode_step(spec, rows)
+            else:
+                spec.round(rows, sampling, False, shape).result()
         run()
         seconds = kept.get(_timing_key(shape, size))
         spec.round_seconds[shape, size] = seconds or _fastest_seconds(run, runs, budget_s)
         after_each()
+
+
+def _run_decode_step(spec: SpecRunner, rows: RoundRows) -> None:
+    """The target's decode step over `rows` (what a plain round runs), to its results."""
+    ints, floats = spec.target.decode_columns.padding_rows(len(rows.slots))
+    real = rows.slots >= 0
+    ints[real, decode_rows.SLOT], ints[real, decode_rows.EMITS] = rows.slots[real], 1
+    ints[:, decode_rows.KV_LEN] = np.maximum(rows.kv_lens, 0)
+    ints[:, decode_rows.TOKEN] = np.maximum(rows.root_tokens, 0)
+    ints[:, decode_rows.STATE_SLOT] = rows.state_slots
+    spec.target.launch_decode(ints, floats, None, len(rows.slots), want_top_logprobs=False,
+                              want_logprobs=False, want_features=spec.defers_draft).result()
 
 
 def _keep_timings(spec: SpecRunner, shapes: Sequence[TreeShape] | None = None,

@@ -149,6 +149,63 @@ def test_a_draft_that_predicts_nothing_falls_back_to_plain_rounds(paths, referen
     assert set(last["round_ms"]) == set(info["spec_shapes"])
 
 
+def test_a_plain_round_after_a_drafted_one_does_not_wait_for_it(paths, reference):
+    """NGRAM's plain round is the target's decode step; right after a drafted round it takes
+    the lengths and the root that round leaves in the slot on the device, so it is launched
+    while that round is still unread (no drain), and the output stays exact."""
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="NGRAM", **TREE,
+                **BASE) as engine:
+        compiled = built_programs(engine)
+        decoding = engine.runtime.scheduler.decoding
+        script = iter([decoding.spec.shape, PLAIN] * 1000)
+        decoding.policy.choose = lambda requests, bucket, **_: next(script)
+        plans, plan = [], decoding.plan_decode
+
+        def logged_plan(reqs, in_flight):  # (whether a drafted round is in flight, the plan)
+            behind_round = (in_flight is not None and in_flight.kind == "decode"
+                            and in_flight.output.shape != PLAIN)
+            plans.append((behind_round, plan(reqs, in_flight)))
+            return plans[-1][1]
+        decoding.plan_decode = logged_plan
+        outputs = [o["output_ids"] for o in engine.generate(
+            input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
+        info = engine.get_server_info()
+    assert outputs == reference
+    after_drafted = [p for behind_round, p in plans if behind_round
+                     and p.detail.shape == PLAIN]
+    assert len(after_drafted) > 10 and not any(p.settle_first for p in after_drafted)
+    assert info["spec_rounds_by_shape"]["plain"] > 10
+    assert info["num_compilations"] == compiled
+
+
+def test_a_draft_that_would_not_pay_even_alone_is_given_up_in_a_plain_streak(paths,
+                                                                            reference):
+    """A few drafted rounds teach the policy that the head predicts nothing; in the plain
+    streak that follows, the drafts that fall CATCH_UP_WIDTH behind are given up instead of
+    caught up (no catch-up runs), the requests finish without a draft, and the output is
+    the plain engine's."""
+    with Engine(model_path=str(paths["target"]), speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=str(paths["eagle3"]), **TREE, **BASE) as engine:
+        compiled = built_programs(engine)
+        scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
+        policy = scheduler.decoding.policy
+        script = iter([spec.shape] * 3 + [PLAIN] * 1000)
+        policy.choose = lambda requests, bucket, **_: next(script)
+        policy.admits_draft = lambda *_, **__: True
+        widths = []
+        catch_up = spec.catch_up
+        spec.catch_up = lambda rows, padded: (
+            widths.extend(len(r.next_tokens) for r in rows), catch_up(rows, padded))[1]
+        outputs = [o["output_ids"] for o in engine.generate(
+            input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
+        info = engine.get_server_info()
+    assert outputs == reference
+    assert not any(widths)  # (a bucket timed while serving runs a catch-up of no tokens)
+    assert info["spec_finished_requests"] == {"with_draft": 0, "without_draft": len(MAX_NEW)}
+    assert info["spec_rounds_by_shape"][spec.shape.name] == 3
+    assert info["num_compilations"] == compiled
+
+
 def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference):
     """Plain streaks (one longer than a catch-up's width) between speculative rounds: the
     draft's cache afterwards holds what a draft kept in step by every round holds."""
@@ -162,8 +219,10 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
                 script = iter(([PLAIN] * 3 + [spec.shape] * 2 + [PLAIN] * (CATCH_UP_WIDTH + 2)
                                + [scheduler.decoding.policy.shapes[1]]) * 100)
                 scheduler.decoding.policy.choose = lambda requests, bucket, **_: next(script)
-                # every request drafts, whatever the warmup's timings on a busy machine say
+                # every request drafts, and keeps its draft through plain streaks, whatever
+                # the warmup's timings on a busy machine say
                 scheduler.decoding.policy.admits_draft = lambda *_, **__: True
+                scheduler.decoding.policy.pays_alone = lambda record: True
             widths = []
             catch_up = spec.catch_up
             spec.catch_up = lambda rows, padded: (
@@ -204,6 +263,7 @@ def test_requests_admitted_without_a_draft_skip_its_prefill_and_stay_lossless(
         scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
         policy = scheduler.decoding.policy
         policy.admits_draft = lambda bucket, rid, *_: False
+        policy.pays_alone = lambda record: True  # a draft is kept through plain streaks
         # Past the null page 0, which padding rows write (the timing rounds of shapes built
         # in the background run while serving).
         before = jax.device_get(spec.draft_state.kv)
@@ -330,11 +390,14 @@ def test_drafted_shapes_are_built_in_the_background(paths, reference, tmp_path):
                                   sampling_params=[greedy(n) for n in MAX_NEW])
         assert engine.wait_for_programs(timeout=600)
         spec = engine.runtime.spec_runner
-        assert all(spec.rounds[s].traced == 1 for s in spec.shapes)
+        # A plain round is the target's decode step: no round program of its own.
+        drafted = [s for s in spec.shapes if s != PLAIN]
+        assert all(spec.rounds[s].traced == 1 for s in drafted)
+        assert spec.plain_is_decode_step and not spec.rounds[PLAIN].traced
     assert [o["output_ids"] for o in outputs] == reference
     with Engine(**settings) as engine:
         spec = engine.runtime.spec_runner
         assert timed_at_warm_up(engine) == {PLAIN.name}
         assert engine.wait_for_programs(timeout=600)
         assert all(spec.rounds[s].loaded == 1 and not spec.rounds[s].traced
-                   for s in spec.shapes), {s.name: spec.rounds[s].traced for s in spec.shapes}
+                   for s in drafted), {s.name: spec.rounds[s].traced for s in spec.shapes}
