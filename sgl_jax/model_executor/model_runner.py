@@ -80,6 +80,22 @@ def _warn_if_slow_on_cpu(attention_backend: str | None, dtype: jnp.dtype,
                        "in memory", weights_format)
 
 
+def start_host_copies(arrays: Sequence[jax.Array | None]) -> None:
+    """Start copying a step's results to the host as soon as they are computed, so reading
+    them a step later does not wait for the transfer. A CPU's arrays are host memory
+    already: there a copy started early only costs the engine thread (about 50 us each)."""
+    if _results_in_host_memory():
+        return
+    for array in arrays:
+        if array is not None:
+            array.copy_to_host_async()
+
+
+@functools.cache
+def _results_in_host_memory() -> bool:
+    return jax.default_backend() == "cpu"
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """Host copies of one sampling step's results, one row per chunk."""
@@ -101,9 +117,7 @@ class PendingStep:
                  features: jax.Array | None = None):
         self._num_rows = num_rows
         self._arrays = (tokens, logprobs, *(top or (None, None)), features)
-        for array in self._arrays:
-            if array is not None:
-                array.copy_to_host_async()
+        start_host_copies(self._arrays)
 
     @classmethod
     def of_sample(cls, num_rows: int, out: SampleOutput, want_logprobs: bool, want_top: bool,

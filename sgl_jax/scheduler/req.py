@@ -84,15 +84,12 @@ class Req:
     def sampled_to_the_end(self) -> bool:
         """Whether the tokens already sampled reach max_new_tokens or the context, so the
         request ends once the host reads them and needs no further step."""
-        sampled = self.num_sampled
-        return (sampled >= self.params.max_new_tokens
-                or len(self.prompt_ids) + sampled >= self.context_len)
+        return self.num_sampled >= self.output_limit
 
     @property
     def tokens_left(self) -> int:
         """The most tokens it may still sample: up to max_new_tokens or the context's end."""
-        return (min(self.params.max_new_tokens, self.context_len - len(self.prompt_ids))
-                - self.num_sampled)
+        return self.output_limit - self.num_sampled
 
     @property
     def finished(self) -> bool:
@@ -103,9 +100,17 @@ class Req:
         """Whether the next token a step samples must not be EOS (min_new_tokens)."""
         return self.num_sampled < self.params.min_new_tokens
 
-    def stop_ids(self) -> frozenset[int]:
+    def __post_init__(self) -> None:
+        # What ends the request by token, fixed at creation (append_tokens reads them for
+        # every token): its stop ids, and the most output tokens it may hold (max_new_tokens,
+        # or up to the context's end).
         eos = frozenset() if self.params.ignore_eos else self.eos_ids
-        return eos | frozenset(self.params.stop_token_ids)
+        self._stop_ids = eos | frozenset(self.params.stop_token_ids)
+        self.output_limit = min(self.params.max_new_tokens,
+                                 self.context_len - len(self.prompt_ids))
+
+    def stop_ids(self) -> frozenset[int]:
+        return self._stop_ids
 
     def append_tokens(self, tokens: list[int], logprobs: list[float] | None = None,
                       tops: list[list[tuple[int, float]]] | None = None) -> int:
@@ -115,15 +120,17 @@ class Req:
         request through the engine, entrypoints/outputs.py)."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        stop_ids = self.stop_ids()
         for count, token in enumerate(tokens, start=1):
             self.output_ids.append(token)
             if self.return_logprob:
                 self.output_logprobs.append(logprobs[count - 1] if logprobs else 0.0)
                 self.output_top_logprobs.append(
                     tops[count - 1][: self.top_logprobs_num] if tops else [])
-            self.finish_reason = (self._grammar_rejection(token)
-                                  or self._finish_reason(token, stop_ids))
+            if self.grammar is not None:
+                self.finish_reason = self._grammar_rejection(token) or self._finish_reason(token)
+            elif (token in self._stop_ids
+                  or len(self.output_ids) >= self.output_limit):  # the common case: neither
+                self.finish_reason = self._finish_reason(token)
             if self.finish_reason is not None:
                 return count
         return len(tokens)
@@ -142,8 +149,8 @@ class Req:
         return {"type": "grammar_error",
                 "message": "the grammar allows no token here (a dead end); the output ends"}
 
-    def _finish_reason(self, token: int, stop_ids: frozenset[int]) -> dict[str, Any] | None:
-        if token in stop_ids and len(self.output_ids) >= self.params.min_new_tokens:
+    def _finish_reason(self, token: int) -> dict[str, Any] | None:
+        if token in self._stop_ids and len(self.output_ids) >= self.params.min_new_tokens:
             return {"type": "stop", "matched": token}
         if self.grammar is not None and self.grammar.is_stopped():
             return {"type": "stop", "matched": None}  # the grammar is complete

@@ -37,8 +37,8 @@ class DepthCounts:
         """Rounds of `steps` draft depths (one for all, or one each: a packed round's rows
         verify their own) that accepted `num_accepted` each (one or several requests):
         depths 1..a were accepted, depth a+1 (if verified) was tried and rejected."""
-        if isinstance(num_accepted, int) and isinstance(steps, int):  # one request's round
-            self._record_one(steps, num_accepted)
+        if np.ndim(num_accepted) == 0 and np.ndim(steps) == 0:  # one request's round
+            self._record_one(int(steps), int(num_accepted))
             return
         accepted = np.atleast_1d(np.asarray(num_accepted))[:, None]  # [R, 1]
         steps = np.asarray(steps)[..., None] if np.ndim(steps) else steps  # [R, 1] or int

@@ -10,13 +10,12 @@ So the host plans round N+1 before it knows what round N accepted. A request's `
 counts one token for round N (a round commits at least its root) and `inflight_extra` the
 num_steps more it may have accepted: pages are reserved for the upper bound, and the round
 reads the exact length, output position and root token from the request's slot on the
-device (SlotState), which round N wrote. The policy learns each round's acceptance and time
+device (the slot lengths of DeviceState), which round N wrote; a plain round is the target's
+decode step, which reads them there too. The policy learns each round's acceptance and time
 when it is settled, so it chooses from statistics one round old. The scheduler settles the
 round in flight first where the host must see every token: before a batch with a
-grammar-constrained request (the matcher walks each tree on the host), before catch-ups
-(their inputs are the features plain rounds brought back), and before a round where no
-request has a draft (the target's own decode step, which takes every length from the host)
-right after a speculative one.
+grammar-constrained request (the matcher walks each tree on the host) and before catch-ups
+(their inputs are the features plain rounds bring back, catch_up.py).
 """
 
 from __future__ import annotations
@@ -41,18 +40,13 @@ from sgl_jax.scheduler.page_reuse import ReuseEveryPage
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
 from sgl_jax.speculative import spec_warmup
+from sgl_jax.speculative.catch_up import CatchUps
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.drafter import NoProposer, Proposer
 from sgl_jax.speculative.page_reuse import NextTokenPages
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
 from sgl_jax.speculative.request_state import DraftState, DraftStates
-from sgl_jax.speculative.round import (
-    CATCH_UP_WIDTH,
-    CatchUpRow,
-    PendingRound,
-    RoundOutput,
-    packed_nodes,
-)
+from sgl_jax.speculative.round import PendingRound, RoundOutput, packed_nodes
 from sgl_jax.speculative.round_results import (
     emit_run,
     max_depth,
@@ -107,6 +101,7 @@ class SpecDecoder:
         self.states = DraftStates()  # each request's speculative state
         self.page_reuse = (NextTokenPages(self.states, runner.page_size)
                            if spec.drafter.pairs_next_token else ReuseEveryPage())
+        self.catch_ups = CatchUps(spec, self.states, self.policy)
         self._last_result_at = 0.0
 
     # ------------------------------------------------------------------ requests
@@ -205,7 +200,8 @@ class SpecDecoder:
             records = self._offered(records, hints)
         unread = in_flight.output if in_flight is not None and in_flight.kind == "decode" \
             else None
-        settle_first = self._needs_settled(reqs, shape, unread)
+        settle_first = unread is not None and unread.defers and self.catch_ups.needs_settled(
+            reqs, shape, unread.reqs)
         return DecodePlan(settle_first, _RoundPlan(shape, bucket, hints, records))
 
     def launch_decode(self, reqs: list[Req], plan: DecodePlan) -> LaunchedRound:
@@ -215,9 +211,7 @@ class SpecDecoder:
         if plan.settle_first and shape != PLAIN:  # the host has read more since: propose again
             hints = self.proposer.hints(reqs, bucket)
             records = self._offered(self._records(reqs), hints)
-        due = [req for req in reqs if self._pending(req) and (
-            shape != PLAIN or self._pending(req) >= CATCH_UP_WIDTH)]
-        self._catch_up(due if shape != PLAIN else self._worth_catching_up(due))
+        self.catch_ups.run_due(reqs, shape)
         compilations = self.spec.target.num_compilations
         start = time.perf_counter()
         undrafted = self._undrafted(reqs, shape)
@@ -283,10 +277,10 @@ class SpecDecoder:
                                              strict=True)]
         if output.tree_scores is not None and live:
             self.policy.calibration.record(*node_outcomes(output, live, nodes))
+        self.stats.record_rounds([accepted[row] for row in live], [drafted[row] for row in live])
         emitted = []
         for row in live:
             req, state = launched.reqs[row], self.states[launched.reqs[row]]
-            self.stats.record(accepted[row], drafted[row])
             state.stats.record(accepted[row], drafted[row])
             tokens = emit_run(req, output, row, accepted[row] + 1)
             req.kv_len += len(tokens) - 1  # the root was counted at launch
@@ -353,47 +347,6 @@ class SpecDecoder:
             req.num_inflight += 1
             req.inflight_extra += shape.num_steps
         return output
-
-    def _needs_settled(self, reqs: list[Req], shape: TreeShape, unread: LaunchedRound | None
-                       ) -> bool:
-        if unread is None or not unread.defers:
-            return False
-        in_round = set(unread.reqs)  # some may have finished since: only `reqs` are asked
-        return any(req in in_round and self.states[req].drafting
-                   and (shape != PLAIN or self._pending(req) + 1 >= CATCH_UP_WIDTH)
-                   for req in reqs)
-
-    def _pending(self, req: Req) -> int:  # tokens its draft lacks (plain rounds left behind)
-        return len(self.states[req].pending)
-
-    def _worth_catching_up(self, reqs: list[Req]) -> list[Req]:
-        """Of the drafts plain rounds have left CATCH_UP_WIDTH tokens behind, those whose
-        request would speculate at least alone (policy.pays_alone); the others give their
-        draft up (its catch-ups through a run of plain rounds would be pure cost), and their
-        rows ride without one from now on."""
-        kept = []
-        for req in reqs:
-            state = self.states[req]
-            if self.policy.pays_alone(state.acceptance):
-                kept.append(req)
-            else:
-                state.drafting = False
-                state.pending.clear()
-        return kept
-
-    def _catch_up(self, reqs: list[Req]) -> None:
-        """Extend the drafts that plain rounds left behind over their pending tokens."""
-        if not reqs:
-            return
-        rows = []
-        for req in reqs:
-            state = self.states[req]
-            draft_len = state.draft_len(req)
-            rows.append(CatchUpRow(req.slot, req.page_ids, draft_len,
-                                   req.token_slice(draft_len + 1, req.kv_len + 1),
-                                   np.stack(state.pending)))
-            state.pending.clear()
-        self.spec.catch_up(rows, spec_warmup.ready_padding(self.spec, len(rows)))
 
     def _offered(self, records: list, hints: Any) -> list:
         """`records` (_records), None too where the host-side drafter offers nothing."""

@@ -41,7 +41,11 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
     window_metadata,
 )
-from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words
+from sgl_jax.model_executor.model_runner import (
+    MAX_TOP_LOGPROBS,
+    bitmask_words,
+    start_host_copies,
+)
 from sgl_jax.model_executor.target_forward import TargetForward, target_features
 from sgl_jax.speculative.tree import DraftTree, ancestor_mask, host_node_depths, node_depths
 from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
@@ -141,9 +145,7 @@ class PendingRound:
                         logprobs if want_logprobs else None,
                         *(top if want_top_logprobs else (None, None)),
                         tree.tokens, tree.parents, verified_nodes, scores)
-        for array in self._arrays:
-            if array is not None:
-                array.copy_to_host_async()
+        start_host_copies(self._arrays)
 
     def result(self) -> RoundOutput:
         n = self._num_rows

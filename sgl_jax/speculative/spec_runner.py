@@ -34,11 +34,10 @@ plain round leaves the draft behind (`defers_draft`): it is the target's own dec
 which returns the target's features of the committed token instead of extending the draft,
 and the host keeps them until the draft is caught up (before the request's next speculative
 round, or once CATCH_UP_WIDTH are pending), so a run of plain rounds costs what plain decode
-steps cost. The radix cache shares draft
-pages where the draft is complete. Slots past kv_len are scratch that every round rewrites.
-A hybrid target's (and a hybrid STANDALONE draft's) state slot holds the state after those
-kv_len tokens: verify runs the tree's nodes from it without writing it, then commits the
-state after the last accepted node.
+steps cost. The radix cache shares draft pages where the draft is complete. Slots past
+kv_len are scratch that every round rewrites. A hybrid target's (and a hybrid STANDALONE
+draft's) state slot holds the state after those kv_len tokens: verify runs the tree's nodes
+from it without writing it, then commits the state after the last accepted node.
 """
 
 from __future__ import annotations
@@ -212,8 +211,7 @@ class SpecRunner:
             next_tokens, slots, run_draft)
         state, draft = self.state, self.draft_state
         (state.kv_cache, draft.kv, draft.slots, state.lengths, state.last_tokens,
-         out) = self.prefills(
-            shape, *self.state_args(), *inputs)
+         out) = self.prefills(shape, *self.state_args(), *inputs)
         return PendingStep.of_sample(len(chunks), out, want_logprobs, want_top_logprobs)
 
     def prefill_inputs(self, chunks: Sequence[SeqChunk], sampling: SamplingBatch,

@@ -1,5 +1,5 @@
-"""Compiling a SpecRunner's programs before they serve, and timing its round programs for the
-adaptive policy (SpecRunner.round_seconds).
+"""Compiling a SpecRunner's programs before they serve, and which programs a batch bucket
+may run meanwhile (round_timing.py times the round programs for the adaptive policy).
 
 A runner given here may be rank 0's `Mirrored` view of one (several nodes): its device calls
 (rounds, catch-ups) reach the other ranks too, so whatever runs while serving
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Collection, Sequence
 
 import jax
@@ -18,7 +17,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sgl_jax.layers.sampler import NO_LOGPROBS
-from sgl_jax.model_executor import decode_rows
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.model_executor.programs import build_in_pairs
@@ -26,6 +24,7 @@ from sgl_jax.process_maps import WarmupForecast
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN
 from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
+from sgl_jax.speculative.round_timing import keep_timings, time_rounds
 from sgl_jax.speculative.spec_runner import SpecRunner
 
 
@@ -63,8 +62,8 @@ def warm_up(spec: SpecRunner, sizes: Sequence[int] | None = None, *,
             bar.update()
         for size in sizes:
             rows = _dummy_rows(spec, size)
-            _time_rounds(spec, rows, shapes=timed, after_each=compiled)
-            _keep_timings(spec)
+            time_rounds(spec, rows, shapes=timed, after_each=compiled)
+            keep_timings(spec)
             if rare_programs:
                 _warm_masked_round(spec, rows)
             _warm_catch_up(spec, range(size))
@@ -141,10 +140,10 @@ def time_bucket(spec: SpecRunner, size: int, shapes: Sequence[TreeShape]) -> boo
     Only clean timings are kept for later processes."""
     builder = spec.target.builder
     clean = builder is None or builder.idle()
-    _time_rounds(spec, _padding_rows(spec, size), shapes=shapes, runs=2, budget_s=0.0)
+    time_rounds(spec, _padding_rows(spec, size), shapes=shapes, runs=2, budget_s=0.0)
     clean = clean and (builder is None or builder.idle())
     if clean:
-        _keep_timings(spec, shapes, size)
+        keep_timings(spec, shapes, size)
     _warm_undrafted_steps(spec, [size])
     _warm_catch_up(spec, [-1] * size)
     return clean
@@ -291,62 +290,6 @@ def _warm_masked_round(spec: SpecRunner, rows: RoundRows) -> None:
                        allow_every_id(tree.tokens.shape, spec.vocab_size)).result()
 
 
-def _time_rounds(spec: SpecRunner, rows: RoundRows, *,
-                 shapes: Sequence[TreeShape] | None = None,
-                 after_each: Callable[[], None] = lambda: None, runs: int = 5,
-                 budget_s: float = 1.0) -> None:
-    """round_seconds of `shapes` (default: every one) for `rows`' bucket: a compiling run,
-    then the fastest of `runs` (or of those that fit in `budget_s`), unless an earlier
-    process with the same programs (the executable store's fingerprint) kept its figure."""
-    size = len(rows.slots)
-    sampling = greedy_sampling_batch(size, spec.vocab_size)
-    store = spec.target.store
-    kept = store.read_json(TIMINGS) if store else {}
-    for shape in spec.shapes if shapes is None else shapes:
-        def run(shape: TreeShape = shape) -> None:
-            if shape == PLAIN and spec.plain_is_decode_step:
-                _run_decode_step(spec, rows)
-            else:
-                spec.round(rows, sampling, False, shape).result()
-        run()
-        seconds = kept.get(_timing_key(shape, size))
-        spec.round_seconds[shape, size] = seconds or _fastest_seconds(run, runs, budget_s)
-        after_each()
-
-
-def _run_decode_step(spec: SpecRunner, rows: RoundRows) -> None:
-    """The target's decode step over `rows` (what a plain round runs), to its results."""
-    ints, floats = spec.target.decode_columns.padding_rows(len(rows.slots))
-    real = rows.slots >= 0
-    ints[real, decode_rows.SLOT], ints[real, decode_rows.EMITS] = rows.slots[real], 1
-    ints[:, decode_rows.KV_LEN] = np.maximum(rows.kv_lens, 0)
-    ints[:, decode_rows.TOKEN] = np.maximum(rows.root_tokens, 0)
-    ints[:, decode_rows.STATE_SLOT] = rows.state_slots
-    spec.target.launch_decode(ints, floats, None, len(rows.slots), want_top_logprobs=False,
-                              want_logprobs=False, want_features=spec.defers_draft).result()
-
-
-def _keep_timings(spec: SpecRunner, shapes: Sequence[TreeShape] | None = None,
-                  size: int | None = None) -> None:
-    """Add round_seconds to the executable store's record for later processes: every
-    timing, or only those of `shapes` in bucket `size`."""
-    store = spec.target.store
-    if not store:
-        return
-    kept = store.read_json(TIMINGS)
-    keys = spec.round_seconds if shapes is None else [(shape, size) for shape in shapes]
-    kept.update({_timing_key(shape, bucket): spec.round_seconds[shape, bucket]
-                 for shape, bucket in keys})
-    store.write_json(TIMINGS, kept)
-
-
-TIMINGS = "round_seconds"  # the executable store's record of them
-
-
-def _timing_key(shape: TreeShape, size: int) -> str:
-    return f"{shape.name} x {size}"
-
-
 def _warm_prefill(spec: SpecRunner, shape: BatchShape) -> None:
     spec.prefill(*_dummy_prefill(spec, shape)).result()
 
@@ -398,16 +341,6 @@ def _padding_rows(spec: SpecRunner, count: int) -> RoundRows:
     return RoundRows(np.full(count, -1, np.int32),
                      np.zeros((count, spec.buckets.pages_per_seq), np.int32),
                      zeros, zeros, zeros, zeros, zeros, spec.drafter.idle_hints(count))
-
-
-def _fastest_seconds(fn, runs: int = 5, budget_s: float = 1.0) -> float:
-    """The fastest of `runs` calls of fn, or of those that fit in `budget_s` (at least 2)."""
-    times: list[float] = []
-    while len(times) < runs and (len(times) < 2 or sum(times) < budget_s):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _dummy_chunks(shape: BatchShape, context_len: int, page_size: int) -> list[SeqChunk]:

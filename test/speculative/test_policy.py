@@ -16,6 +16,7 @@ from sgl_jax.speculative.policy import (
     SpeculationPolicy,
     candidate_shapes,
 )
+from sgl_jax.speculative.stats import AcceptanceStats
 
 TREE = TreeShape(3, 4, 8)
 CHAIN1, CHAIN3 = TreeShape(1, 1, 2), TreeShape(3, 1, 4)
@@ -80,6 +81,19 @@ def test_a_batch_of_rounds_counts_like_its_rounds_one_by_one():
     no_decay = A.DepthCounts(3, decay=1.0)
     no_decay.record(3, [0, 2, 3, 1])
     assert no_decay.tried.tolist() == [4, 3, 2] and no_decay.accepted.tolist() == [3, 2, 1]
+
+
+def test_a_round_of_many_requests_counts_in_the_server_stats_as_each_one_would():
+    rows = [(0, 4), (4, 4), (2, 3), (0, 0), (1, 1)]  # (accepted, draft depths); 0: no draft
+    one_by_one, at_once = AcceptanceStats(4), AcceptanceStats(4)
+    for accepted, steps in rows:
+        one_by_one.record(accepted, steps)
+    at_once.record_rounds(*zip(*rows, strict=True))
+    assert at_once == one_by_one and at_once.rounds == 4 and at_once.accepted_tokens == 7
+    assert at_once.accepted_per_position == [3, 2, 1, 1]
+    counts = A.DepthCounts(3, decay=1.0)  # a numpy scalar counts like an int
+    counts.record(np.int64(3), np.int32(1))
+    assert counts.tried.tolist() == [1, 1, 0] and counts.accepted.tolist() == [1, 0, 0]
 
 
 def test_decay_lets_recent_rounds_dominate():
