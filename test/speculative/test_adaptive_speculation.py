@@ -192,10 +192,7 @@ def test_a_draft_that_would_not_pay_even_alone_is_given_up_in_a_plain_streak(pat
         script = iter([spec.shape] * 3 + [PLAIN] * 1000)
         policy.choose = lambda requests, bucket, **_: next(script)
         policy.admits_draft = lambda *_, **__: True
-        widths = []
-        catch_up = spec.catch_up
-        spec.catch_up = lambda rows, padded: (
-            widths.extend(len(r.next_tokens) for r in rows), catch_up(rows, padded))[1]
+        widths = catch_up_widths(spec)
         outputs = [o["output_ids"] for o in engine.generate(
             input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
         info = engine.get_server_info()
@@ -204,6 +201,15 @@ def test_a_draft_that_would_not_pay_even_alone_is_given_up_in_a_plain_streak(pat
     assert info["spec_finished_requests"] == {"with_draft": 0, "without_draft": len(MAX_NEW)}
     assert info["spec_rounds_by_shape"][spec.shape.name] == 3
     assert info["num_compilations"] == compiled
+
+
+def catch_up_widths(spec) -> list[int]:
+    """The tokens of every catch-up row the runner runs from now on (filled as they run)."""
+    widths = []
+    catch_up = spec.catch_up
+    spec.catch_up = lambda rows, padded: (
+        widths.extend(len(r.next_tokens) for r in rows), catch_up(rows, padded))[1]
+    return widths
 
 
 def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference):
@@ -223,10 +229,7 @@ def test_a_draft_left_behind_by_plain_rounds_catches_up_exactly(paths, reference
                 # the warmup's timings on a busy machine say
                 scheduler.decoding.policy.admits_draft = lambda *_, **__: True
                 scheduler.decoding.policy.pays_alone = lambda record: True
-            widths = []
-            catch_up = spec.catch_up
-            spec.catch_up = lambda rows, padded: (
-                widths.extend(len(r.next_tokens) for r in rows), catch_up(rows, padded))[1]
+            widths = catch_up_widths(spec)
             outputs = [o["output_ids"] for o in engine.generate(
                 input_ids=prompts(), sampling_params=[greedy(n) for n in MAX_NEW])]
             keys = [cached_draft_keys(engine, p + o) for p, o in zip(prompts(), outputs,
