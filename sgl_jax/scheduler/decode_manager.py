@@ -19,27 +19,30 @@ class DecodeManager:
         self.settle = settle
         self.num_retractions = 0
 
-    def schedule(self, running: list[Req]) -> list[tuple[Req, int]]:
+    def schedule(self, running: list[Req]) -> list[Req]:
         """One token for each request whose prompt is fully computed and whose sampled tokens
         do not already reach its end. When pages run out, the step in flight is settled
         first (a retracted request must have read all its tokens), then the most recently
         admitted requests are retracted until the rest fit."""
-        ready = _ready(running)
-        if not self._reserve_all(ready) and self.settle():
-            ready = _ready(running)
-        while ready and not self._reserve_all(ready):
+        ready = [req for req in running if req.decodes_next]
+        fits = self._reserve_all(ready)
+        if not fits and self.settle():
+            ready = [req for req in running if req.decodes_next]
+            fits = self._reserve_all(ready)
+        while ready and not fits:
             victim = ready.pop()
             running.remove(victim)
             self.retract(victim)
             self.num_retractions += 1
-        return [(req, 1) for req in ready]
+            fits = self._reserve_all(ready)
+        return ready
 
     def _reserve_all(self, reqs: list[Req]) -> bool:
-        # A speculative round in flight may commit up to inflight_extra more tokens.
-        return all(self.cache.reserve(req, min(req.kv_len + req.inflight_extra + self.lookahead,
-                                               req.context_len))
-                   for req in reqs)
-
-
-def _ready(running: list[Req]) -> list[Req]:
-    return [r for r in running if r.tokens_to_compute == 1 and not r.sampled_to_the_end]
+        # A speculative round in flight may commit up to inflight_extra more tokens. Most
+        # steps need no new page: the test for that stays here, with no call per request.
+        lookahead, page_size, reserve = self.lookahead, self.cache.page_size, self.cache.reserve
+        for req in reqs:
+            needed = min(req.kv_len + req.inflight_extra + lookahead, req.context_len)
+            if needed > len(req.page_ids) * page_size and not reserve(req, needed):
+                return False
+        return True

@@ -36,8 +36,16 @@ class LaunchedStep:
     """A dispatched step whose results the host has not read yet."""
 
     kind: str  # "prefill" or "decode"
-    rows: list[tuple[Req, int, bool]]  # (request, tokens computed, whether it samples one)
+    reqs: list[Req]  # a request per row, in order
     output: Any  # the decoding's handle on the results (PendingStep, or a round's)
+    # An extend step's rows: (request, tokens computed, whether it samples one). None for a
+    # decode step, whose rows each compute one token and sample it.
+    chunks: list[tuple[Req, int, bool]] | None = None
+
+    @property
+    def emits(self) -> list[bool] | None:
+        """Whether each row samples a token (None: every row does)."""
+        return None if self.chunks is None else [emits for _, _, emits in self.chunks]
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,7 @@ class PlainDecoding:
         return dispatch_decode_step(self.runner, self.slot_table, reqs)
 
     def settle(self, launched: LaunchedStep) -> Emitted:
-        return emit_tokens(launched.rows, launched.output.result())
+        return emit_tokens(launched.reqs, launched.output.result(), launched.emits)
 
     def retract(self, req: Req) -> None:
         pass
@@ -164,10 +172,11 @@ def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[
     when the step is settled (with `want_features`, each row's features for a drafter that
     plain steps leave behind too)."""
     n = len(reqs)
+    slots = slot_table.slots_of(reqs, runner.buckets.batch_padding(padded or n))
     want_top = any(r.top_logprobs_num for r in reqs)
     want_logprobs = any(r.return_logprob for r in reqs)
-    ints, floats, allowed = slot_table.decode_rows(
-        reqs, runner.buckets.batch_padding(padded or n), logprob_detail(want_logprobs, want_top))
+    ints, floats, allowed = slot_table.decode_rows(reqs, slots,
+                                                   logprob_detail(want_logprobs, want_top))
     output = runner.launch_decode(ints, floats, allowed, n, want_top_logprobs=want_top,
                                   want_logprobs=want_logprobs, want_features=want_features)
     for req in reqs:
@@ -176,22 +185,28 @@ def dispatch_decode_step(runner: ModelRunner, slot_table: SlotTable, reqs: list[
     return output
 
 
-def emit_tokens(rows: list[tuple[Req, int, bool]], output: StepOutput) -> Emitted:
-    """Append each emitting row's token; a request that ended while the step ran (it stopped
-    at the step before, or was aborted) drops its token."""
+def emit_tokens(reqs: list[Req], output: StepOutput, emits: list[bool] | None = None
+                ) -> Emitted:
+    """Append each emitting row's token (`emits`: whether each row samples one, None: every
+    row does); a request that ended while the step ran (it stopped at the step before, or
+    was aborted) drops its token."""
     tokens = output.tokens.tolist()
     logprobs = output.logprobs.tolist() if output.logprobs is not None else None
     emitted = []
-    for row, (req, _, emits) in enumerate(rows):
-        if not emits:
+    for row, req in enumerate(reqs):
+        if emits is not None and not emits[row]:
             continue
         req.num_inflight -= 1
-        if req.finished:
+        if req.finish_reason is not None:
             continue
-        top = None
-        if req.top_logprobs_num:
-            ids, values = output.top_logprob_ids[row].tolist(), output.top_logprobs[row].tolist()
-            top = [list(zip(ids, values, strict=True))]
-        req.append_tokens([tokens[row]], logprobs and [logprobs[row]], top)
-        emitted.append((req, [tokens[row]]))
+        run = tokens[row: row + 1]
+        req.append_tokens(run, logprobs and logprobs[row: row + 1],
+                          _top_logprobs(output, row) if req.top_logprobs_num else None)
+        emitted.append((req, run))
     return emitted
+
+
+def _top_logprobs(output: StepOutput, row: int) -> list[list[tuple[int, float]]]:
+    """A row's top log-probabilities as append_tokens takes them (one token's)."""
+    ids, values = output.top_logprob_ids[row].tolist(), output.top_logprobs[row].tolist()
+    return [list(zip(ids, values, strict=True))]

@@ -53,9 +53,12 @@ class PrefillManager:
         """Pick (request, tokens to compute) pairs for one extend batch; admitted requests
         are appended to `running`."""
         batch: list[tuple[Req, int]] = []
-        budget = self._token_budget(running)
-        for req in running:
-            if req.tokens_to_compute > 1 and budget > 0:
+        partial = [req for req in running if req.tokens_to_compute > 1]
+        if not partial and not self.waiting:
+            return batch  # the common decode step: nothing to extend
+        budget = self._token_budget(partial)
+        for req in partial:
+            if budget > 0:
                 budget -= self._take_chunk(req, budget, batch)
         most = self.limits.max_running_requests
         if self.waiting:
@@ -75,12 +78,12 @@ class PrefillManager:
             budget -= taken
         return batch
 
-    def _token_budget(self, running: list[Req]) -> int:
-        """max_prefill_tokens, or less while the larger token buckets are being built."""
+    def _token_budget(self, partial: list[Req]) -> int:
+        """max_prefill_tokens, or less while the larger token buckets are being built
+        (`partial`: the running requests with prompt tokens left to compute)."""
         most = self.limits.max_prefill_tokens
         wanted = 0
-        pending = itertools.chain((r for r in running if r.tokens_to_compute > 1), self.waiting)
-        for req in pending:
+        for req in itertools.chain(partial, self.waiting):
             wanted += aligned(min(req.tokens_to_compute, self.limits.chunk_size))
             if wanted >= most:
                 break

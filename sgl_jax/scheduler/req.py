@@ -81,6 +81,15 @@ class Req:
         return len(self.prompt_ids) + self.num_sampled - self.kv_len
 
     @property
+    def decodes_next(self) -> bool:
+        """Whether a decode step takes it: its prompt is computed (one token left, the last
+        sampled) and the tokens sampled do not reach its end (tokens_to_compute == 1 and not
+        sampled_to_the_end, in one pass: the scheduler asks it of every request each step)."""
+        sampled = len(self.output_ids) + self.num_inflight
+        return (len(self.prompt_ids) + sampled - self.kv_len == 1
+                and sampled < self.output_limit)
+
+    @property
     def sampled_to_the_end(self) -> bool:
         """Whether the tokens already sampled reach max_new_tokens or the context, so the
         request ends once the host reads them and needs no further step."""

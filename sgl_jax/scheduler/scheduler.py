@@ -168,7 +168,9 @@ class Scheduler:
         if not self.overlap:
             self._settle()
 
-    def _schedule(self) -> tuple[list[tuple[Req, int]], str]:
+    def _schedule(self) -> tuple[list, str]:
+        """The next step's batch and kind: an extend step's (request, tokens to compute)
+        pairs ("prefill"), or the requests a decode step takes ("decode")."""
         batch = self.prefill.schedule(self.running)
         if batch:
             for req, _ in batch:
@@ -184,7 +186,7 @@ class Scheduler:
             self._retract(self.running.pop())
         return [], "idle"
 
-    def _timed_launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep | None:
+    def _timed_launch(self, batch: list, kind: str) -> LaunchedStep | None:
         """_launch, its seconds counted under `kind` (less a settle it ran first)."""
         start, settled = time.perf_counter(), self.stats.settle_s
         launched = self._launch(batch, kind)
@@ -192,20 +194,20 @@ class Scheduler:
         phase.launch_s += time.perf_counter() - start - (self.stats.settle_s - settled)
         if launched is not None:
             phase.steps += 1
-            phase.rows += len(launched.rows)
+            phase.rows += len(launched.reqs)
         return launched
 
-    def _launch(self, batch: list[tuple[Req, int]], kind: str) -> LaunchedStep | None:
+    def _launch(self, batch: list, kind: str) -> LaunchedStep | None:
         """Dispatch the batch (None when there is nothing left to run); lengths advance now,
         tokens are read when it is settled."""
         if kind == "decode":
-            return self._launch_decode([req for req, _ in batch])
+            return self._launch_decode(batch)
         prefill = self._prefill_batch(batch)
         output = self.decoding.launch_prefill(prefill)
         for req, n, emits in prefill.rows:
             req.kv_len += n
             req.num_inflight += emits
-        return LaunchedStep("prefill", prefill.rows, output)
+        return LaunchedStep("prefill", prefill.reqs, output, prefill.rows)
 
     def _launch_decode(self, reqs: list[Req]) -> LaunchedStep | None:
         plan = self.decoding.plan_decode(reqs, self._in_flight)
@@ -214,8 +216,7 @@ class Scheduler:
             reqs = [req for req in reqs if not req.finished]
             if not reqs:
                 return None
-        return LaunchedStep("decode", [(req, 1, True) for req in reqs],
-                            self.decoding.launch_decode(reqs, plan))
+        return LaunchedStep("decode", reqs, self.decoding.launch_decode(reqs, plan))
 
     def _prefill_batch(self, batch: list[tuple[Req, int]]) -> PrefillBatch:
         reqs = [req for req, _ in batch]
@@ -248,7 +249,7 @@ class Scheduler:
         emitted = self.decoding.settle(launched)
         self._emit(emitted)
         if launched.kind == "prefill":
-            self._log_prefill(launched.rows)
+            self._log_prefill(launched.chunks)
         else:
             self._log_decode(sum(len(tokens) for _, tokens in emitted))
         self.stats.phases[launched.kind].settle_s += time.perf_counter() - start
@@ -258,7 +259,7 @@ class Scheduler:
         """Hand on each request's new tokens; a request they finished leaves."""
         outputs = []
         for req, tokens in emitted:
-            finished = req.finished
+            finished = req.finish_reason is not None
             if finished:
                 self.running.remove(req)
                 self._finish(req)

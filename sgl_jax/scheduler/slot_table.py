@@ -96,32 +96,35 @@ class SlotTable:
                 self.page_table[row, written: len(pages)] = pages[written:]
                 self._pages_written[row] = len(pages)
 
-    def decode_rows(self, reqs: Sequence[Req], rows: int, detail: int
+    def slots_of(self, reqs: Sequence[Req], rows: int) -> np.ndarray:
+        """i32[rows]: the requests' slots, then the padding row up to `rows`."""
+        index = np.full(rows, self.padding_row, np.int32)
+        index[: len(reqs)] = np.fromiter((r.slot for r in reqs), np.int32, len(reqs))
+        return index
+
+    def decode_rows(self, reqs: Sequence[Req], slots: np.ndarray, detail: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """A decode step's inputs over `rows` rows (padding included): ints i32[rows, Ci] and
-        floats f32[rows, Cf] in the layout of decode_rows.DecodeColumns, and the grammar
-        bitmask i32[rows, W] of a batch with a constrained request (None: no row has one)."""
+        """A decode step's inputs over the rows of `slots` (slots_of: padding included): ints
+        i32[rows, Ci] and floats f32[rows, Cf] in the layout of decode_rows.DecodeColumns,
+        and the grammar bitmask i32[rows, W] of a batch with a constrained request (None: no
+        row has one)."""
         self._write_pages(reqs)
         n = len(reqs)
-        index = np.full(rows, self.padding_row, np.int32)
-        index[:n] = np.fromiter((r.slot for r in reqs), np.int32, n)
-        ints, floats = self.ints[index], self.floats[index]
-        live = ints[:n]
+        ints, floats = self.ints[slots], self.floats[slots]
         # -1 where only the device knows: the last token of a step in flight; the lengths
-        # a speculative round in flight decides.
-        live[:, decode_rows.KV_LEN] = np.fromiter(
-            (-1 if r.inflight_extra else r.kv_len for r in reqs), np.int32, n)
-        live[:, decode_rows.TOKEN] = np.fromiter(
-            (-1 if r.num_inflight else r.last_token for r in reqs), np.int32, n)
-        live[:, decode_rows.POSITION] = np.fromiter(
-            (-1 if r.inflight_extra else r.num_sampled for r in reqs), np.int32, n)
-        live[:, decode_rows.STATE_SLOT] = np.fromiter((r.state_slot for r in reqs), np.int32, n)
+        # a speculative round in flight decides. One pass over the requests for the four
+        # columns that change every step.
+        ints[:n, _STEP_COLUMNS] = np.array(
+            [(r.state_slot, -1 if r.inflight_extra else r.kv_len,
+              -1 if r.num_inflight else r.last_token,
+              -1 if r.inflight_extra else r.num_sampled) for r in reqs],
+            np.int32).reshape(n, len(_STEP_COLUMNS))
         ints[:, decode_rows.DETAIL] = detail
         constrained = [(req.grammar, row) for row, req in enumerate(reqs)
                        if req.grammar is not None]
         if not constrained:
             return ints, floats, None
-        allowed = self.sampling.allowed[index]
+        allowed = self.sampling.allowed[slots]
         _mask_grammar_rows(allowed, ints[:, decode_rows.MIN_NEW_TOKENS], constrained, reqs)
         return ints, floats, allowed
 
@@ -144,6 +147,9 @@ class SlotTable:
 
 
 _FIELDS = tuple(SamplingBatch.__dataclass_fields__)
+# The columns of a decode row written each step, in the order decode_rows fills them.
+_STEP_COLUMNS = [decode_rows.STATE_SLOT, decode_rows.KV_LEN, decode_rows.TOKEN,
+                 decode_rows.POSITION]
 
 
 def _mask_grammar_rows(allowed: np.ndarray, min_new_tokens: np.ndarray, constrained: list,

@@ -246,20 +246,20 @@ class SpecDecoder:
 
     def settle(self, launched: LaunchedStep) -> Emitted:
         if launched.kind == "prefill":
-            emitted = emit_tokens(launched.rows, launched.output.result())
+            emitted = emit_tokens(launched.reqs, launched.output.result(), launched.emits)
             # A round launched behind this prefill starts on the device only now: its
             # seconds must not include the prefill's.
             self._last_result_at = time.perf_counter()
         else:
-            emitted = self._settle_round(launched.output, launched.rows)
+            emitted = self._settle_round(launched.output)
         for req, tokens in emitted:
             self.proposer.extend(req, tokens)
         return emitted
 
-    def _settle_round(self, launched: LaunchedRound, rows: list) -> Emitted:
+    def _settle_round(self, launched: LaunchedRound) -> Emitted:
         """Append each live request's accepted run (up to where it finishes)."""
         if isinstance(launched.output, PendingStep):
-            return self._settle_step(launched, rows)
+            return self._settle_step(launched)
         output = launched.output.result()
         seconds = self._device_seconds(launched)
         accepted = output.num_accepted.tolist()
@@ -287,7 +287,7 @@ class SpecDecoder:
             emitted.append((req, tokens))
         return emitted
 
-    def _settle_step(self, launched: LaunchedRound, rows: list) -> Emitted:
+    def _settle_step(self, launched: LaunchedRound) -> Emitted:
         """A plain round that ran as the target's decode step: one token each; a drafting
         request's draft, left behind, gets the token's features for its catch-up."""
         result = launched.output.result()
@@ -295,7 +295,7 @@ class SpecDecoder:
             for row, req in enumerate(launched.reqs):
                 if not req.finished and self.states[req].drafting:
                     self.states[req].pending.append(result.features[row])
-        emitted = emit_tokens(rows, result)
+        emitted = emit_tokens(launched.reqs, result)
         self.policy.observe(PLAIN, launched.bucket, self._device_seconds(launched), [],
                             timed=not launched.compiled)
         return emitted

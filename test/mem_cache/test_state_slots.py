@@ -69,7 +69,7 @@ def test_requests_hold_a_slot_from_admission_to_release():
     retracted = []
     decode = DecodeManager(cache, lambda r: (cache.release(r), retracted.append(r)))
     cache.allocator.allocate(cache.allocator.num_free - 1)  # one page left: room for one
-    assert [r.rid for r, _ in decode.schedule(running)] == ["0"]
+    assert [r.rid for r in decode.schedule(running)] == ["0"]
     assert retracted == [reqs[1]] and reqs[1].state_slot == NULL_SLOT and slots.num_free == 1
     cache.release(reqs[0])
     assert reqs[0].state_slot == NULL_SLOT and slots.num_free == 2
