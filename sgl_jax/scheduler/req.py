@@ -82,18 +82,13 @@ class Req:
 
     @property
     def decodes_next(self) -> bool:
-        """Whether a decode step takes it: its prompt is computed (one token left, the last
-        sampled) and the tokens sampled do not reach its end (tokens_to_compute == 1 and not
-        sampled_to_the_end, in one pass: the scheduler asks it of every request each step)."""
+        """Whether a decode step takes it: its prompt is computed (one token left to compute,
+        the last sampled) and the tokens sampled do not reach max_new_tokens or the context
+        (else it ends once the host reads them and needs no further step). Worked out in one
+        pass: the scheduler asks it of every running request each step."""
         sampled = len(self.output_ids) + self.num_inflight
         return (len(self.prompt_ids) + sampled - self.kv_len == 1
                 and sampled < self.output_limit)
-
-    @property
-    def sampled_to_the_end(self) -> bool:
-        """Whether the tokens already sampled reach max_new_tokens or the context, so the
-        request ends once the host reads them and needs no further step."""
-        return self.num_sampled >= self.output_limit
 
     @property
     def tokens_left(self) -> int:
