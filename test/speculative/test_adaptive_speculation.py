@@ -66,23 +66,28 @@ def run_adaptive(paths, algorithm, draft, relative_costs=None, observed=None):
         compiled = built_programs(engine)
         if observed is not None:
             slow_prefills(engine.runtime.scheduler.decoding, observed)
-        if relative_costs:  # a machine where a round of each shape costs that many plain
-            # steps: at warm-up and while serving
-            policy = engine.runtime.scheduler.decoding.policy
-            policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
-                                    for shape, bucket in policy.round_seconds}
-            observe, add = policy.observe, policy.add_round_seconds
-            policy.observe = lambda shape, bucket, _, outcomes, **kw: observe(
-                shape, bucket, policy.round_seconds[shape, bucket], outcomes, **kw)
-            # drafted shapes, built in the background, are timed while serving
-            policy.add_round_seconds = lambda timings, **kw: add(
-                {key: 0.01 * relative_costs[key[0].num_steps] for key in timings}, **kw)
+        if relative_costs:
+            price_rounds(engine.runtime.scheduler.decoding.policy, relative_costs)
         outputs = engine.generate(input_ids=prompts(),
                                   sampling_params=[greedy(n) for n in MAX_NEW])
         one = engine.generate(input_ids=prompts()[0], sampling_params=greedy(MAX_NEW[0]))
         info = engine.get_server_info()
     assert info["num_compilations"] == compiled, "a round shape compiled after warm-up"
     return [o["output_ids"] for o in outputs], one["output_ids"], info
+
+
+def price_rounds(policy, relative_costs):
+    """A machine where a round of each shape costs relative_costs[its num_steps] plain steps,
+    at warm-up and while serving, whatever the timings measured (or kept by an earlier
+    process: the executable store keeps them, so one busy run's would stay)."""
+    policy.round_seconds = {(shape, bucket): 0.01 * relative_costs[shape.num_steps]
+                            for shape, bucket in policy.round_seconds}
+    observe, add = policy.observe, policy.add_round_seconds
+    policy.observe = lambda shape, bucket, _, outcomes, **kw: observe(
+        shape, bucket, policy.round_seconds[shape, bucket], outcomes, **kw)
+    # drafted shapes, built in the background, are timed while serving
+    policy.add_round_seconds = lambda timings, **kw: add(
+        {key: 0.01 * relative_costs[key[0].num_steps] for key in timings}, **kw)
 
 
 SLOW_PREFILL_S = 0.5
@@ -189,6 +194,7 @@ def test_a_draft_that_would_not_pay_even_alone_is_given_up_in_a_plain_streak(pat
         compiled = built_programs(engine)
         scheduler, spec = engine.runtime.scheduler, engine.runtime.spec_runner
         policy = scheduler.decoding.policy
+        price_rounds(policy, {0: 1, 1: 1.2, 3: 1.5})  # what pays_alone weighs acceptance at
         script = iter([spec.shape] * 3 + [PLAIN] * 1000)
         policy.choose = lambda requests, bucket, **_: next(script)
         policy.admits_draft = lambda *_, **__: True
