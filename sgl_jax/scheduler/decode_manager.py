@@ -38,11 +38,7 @@ class DecodeManager:
         return ready
 
     def _reserve_all(self, reqs: list[Req]) -> bool:
-        # A speculative round in flight may commit up to inflight_extra more tokens. Most
-        # steps need no new page: the test for that stays here, with no call per request.
-        lookahead, page_size, reserve = self.lookahead, self.cache.page_size, self.cache.reserve
-        for req in reqs:
-            needed = min(req.kv_len + req.inflight_extra + lookahead, req.context_len)
-            if needed > len(req.page_ids) * page_size and not reserve(req, needed):
-                return False
-        return True
+        # A speculative round in flight may commit up to inflight_extra more tokens.
+        return all(self.cache.reserve(req, min(req.kv_len + req.inflight_extra + self.lookahead,
+                                               req.context_len))
+                   for req in reqs)

@@ -244,14 +244,13 @@ def round_inputs(state: SlotState, lengths: SlotLengths, last_tokens: jax.Array,
 
 def advance_slots(state: SlotState, lengths: SlotLengths, last_tokens: jax.Array,
                   slots: jax.Array, inputs: RoundInputs, verdict: Verdict,
-                  draft: jax.Array | None) -> tuple[SlotState, SlotLengths, jax.Array]:
+                  draft: jax.Array) -> tuple[SlotState, SlotLengths, jax.Array]:
     """Each row's slot after the round: a + 1 more tokens committed and sampled, the bonus
-    token as the root, and the drafter's new slot state `draft` [B, D] (unchanged where
-    None: a round that left the draft behind)."""
+    token as the root, and the drafter's new slot state `draft` [B, D]."""
     where = jnp.where(inputs.active, slots, last_tokens.shape[0])  # padding: dropped
     grown = verdict.num_accepted + 1
     bonus = jnp.take_along_axis(verdict.tokens, verdict.num_accepted[:, None], axis=1)[:, 0]
-    drafts = state.draft if draft is None else state.draft.at[where].set(draft, mode="drop")
+    drafts = state.draft.at[where].set(draft, mode="drop")
     lengths = SlotLengths(
         lengths.kv_lens.at[where].set(inputs.kv_lens + grown, mode="drop"),
         lengths.num_sampled.at[where].set(inputs.sampling.position + grown, mode="drop"))
