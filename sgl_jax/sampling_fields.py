@@ -84,8 +84,9 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("top_p", np.float32, 1.0, Source.PARAMS, ">= 1 = off",
              Param("in (0, 1]", lambda v: is_number(v) and 0 < v <= 1, model_default=True)),
     RowField("top_k", np.int32, TOP_K_OFF, Source.PARAMS, f"{TOP_K_OFF} = off",
-             Param(f"{TOP_K_OFF} (off) or an integer >= 1",
-                   lambda v: is_int(v) and (v == TOP_K_OFF or v >= 1), model_default=True)),
+             Param(f"{TOP_K_OFF} (off) or an integer in [1, 2**31)",  # an int32 row
+                   lambda v: is_int(v) and (v == TOP_K_OFF or 1 <= v < 2**31),
+                   model_default=True)),
     RowField("min_p", np.float32, 0.0, Source.PARAMS, "0 = off; drop p < min_p * p_max",
              Param("in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1, model_default=True)),
     RowField("frequency_penalty", np.float32, 0.0, Source.PARAMS,

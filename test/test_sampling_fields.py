@@ -71,8 +71,9 @@ def test_top_k_off_has_one_spelling():
 BAD_PARAMS = [
     ({"temperature": -0.1}, "temperature must be a number >= 0, got -0.1"),
     ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
-    ({"top_k": 0}, "top_k must be -1 (off) or an integer >= 1, got 0"),
-    ({"top_k": 2.0}, "top_k must be -1 (off) or an integer >= 1, got 2.0"),
+    ({"top_k": 0}, "top_k must be -1 (off) or an integer in [1, 2**31), got 0"),
+    ({"top_k": 2.0}, "top_k must be -1 (off) or an integer in [1, 2**31), got 2.0"),
+    ({"top_k": 2**31}, "top_k must be -1 (off) or an integer in [1, 2**31), got 2147483648"),
     ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
     ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2], got 3"),
     ({"presence_penalty": True}, "presence_penalty must be in [-2, 2], got True"),
