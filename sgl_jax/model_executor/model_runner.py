@@ -45,6 +45,7 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
 )
 from sgl_jax.model_executor.packing import Layouts, unpack
+from sgl_jax.model_executor.program_params import ProgramParams
 from sgl_jax.model_executor.programs import BackgroundBuilder, ExecutableStore, Programs
 from sgl_jax.model_executor.target_forward import TargetForward, target_features
 from sgl_jax.models.loader import LoadedModel
@@ -191,14 +192,18 @@ class ModelRunner:
         )
         self._reset_slots = jax.jit(self._reset_slots_impl, donate_argnums=(0,))
         self.store, self.builder = store, builder
+        # The parameters as the sampling steps take them (few arguments: see ProgramParams).
+        self.program_params = ProgramParams(model.params)
         # Compiled sampling steps by bucket, and the layout of each one's packed host inputs
         # (decode steps': their rows' columns): serving calls them directly, never tracing.
         self.sampling_programs = Programs("sampling_step", self._sampling_step, store)
         self._layouts = Layouts()
         self.decode_columns = decode_columns(self.buckets.pages_per_seq, page_size)
         # i32[N, W] of -1 by bucket rows: the bitmask of a step that no grammar masks, made
-        # once (never written: a step may read it in place).
+        # once (never written: a step may read it in place); and by bucket, the same placed
+        # where its program reads it, so an unconstrained step sends no bitmask.
         self._unmasked: dict[int, np.ndarray] = {}
+        self._unmasked_on_device: dict[BatchShape, jax.Array] = {}
 
     # ------------------------------------------------------------------ public steps
 
@@ -289,12 +294,14 @@ class ModelRunner:
     ) -> PendingStep:
         """Dispatch a step padded to its bucket (see step and launch_decode): every step,
         extend or decode, is dispatched here."""
+        program = self._sampling_program(
+            shape, (ints, floats, self._every_id_allowed(shape.num_logits)
+                    if allowed is None else allowed))
         if allowed is None:
-            allowed = self._every_id_allowed(shape.num_logits)
-        program = self._sampling_program(shape, (ints, floats, allowed))
+            allowed = self._every_id_allowed_on_device(shape, program)
         state = self.state
         (state.kv_cache, state.penalties, state.last_tokens, out, features) = program(
-            self.model.params, state.kv_cache, state.penalties, state.last_tokens,
+            self.program_params.arrays, state.kv_cache, state.penalties, state.last_tokens,
             state.lengths, ints, floats, allowed)
         return PendingStep.of_sample(num_rows, out, want_logprobs, want_top_logprobs,
                                      features if want_features else None)
@@ -305,6 +312,14 @@ class ModelRunner:
             self._unmasked[rows] = np.full((rows, bitmask_words(self.config.vocab_size)), -1,
                                            np.int32)
         return self._unmasked[rows]
+
+    def _every_id_allowed_on_device(self, shape: BatchShape, program: jax.stages.Compiled
+                                    ) -> jax.Array:
+        """_every_id_allowed of the bucket's rows, on the device as its program reads it."""
+        if shape not in self._unmasked_on_device:
+            self._unmasked_on_device[shape] = jax.device_put(
+                self._every_id_allowed(shape.num_logits), program.input_shardings[0][7])
+        return self._unmasked_on_device[shape]
 
     @device_call
     def reset_penalty_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
@@ -366,7 +381,7 @@ class ModelRunner:
             packing = (self.decode_columns if shape.q_block == 1
                        else self._layouts.layout_of(shape))
             program = self.sampling_programs.build(
-                shape, self.model.params, self.state.kv_cache, self.state.penalties,
+                shape, self.program_params.arrays, self.state.kv_cache, self.state.penalties,
                 self.state.last_tokens, self.state.lengths, *inputs, packing=packing)
         return program
 
@@ -386,6 +401,7 @@ class ModelRunner:
 
     def _sampling_step_impl(self, params, kv_cache, penalties, last_tokens, lengths, ints,
                             floats, allowed, *, packing, forward):
+        params = self.program_params.unstack(params)
         features = None
         if isinstance(packing, DecodeColumns):
             batch, sampling, penalty_slots, slots, emits, detail = packing.unpack(

@@ -26,9 +26,9 @@ from sgl_jax.scheduler.page_reuse import PageReuse, ReuseEveryPage
 from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
 
-# What a settled step hands back, per request that produced tokens: (request, new token ids).
-# A request its tokens finished is marked finished.
-Emitted = list[tuple[Req, list[int]]]
+# What a settled step hands back, per request that produced tokens: (request, new token ids,
+# whether they finished it).
+Emitted = list[tuple[Req, list[int], bool]]
 
 
 @dataclass
@@ -202,7 +202,7 @@ def emit_tokens(reqs: list[Req], output: StepOutput, emits: list[bool] | None = 
         run = tokens[row: row + 1]
         req.append_tokens(run, logprobs and logprobs[row: row + 1],
                           _top_logprobs(output, row) if req.top_logprobs_num else None)
-        emitted.append((req, run))
+        emitted.append((req, run, req.finish_reason is not None))
     return emitted
 
 

@@ -251,21 +251,18 @@ class Scheduler:
         if launched.kind == "prefill":
             self._log_prefill(launched.chunks)
         else:
-            self._log_decode(sum(len(tokens) for _, tokens in emitted))
+            self._log_decode(sum(len(tokens) for _, tokens, _ in emitted))
         self.stats.phases[launched.kind].settle_s += time.perf_counter() - start
         return True
 
     def _emit(self, emitted: Emitted) -> None:
         """Hand on each request's new tokens; a request they finished leaves."""
-        outputs = []
-        for req, tokens in emitted:
-            finished = req.finish_reason is not None
+        for req, _, finished in emitted:
             if finished:
                 self.running.remove(req)
                 self._finish(req)
-            outputs.append((req, tokens, finished))
-        if outputs:
-            self.on_output(outputs)
+        if emitted:
+            self.on_output(emitted)
 
     # ------------------------------------------------------------------ bookkeeping
 

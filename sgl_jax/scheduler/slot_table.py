@@ -87,14 +87,23 @@ class SlotTable:
 
     def _write_pages(self, reqs: Sequence[Req]) -> None:
         for req in reqs:
-            row, pages = req.slot, req.page_ids
-            if pages is not self._page_lists[row]:
-                self._page_lists[row], self._pages_written[row] = pages, 0
-                self.page_table[row] = 0
-            written = self._pages_written[row]
-            if written != len(pages):
-                self.page_table[row, written: len(pages)] = pages[written:]
-                self._pages_written[row] = len(pages)
+            if self._pages_changed(req):
+                self._write_page_row(req)
+
+    def _pages_changed(self, req: Req) -> bool:
+        pages = req.page_ids
+        return (pages is not self._page_lists[req.slot]
+                or self._pages_written[req.slot] != len(pages))
+
+    def _write_page_row(self, req: Req) -> None:
+        """The request's page-table row: rewritten for a new list, its new tail else."""
+        row, pages = req.slot, req.page_ids
+        if pages is not self._page_lists[row]:
+            self._page_lists[row], self._pages_written[row] = pages, 0
+            self.page_table[row] = 0
+        written = self._pages_written[row]
+        self.page_table[row, written: len(pages)] = pages[written:]
+        self._pages_written[row] = len(pages)
 
     def slots_of(self, reqs: Sequence[Req], rows: int) -> np.ndarray:
         """i32[rows]: the requests' slots, then the padding row up to `rows`."""
@@ -108,20 +117,23 @@ class SlotTable:
         i32[rows, Ci] and floats f32[rows, Cf] in the layout of decode_rows.DecodeColumns,
         and the grammar bitmask i32[rows, W] of a batch with a constrained request (None: no
         row has one)."""
-        self._write_pages(reqs)
-        n = len(reqs)
+        # One pass over the requests: pages gained, the four columns that change every step
+        # (-1 where only the device knows: the last token of a step in flight; the lengths a
+        # speculative round in flight decides), and which rows a grammar masks.
+        changing, constrained = [], []
+        for row, req in enumerate(reqs):
+            if self._pages_changed(req):
+                self._write_page_row(req)
+            extra = req.inflight_extra
+            changing.append((req.state_slot, -1 if extra else req.kv_len,
+                             -1 if req.num_inflight else req.last_token,
+                             -1 if extra else req.num_sampled))
+            if req.grammar is not None:
+                constrained.append((req.grammar, row))
         ints, floats = self.ints[slots], self.floats[slots]
-        # -1 where only the device knows: the last token of a step in flight; the lengths
-        # a speculative round in flight decides. One pass over the requests for the four
-        # columns that change every step.
-        ints[:n, _STEP_COLUMNS] = np.array(
-            [(r.state_slot, -1 if r.inflight_extra else r.kv_len,
-              -1 if r.num_inflight else r.last_token,
-              -1 if r.inflight_extra else r.num_sampled) for r in reqs],
-            np.int32).reshape(n, len(_STEP_COLUMNS))
+        ints[:len(reqs), _STEP_COLUMNS] = np.array(changing, np.int32).reshape(
+            len(reqs), len(_STEP_COLUMNS))
         ints[:, decode_rows.DETAIL] = detail
-        constrained = [(req.grammar, row) for row, req in enumerate(reqs)
-                       if req.grammar is not None]
         if not constrained:
             return ints, floats, None
         allowed = self.sampling.allowed[slots]

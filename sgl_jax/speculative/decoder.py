@@ -252,7 +252,7 @@ class SpecDecoder:
             self._last_result_at = time.perf_counter()
         else:
             emitted = self._settle_round(launched.output)
-        for req, tokens in emitted:
+        for req, tokens, _ in emitted:
             self.proposer.extend(req, tokens)
         return emitted
 
@@ -284,7 +284,7 @@ class SpecDecoder:
             state.stats.record(accepted[row], drafted[row])
             tokens = emit_run(req, output, row, accepted[row] + 1)
             req.kv_len += len(tokens) - 1  # the root was counted at launch
-            emitted.append((req, tokens))
+            emitted.append((req, tokens, req.finish_reason is not None))
         return emitted
 
     def _settle_step(self, launched: LaunchedRound) -> Emitted:

@@ -184,7 +184,7 @@ class SpecRunner:
         then the state they donate (target KV, draft KV, slot state, slot lengths, last
         tokens)."""
         state, draft = self.state, self.draft_state
-        return (self.target.model.params, self.drafter.params, state.kv_cache, draft.kv,
+        return (self.target.program_params.arrays, self.drafter.params, state.kv_cache, draft.kv,
                 draft.slots, state.lengths, state.last_tokens)
 
     def masked_built(self, size: int) -> bool:
@@ -296,6 +296,7 @@ class SpecRunner:
     def _prefill_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
                       lengths, last_tokens, batch, sampling, emits, slots, detail, draft_ids,
                       run_draft):
+        target_params = self.target.program_params.unstack(target_params)
         self._count_compilation("prefill", batch.input_ids.shape[0])
         hidden, target_kv, captured = self.forward(
             target_params, target_kv, batch.input_ids, batch.positions, batch.attention,
@@ -321,6 +322,7 @@ class SpecRunner:
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
                     lengths, last_tokens, ints, floats, *, shape: TreeShape,
                     packing: Packing):
+        target_params = self.target.program_params.unstack(target_params)
         rows, sampling, detail = unpack(packing, ints, floats)
         self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, lengths, last_tokens, rows, sampling)
@@ -348,6 +350,7 @@ class SpecRunner:
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
                             lengths, last_tokens, rows: RoundRows, tree, sampling, detail,
                             node_allowed, *, shape: TreeShape):
+        target_params = self.target.program_params.unstack(target_params)
         self._count_compilation("masked verify", tree.tokens.shape[0])
         inputs = round_inputs(slot_state, lengths, last_tokens, rows, sampling)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,

@@ -125,7 +125,8 @@ class _RecordingJit:
         self._recorder.record(self._fun, self._options, args, kwargs)
         outputs = self._jitted.eval_shape(*args, **kwargs)
         donated = self._donated(args)
-        return _FakeLowered(lambda *a: _zeros_like_outputs(outputs, args, donated))
+        return _FakeLowered(lambda *a: _zeros_like_outputs(outputs, args, donated),
+                            (jax.tree.map(_sharding, args), {}))
 
     def _donated(self, args: tuple) -> list:
         numbers = self._options.get("donate_argnums") or ()
@@ -139,9 +140,20 @@ class _RecordingJit:
 @dataclasses.dataclass
 class _FakeLowered:
     run: Callable
+    # As a compiled program's: the arguments' shardings (None: a host array, placed anywhere).
+    input_shardings: tuple
 
     def compile(self):
-        return self.run
+        return _FakeCompiled(self.run, self.input_shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeCompiled:
+    run: Callable
+    input_shardings: tuple
+
+    def __call__(self, *args):
+        return self.run(*args)
 
 
 def _signature(tree, *, shardings: bool = True) -> tuple:
