@@ -180,9 +180,9 @@ class SpecRunner:
         return hidden * len(self.capture_layers) if self.drafter.features == "aux" else hidden
 
     def state_args(self) -> tuple:
-        """The leading arguments of every round and prefill program: both models' parameters,
-        then the state they donate (target KV, draft KV, slot state, slot lengths, last
-        tokens)."""
+        """The leading arguments of every round and prefill program: both models' parameters
+        (the target's as ProgramParams.arrays), then the state they donate (target KV, draft
+        KV, slot state, slot lengths, last tokens)."""
         state, draft = self.state, self.draft_state
         return (self.target.program_params.arrays, self.drafter.params, state.kv_cache, draft.kv,
                 draft.slots, state.lengths, state.last_tokens)
@@ -279,8 +279,7 @@ class SpecRunner:
     @device_call
     def catch_up(self, rows: Sequence[CatchUpRow], padded: int) -> None:
         """Extend each row's draft over its pending tokens (at most CATCH_UP_WIDTH), padded
-        to batch bucket `padded`; the draft's output at each row's last one becomes its
-        slot's root."""
+        to bucket `padded`; the draft's output at each row's last one is its slot's root."""
         inputs = self.catch_up_inputs(rows, padded)
         draft = self.draft_state
         draft.kv, draft.slots = self.catch_ups(padded, self.drafter.params, draft.kv,
@@ -322,7 +321,6 @@ class SpecRunner:
     def _round_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
                     lengths, last_tokens, ints, floats, *, shape: TreeShape,
                     packing: Packing):
-        target_params = self.target.program_params.unstack(target_params)
         rows, sampling, detail = unpack(packing, ints, floats)
         self._count_compilation(f"round {shape.name}", rows.slots.shape[0])
         inputs = round_inputs(slot_state, lengths, last_tokens, rows, sampling)
@@ -350,7 +348,6 @@ class SpecRunner:
     def _masked_verify_impl(self, target_params, draft_params, target_kv, draft_kv, slot_state,
                             lengths, last_tokens, rows: RoundRows, tree, sampling, detail,
                             node_allowed, *, shape: TreeShape):
-        target_params = self.target.program_params.unstack(target_params)
         self._count_compilation("masked verify", tree.tokens.shape[0])
         inputs = round_inputs(slot_state, lengths, last_tokens, rows, sampling)
         target_kv, verified = self.verify(target_params, target_kv, rows, inputs, tree,
@@ -378,11 +375,11 @@ class SpecRunner:
                 tree: DraftTree, detail, shape: TreeShape, node_allowed=None, packed=None
                 ) -> tuple[list, Verified]:
         return verify_trees(
-            self.forward, target_params, target_kv, rows.page_table, inputs, tree, detail,
-            rows.state_slots, num_steps=shape.num_steps, chain=self.drafter.chains(shape),
-            page_size=self.page_size, thresholds=self.thresholds,
-            features=self.drafter.features, capture=self.capture_layers,
-            node_allowed=node_allowed, packed=packed)
+            self.forward, self.target.program_params.unstack(target_params), target_kv,
+            rows.page_table, inputs, tree, detail, rows.state_slots, num_steps=shape.num_steps,
+            chain=self.drafter.chains(shape), page_size=self.page_size, thresholds=self.thresholds,
+            features=self.drafter.features, capture=self.capture_layers, node_allowed=node_allowed,
+            packed=packed)
 
     def _catch_up_impl(self, draft_params, draft_kv, slot_state, tokens, features, page_table,
                        draft_lens, counts, slots):
