@@ -261,14 +261,14 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     verify = jax.jit(verify_part, donate_argnums=1)
     verify_args = (rows, tree, request_sampling, suppress, detail)
     _, verified = jax.jit(verify_part)(
-        runner.model.params, state.kv_cache, *verify_args)  # not donated: the cache stays
+        runner.program_params.arrays, state.kv_cache, *verify_args)  # not donated: the cache stays
     draft = jax.jit(draft_part, donate_argnums=1)
     whole = spec.rounds[shape]  # the programs SpecRunner.round runs, by batch bucket
     packed, packing = spec.packed_round_inputs(shape, rows, request_sampling, detail)
     device_arrays = jax.device_put(packed)
 
     def run_verify():
-        state.kv_cache, out = verify(runner.model.params, state.kv_cache, *verify_args)
+        state.kv_cache, out = verify(runner.program_params.arrays, state.kv_cache, *verify_args)
         return out
 
     def run_draft():
