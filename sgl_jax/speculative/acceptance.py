@@ -85,6 +85,27 @@ class Acceptance:
         return batch_rates([self], kind, server)[0]
 
 
+def record_each(records: Sequence[Acceptance], shape: TreeShape, num_accepted: Sequence[int],
+                steps: Sequence[int]) -> None:
+    """One round of `shape` for several requests, each in its own record (all of one decay):
+    `Acceptance.record` for each, in a few array operations over the round's rows instead of
+    several per row. Each record's counts become a row of the round's [R, depth] arrays."""
+    if not shape.num_steps or not records:
+        return
+    counts = [record.counts[family(shape)] for record in records]
+    decay = counts[0].decay
+    if any(c.decay != decay for c in counts):
+        raise ValueError("records of one round must share their decay")
+    accepted = np.asarray(num_accepted)[:, None]  # [R, 1]
+    depths = np.arange(counts[0].depth)[None, :]
+    tried = np.stack([c.tried for c in counts]) * decay + (
+        depths < np.minimum(accepted + 1, np.asarray(steps)[:, None]))
+    hits = np.stack([c.accepted for c in counts]) * decay + (depths < accepted)
+    for c, row_tried, row_accepted in zip(counts, tried, hits, strict=True):
+        c.tried, c.accepted = row_tried, row_accepted
+        c.version += 1
+
+
 def shrunk(counts: DepthCounts, prior: np.ndarray) -> np.ndarray:
     """f64[depth]: acceptance of each depth given the one above, shrunk to `prior`."""
     return _shrink(counts.accepted, counts.tried, prior)

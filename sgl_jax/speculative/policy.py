@@ -78,6 +78,7 @@ from sgl_jax.speculative.acceptance import (
     Acceptance,
     Calibration,
     batch_rates,
+    record_each,
 )
 from sgl_jax.speculative.batch_end import Refills, batch_end_progress
 from sgl_jax.speculative.config import TreeShape
@@ -374,10 +375,9 @@ class SpeculationPolicy:
         self.rounds_by_shape[shape_name(shape)] += 1
         self.masked_rounds += masked
         outcomes = [outcome for outcome in outcomes if outcome[0] is not None]
-        for acceptance, num_accepted, steps in outcomes:
-            acceptance.record(shape, num_accepted, steps)
         if outcomes:
-            _, accepted, steps = zip(*outcomes, strict=True)
+            records, accepted, steps = zip(*outcomes, strict=True)
+            record_each(records, shape, accepted, steps)
             self.server.record(shape, accepted, steps)
         if self.adaptive and timed and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))

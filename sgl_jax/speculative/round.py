@@ -125,6 +125,9 @@ class RoundOutput:
     verified_nodes: np.ndarray | None = None
     # f32[B, N]: the draft's own log-survival of each node (DraftTree.scores; None: none)
     tree_scores: np.ndarray | None = None
+    # i32[B, S+1]: the accepted path's node at each depth, -1 past it (Verdict.path; copied
+    # only with tree_scores, for calibration)
+    path: np.ndarray | None = None
 
     @functools.cached_property
     def node_depths(self) -> np.ndarray:
@@ -144,7 +147,8 @@ class PendingRound:
         self._arrays = (verdict.tokens, verdict.num_accepted,
                         logprobs if want_logprobs else None,
                         *(top if want_top_logprobs else (None, None)),
-                        tree.tokens, tree.parents, verified_nodes, scores)
+                        tree.tokens, tree.parents, verified_nodes, scores,
+                        None if scores is None else verdict.path)
         start_host_copies(self._arrays)
 
     def result(self) -> RoundOutput:

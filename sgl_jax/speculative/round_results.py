@@ -44,15 +44,10 @@ def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | No
     i32[R, N] each, and which nodes verification tried (verified, with their parent on the
     accepted path) and accepted (on it), bool[R, N] each. `verified`: a packed round's draft
     nodes per row (its first ones), None: every node of the tree."""
-    parents, tokens = output.tree_parents[rows], output.tree_tokens[rows]
+    parents, path = output.tree_parents[rows], output.path[rows]
     on_path = np.zeros(parents.shape, bool)
-    on_path[:, 0] = True
-    accepted, emitted = output.num_accepted[rows], output.tokens[rows]
-    node, every = np.zeros(len(rows), np.int64), np.arange(len(rows))
-    for j in range(int(accepted.max(initial=0))):  # walk the accepted tokens down each tree
-        child = ((parents == node[:, None]) & (tokens == emitted[:, j, None])).argmax(axis=1)
-        node = np.where(j < accepted, child, node)
-        on_path[every, node] = True
+    reached = path >= 0  # the root and each accepted node
+    on_path[np.nonzero(reached)[0], path[reached]] = True
     counted = parents >= 0
     if verified is not None:
         counted &= np.arange(parents.shape[1])[None, :] <= np.take(verified, rows)[:, None]

@@ -83,6 +83,22 @@ def test_a_batch_of_rounds_counts_like_its_rounds_one_by_one():
     assert no_decay.tried.tolist() == [4, 3, 2] and no_decay.accepted.tolist() == [3, 2, 1]
 
 
+def test_a_round_records_each_request_as_its_own_record_would():
+    shape = TreeShape(4, 1, 5)
+    rounds = [(0, 4), (4, 4), (2, 3), (1, 1)]  # (accepted, depth verified) per request
+    alone = [A.Acceptance(4, decay=0.9) for _ in rounds]
+    together = [A.Acceptance(4, decay=0.9) for _ in rounds]
+    for _ in range(3):
+        for record, (accepted, steps) in zip(alone, rounds, strict=True):
+            record.record(shape, accepted, steps)
+        A.record_each(together, shape, *zip(*rounds, strict=True))
+    for one, other in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(one.counts["chain"].tried, other.counts["chain"].tried)
+        np.testing.assert_array_equal(one.counts["chain"].accepted,
+                                      other.counts["chain"].accepted)
+        assert one.version == other.version == 3 and not other.counts["tree"].tried.any()
+
+
 def test_a_round_of_many_requests_counts_in_the_server_stats_as_each_one_would():
     rows = [(0, 4), (4, 4), (2, 3), (0, 0), (1, 1)]  # (accepted, draft depths); 0: no draft
     one_by_one, at_once = AcceptanceStats(4), AcceptanceStats(4)

@@ -17,7 +17,8 @@ from sgl_jax import Engine
 from sgl_jax.speculative.acceptance import Acceptance, Calibration
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
-from sgl_jax.speculative.round import keep_first_nodes, packed_nodes
+from sgl_jax.speculative.round import RoundOutput, keep_first_nodes, packed_nodes
+from sgl_jax.speculative.round_results import node_outcomes
 from sgl_jax.speculative.tree import DraftTree, host_node_depths
 from sgl_jax.speculative.verify_lengths import (
     confident_packing,
@@ -214,6 +215,35 @@ def test_calibration_learns_each_cells_acceptance_and_the_raw_error():
     error = calibration.error()
     assert error["ece"] == pytest.approx(0.25, abs=0.04) and error["nodes"] == 800
     assert error["calibrated_ece"] < 0.05  # the table, as each round found it, is close
+
+
+def test_node_outcomes_read_the_accepted_path_of_each_tree():
+    """Which nodes verification tried (parent on the accepted path) and accepted, from the
+    round's accepted path, against a walk of the emitted tokens down each tree; a packed
+    round counts only the nodes each row verified."""
+    parents = np.array([[-1, 0, 0, 1, 1, 3, -1], [-1, 0, 1, 0, 3, 2, 2]])
+    tokens = np.array([[7, 4, 5, 8, 9, 6, 0], [3, 1, 2, 2, 4, 5, 6]])
+    path = np.array([[0, 1, 3, 5], [0, 3, -1, -1]])  # node at each depth, -1 past the path
+    accepted = (path[:, 1:] >= 0).sum(axis=1)
+    emitted = np.where(path[:, 1:] >= 0, np.take_along_axis(tokens, np.maximum(path, 0),
+                                                            axis=1)[:, 1:], 0)
+    output = RoundOutput(emitted, accepted, None, None, None, tokens, parents,
+                         tree_scores=np.zeros(parents.shape, np.float32), path=path)
+    on_path = np.zeros(parents.shape, bool)
+    for row in range(2):  # walk the emitted tokens from the root
+        node, on_path[row, 0] = 0, True
+        for token in emitted[row, :accepted[row]]:
+            node = next(n for n in range(7) if parents[row, n] == node and tokens[row, n] == token)
+            on_path[row, node] = True
+    expect_tried = (parents >= 0) & on_path[np.arange(2)[:, None], np.maximum(parents, 0)]
+    for verified in (None, [5, 2]):
+        _, _, depths, tried, hit = node_outcomes(output, [0, 1], verified)
+        counted = np.ones(parents.shape, bool) if verified is None else (
+            np.arange(7)[None, :] <= np.array(verified)[:, None])
+        np.testing.assert_array_equal(tried, expect_tried & counted)
+        np.testing.assert_array_equal(hit, expect_tried & counted & on_path)
+        np.testing.assert_array_equal(depths, host_node_depths(parents))
+    assert hit[0].tolist() == [False, True, False, True, False, True, False]
 
 
 def test_packed_variants_of_chains_and_trees():
