@@ -170,7 +170,15 @@ class Calibration:
     cell (calibration_cells: whether the node is its parent's most probable child, and the
     bin of its draft probability given its parent, DraftTree.scores), the decayed counts of
     verified nodes whose parent was accepted, and of those accepted. A cell's estimate
-    starts at its draft probability and moves to what verification measures."""
+    starts at its draft probability and moves to what verification measures.
+
+    Rounds are kept as recorded and counted together when the table or the error is read,
+    or every FOLD_EVERY rounds: the counts are the same as round by round (each row weighted
+    by the decay of the rows recorded after it), at a fraction of the host's work per round
+    where only the error is read. A round's estimate ("predicted") is the table as it stood
+    when its rounds were counted."""
+
+    FOLD_EVERY = 32
 
     def __init__(self, depth: int, decay: float, bins: int = CALIBRATION_BINS):
         self.decay, self.bins = decay, bins
@@ -179,30 +187,53 @@ class Calibration:
         self.claimed = np.zeros((depth, 2 * bins))  # the tried nodes' summed draft probabilities
         self.predicted = np.zeros((depth, 2 * bins))  # ... and their calibrated estimates
         self.midpoints = np.tile((np.arange(bins) + 0.5) / bins, 2)
+        self._recorded: list[tuple[np.ndarray, ...]] = []  # rounds not counted yet
 
     def record(self, scores: np.ndarray, parents: np.ndarray, depths: np.ndarray,
                tried: np.ndarray, accepted: np.ndarray) -> None:
         """Rounds' trees: scores f32[R, N] (DraftTree.scores), parents and node depths
         i32[R, N] each (tree.host_node_depths), and the nodes verification tried (its parent
         accepted) and accepted, bool[R, N] each (round_results.node_outcomes)."""
-        scale = self.decay ** parents.shape[0]
+        self._recorded.append((scores, parents, depths, tried, accepted))
+        if len(self._recorded) >= self.FOLD_EVERY:
+            self._count_recorded()
+
+    def _count_recorded(self) -> None:
+        if not self._recorded:
+            return
+        rounds, self._recorded = self._recorded, []
+        scores, parents, depths, tried, accepted = (np.concatenate(parts) for parts
+                                                    in zip(*rounds, strict=True))
+        # A row's counts decay with every row of the rounds recorded after its own, as when
+        # each round scaled the counts by the decay of its rows before adding its own.
+        sizes = np.array([len(part[1]) for part in rounds])
+        later = np.cumsum(sizes[::-1])[::-1] - sizes  # rows of later rounds, per round
+        weight = np.repeat(self.decay ** later.astype(np.float64), sizes)  # f64[R]
+        scale = self.decay ** float(sizes.sum())
         some = tried.any(axis=1)  # rows without a tried node only decay the counts
-        scores, parents, tried, accepted = scores[some], parents[some], tried[some], accepted[some]
+        scores, parents, depths = scores[some], parents[some], depths[some]
+        tried, accepted, weight = tried[some], accepted[some], weight[some]
         which, own = calibration_cells(np.asarray(scores, np.float64), parents, self.bins)
-        depth = depths[some] - 1  # a table row per draft depth
+        depth = depths - 1  # a table row per draft depth
         tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
         cells = depth * self.tried.shape[1] + which  # [R, N]: flat index into a table
-        estimate = self.table(self.tried.shape[0]).ravel()[cells[tried]]  # before
+        estimate = self._rates(self.tried.shape[0]).ravel()[cells[tried]]  # before
         hit = tried & accepted
-        for counts, index, weights in ((self.tried, cells[tried], None),
-                                       (self.claimed, cells[tried], own[tried]),
-                                       (self.predicted, cells[tried], estimate),
-                                       (self.accepted, cells[hit], None)):
+        node_weight = np.broadcast_to(weight[:, None], tried.shape)
+        weight_tried = node_weight[tried]
+        for counts, index, weights in ((self.tried, cells[tried], weight_tried),
+                                       (self.claimed, cells[tried], weight_tried * own[tried]),
+                                       (self.predicted, cells[tried], weight_tried * estimate),
+                                       (self.accepted, cells[hit], node_weight[hit])):
             counts *= scale
             counts += np.bincount(index, weights, minlength=counts.size).reshape(counts.shape)
 
     def table(self, steps: int) -> np.ndarray:
         """f32[steps, 2K]: each depth's acceptance by cell (confident_packing's calibration)."""
+        self._count_recorded()
+        return self._rates(steps)
+
+    def _rates(self, steps: int) -> np.ndarray:
         rates = ((self.accepted + CALIBRATION_PRIOR * self.midpoints)
                  / (self.tried + CALIBRATION_PRIOR))
         return np.clip(rates[:steps], 1e-3, 1.0).astype(np.float32)
@@ -212,6 +243,7 @@ class Calibration:
         gap between the summed estimates and the nodes accepted, over all nodes tried) of
         the raw draft probabilities ("ece") and of the table's estimates as each round
         found them ("calibrated_ece"), and the nodes counted."""
+        self._count_recorded()
         total = float(self.tried.sum())
         if not total:
             return {"ece": 0.0, "calibrated_ece": 0.0, "nodes": 0.0}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.acceptance import Acceptance, Calibration
+from sgl_jax.speculative.acceptance import Acceptance, Calibration, calibration_cells
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
 from sgl_jax.speculative.round import RoundOutput, keep_first_nodes, packed_nodes
@@ -215,6 +215,35 @@ def test_calibration_learns_each_cells_acceptance_and_the_raw_error():
     error = calibration.error()
     assert error["ece"] == pytest.approx(0.25, abs=0.04) and error["nodes"] == 800
     assert error["calibrated_ece"] < 0.05  # the table, as each round found it, is close
+
+
+def test_calibration_counts_rounds_together_as_it_would_one_by_one():
+    """Rounds of different sizes, counted as recorded (FOLD_EVERY 1) and all at once when
+    the table is read: both the decayed counts of a round-by-round reference (each round
+    scales the counts by the decay of its rows, then adds its nodes)."""
+    rng = np.random.default_rng(1)
+    one_by_one, together = Calibration(3, decay=0.9, bins=4), Calibration(3, decay=0.9, bins=4)
+    one_by_one.FOLD_EVERY = 1
+    expected = {"tried": np.zeros((3, 8)), "accepted": np.zeros((3, 8))}
+    parents = np.array([-1, 0, 0, 1, 2, 3])
+    for rows in (3, 1, 4, 2, 5):
+        tree = np.tile(parents, (rows, 1))
+        scores = np.cumsum(np.log(rng.uniform(0.05, 1.0, tree.shape)), axis=1)
+        tried = (rng.random(tree.shape) < 0.7) & (tree >= 0)
+        hit = tried & (rng.random(tree.shape) < 0.5)
+        for calibration in (one_by_one, together):
+            calibration.record(scores, tree, host_node_depths(tree), tried, hit)
+        which, _ = calibration_cells(scores, tree, 4)
+        depth = host_node_depths(tree) - 1
+        for name, nodes in (("tried", tried), ("accepted", hit)):
+            expected[name] *= 0.9 ** rows
+            np.add.at(expected[name], (depth[nodes], which[nodes]), 1.0)
+    assert len(together._recorded) == 5
+    np.testing.assert_allclose(together.table(3), one_by_one.table(3), rtol=1e-6)
+    for name, counts in expected.items():
+        np.testing.assert_allclose(getattr(together, name), counts, rtol=1e-9)
+        np.testing.assert_allclose(getattr(one_by_one, name), counts, rtol=1e-9)
+    assert not together._recorded
 
 
 def test_node_outcomes_read_the_accepted_path_of_each_tree():
