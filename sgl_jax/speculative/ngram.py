@@ -143,18 +143,23 @@ class NgramProposer:
     def hints(self, reqs: Sequence[Req], padded: int) -> NgramHints:
         """Each request's trie from the text read so far, padded to `padded` rows."""
         m, n = self.num_nodes, len(reqs)
-        tokens = np.zeros((padded, m), np.int32)
-        parents = np.full((padded, m), -1, np.int32)
-        behind = np.zeros(padded, np.int32)
-        probs = np.zeros((n, m), np.float32)
-        for row, req in enumerate(reqs):
-            proposal = self.index.propose(req.rid, m, self.depth)
-            tokens[row], parents[row] = proposal.tokens, proposal.parents
-            probs[row] = proposal.probs
-            behind[row] = (IN_ROUND if req.inflight_extra else IN_STEP) if req.num_inflight else 0
-        scores = np.zeros((padded, m), np.float32)  # padding rows: 0
-        scores[:n] = np.log(np.maximum(probs, 1e-30))
-        return NgramHints(tokens, parents, behind, scores)
+        # Every row's nodes as flat lists (root, proposed nodes, padding), made arrays once.
+        tokens, parents, probs = [], [], []
+        for req in reqs:
+            root, nodes = self.index.propose_nodes(req.rid, m, self.depth)
+            pad = m - 1 - len(nodes)
+            tokens += [root, *(token for token, _, _ in nodes), *[0] * pad]
+            parents += [-1, *(parent for _, parent, _ in nodes), *[-1] * pad]
+            probs += [1.0, *(prob for _, _, prob in nodes), *[0.0] * pad]
+        pad_rows = (padded - n) * m  # padding rows: no nodes, scores 0
+        scores = np.zeros(padded * m, np.float32)
+        scores[:n * m] = np.log(np.maximum(np.array(probs, np.float32), 1e-30))
+        behind = [(IN_ROUND if req.inflight_extra else IN_STEP) if req.num_inflight else 0
+                  for req in reqs]
+        return NgramHints(np.array(tokens + [0] * pad_rows, np.int32).reshape(padded, m),
+                          np.array(parents + [-1] * pad_rows, np.int32).reshape(padded, m),
+                          np.array(behind + [0] * (padded - n), np.int32),
+                          scores.reshape(padded, m))
 
     def offered(self, hints: NgramHints, rows: int) -> list[bool]:
         """Whether each request's trie holds more than its root."""

@@ -156,6 +156,12 @@ class SuffixIndex:
     def propose(self, key: Hashable, max_nodes: int, max_depth: int) -> Proposal:
         """The best-scoring draft tree for the request, at most max_nodes nodes (root
         included) and max_depth tokens below the root; just the root where nothing matches."""
+        return _to_proposal(*self.propose_nodes(key, max_nodes, max_depth), max_nodes)
+
+    def propose_nodes(self, key: Hashable, max_nodes: int, max_depth: int
+                      ) -> tuple[int, list[tuple[int, int, float]]]:
+        """`propose`'s tree as its root token and the nodes below it, (token, parent index,
+        path probability) in node order, for a caller that builds a batch's arrays at once."""
         if max_nodes < 1 or max_depth < 0:
             raise ValueError(f"max_nodes must be >= 1 and max_depth >= 0, "
                              f"got {max_nodes} and {max_depth}")
@@ -183,7 +189,7 @@ class SuffixIndex:
                 if candidate.score > best.score + _SCORE_EPS:
                     best = candidate
                 found[slot] = searches[slot].next(self._shortest_useful(caps, best.score))
-        return _to_proposal(text[-1], best.nodes, max_nodes)
+        return text[-1], best.nodes
 
     def _new_trie(self) -> SuffixTrie:
         return SuffixTrie(self.config.depth, self.config.bucket_size, self.config.min_token_prob)

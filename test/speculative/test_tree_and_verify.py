@@ -10,7 +10,13 @@ import pytest
 
 from sgl_jax.layers.sampler import sample
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-from sgl_jax.speculative.tree import DraftTree, ancestor_mask, node_depths, select_tree
+from sgl_jax.speculative.tree import (
+    DraftTree,
+    ancestor_mask,
+    host_node_depths,
+    node_depths,
+    select_tree,
+)
 from sgl_jax.speculative.verify import AcceptThresholds, verify_tree
 
 # A fixed tree of 6 nodes: 0 -> {1, 2}, 1 -> {3, 4}, 3 -> {5}
@@ -257,3 +263,20 @@ def test_verification_applies_a_logit_bias_and_suppression_once(temperature):
     else:
         assert (first == edited.argmax(-1)).all()
         assert (first != draft).any()  # the edits changed some choices
+
+
+def test_node_depths_on_host_and_device_count_the_edges_to_the_root():
+    """Random trees (parents before children, some nodes unused or cut off: parent -1), up
+    to 64 nodes: each node's depth by walking its parents up, on the host and the device."""
+    rng = np.random.default_rng(0)
+    for num in (1, 2, 7, 8, 33, 64):
+        parents = np.array([[-1] + [int(rng.integers(-1, node)) for node in range(1, num)]
+                            for _ in range(4)], np.int32)
+        expected = np.zeros_like(parents)
+        for row, node in np.ndindex(parents.shape):
+            up = parents[row, node]
+            while up >= 0:
+                expected[row, node] += 1
+                up = parents[row, up]
+        np.testing.assert_array_equal(host_node_depths(parents), expected)
+        np.testing.assert_array_equal(np.asarray(node_depths(jnp.asarray(parents))), expected)
