@@ -202,31 +202,44 @@ class Calibration:
         if not self._recorded:
             return
         rounds, self._recorded = self._recorded, []
-        scores, parents, depths, tried, accepted = (np.concatenate(parts) for parts
-                                                    in zip(*rounds, strict=True))
-        # A row's counts decay with every row of the rounds recorded after its own, as when
-        # each round scaled the counts by the decay of its rows before adding its own.
+        # A round's nodes decay with every row of the rounds recorded after it, as when each
+        # round scaled the counts by the decay of its rows before adding its own.
         sizes = np.array([len(part[1]) for part in rounds])
-        later = np.cumsum(sizes[::-1])[::-1] - sizes  # rows of later rounds, per round
-        weight = np.repeat(self.decay ** later.astype(np.float64), sizes)  # f64[R]
+        weights = self.decay ** (np.cumsum(sizes[::-1])[::-1] - sizes).astype(np.float64)
+        estimates = self._rates(self.tried.shape[0]).ravel()  # the table before these rounds
+        added = [np.zeros(self.tried.size) for _ in range(4)]  # tried, claimed, predicted, hit
+        for width in {part[1].shape[1] for part in rounds}:  # shapes differ in tree width
+            chosen = [i for i, part in enumerate(rounds) if part[1].shape[1] == width]
+            arrays = (np.concatenate([rounds[i][k] for i in chosen]) for k in range(5))
+            weight = np.repeat(weights[chosen], sizes[chosen])  # f64[R]: per row
+            for total, part in zip(added, self._cell_counts(*arrays, weight, estimates),
+                                   strict=True):
+                total += part
         scale = self.decay ** float(sizes.sum())
-        some = tried.any(axis=1)  # rows without a tried node only decay the counts
+        for counts, part in zip((self.tried, self.claimed, self.predicted, self.accepted), added,
+                                strict=True):
+            counts *= scale
+            counts += part.reshape(counts.shape)
+
+    def _cell_counts(self, scores, parents, depths, tried, accepted, weight: np.ndarray,
+                     estimates: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Rows of one tree width (record's arrays, `weight` f64[R]): their weighted counts
+        per flat cell of tried nodes, of their draft probabilities, of their `estimates`
+        (f[depth * 2K]) and of accepted nodes."""
+        some = tried.any(axis=1)  # rows without a tried node add nothing
         scores, parents, depths = scores[some], parents[some], depths[some]
         tried, accepted, weight = tried[some], accepted[some], weight[some]
         which, own = calibration_cells(np.asarray(scores, np.float64), parents, self.bins)
         depth = depths - 1  # a table row per draft depth
         tried = tried & (parents >= 0) & (depth < self.tried.shape[0])
         cells = depth * self.tried.shape[1] + which  # [R, N]: flat index into a table
-        estimate = self._rates(self.tried.shape[0]).ravel()[cells[tried]]  # before
         hit = tried & accepted
         node_weight = np.broadcast_to(weight[:, None], tried.shape)
-        weight_tried = node_weight[tried]
-        for counts, index, weights in ((self.tried, cells[tried], weight_tried),
-                                       (self.claimed, cells[tried], weight_tried * own[tried]),
-                                       (self.predicted, cells[tried], weight_tried * estimate),
-                                       (self.accepted, cells[hit], node_weight[hit])):
-            counts *= scale
-            counts += np.bincount(index, weights, minlength=counts.size).reshape(counts.shape)
+        weight_tried, size = node_weight[tried], self.tried.size
+        return tuple(np.bincount(index, w, minlength=size) for index, w in (
+            (cells[tried], weight_tried), (cells[tried], weight_tried * own[tried]),
+            (cells[tried], weight_tried * estimates[cells[tried]]),
+            (cells[hit], node_weight[hit])))
 
     def table(self, steps: int) -> np.ndarray:
         """f32[steps, 2K]: each depth's acceptance by cell (confident_packing's calibration)."""

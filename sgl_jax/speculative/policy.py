@@ -377,7 +377,8 @@ class SpeculationPolicy:
         outcomes = [outcome for outcome in outcomes if outcome[0] is not None]
         if outcomes:
             records, accepted, steps = zip(*outcomes, strict=True)
-            record_each(records, shape, accepted, steps)
+            if self.adaptive:  # a fixed shape reads no request's estimates
+                record_each(records, shape, accepted, steps)
             self.server.record(shape, accepted, steps)
         if self.adaptive and timed and not masked and (shape, bucket) in self.round_seconds:
             residual = math.log(max(seconds, 1e-9) / self.seconds(shape, bucket))

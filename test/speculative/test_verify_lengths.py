@@ -218,16 +218,16 @@ def test_calibration_learns_each_cells_acceptance_and_the_raw_error():
 
 
 def test_calibration_counts_rounds_together_as_it_would_one_by_one():
-    """Rounds of different sizes, counted as recorded (FOLD_EVERY 1) and all at once when
-    the table is read: both the decayed counts of a round-by-round reference (each round
-    scales the counts by the decay of its rows, then adds its nodes)."""
+    """Rounds of different sizes and tree widths, counted as recorded (FOLD_EVERY 1) and all
+    at once when the table is read: both the decayed counts of a round-by-round reference
+    (each round scales the counts by the decay of its rows, then adds its nodes)."""
     rng = np.random.default_rng(1)
     one_by_one, together = Calibration(3, decay=0.9, bins=4), Calibration(3, decay=0.9, bins=4)
     one_by_one.FOLD_EVERY = 1
     expected = {"tried": np.zeros((3, 8)), "accepted": np.zeros((3, 8))}
-    parents = np.array([-1, 0, 0, 1, 2, 3])
-    for rows in (3, 1, 4, 2, 5):
-        tree = np.tile(parents, (rows, 1))
+    trees = [np.array([-1, 0, 0, 1, 2, 3]), np.array([-1, 0, 1])]  # two shapes' widths
+    for round_index, rows in enumerate((3, 1, 4, 2, 5)):
+        tree = np.tile(trees[round_index % 2], (rows, 1))
         scores = np.cumsum(np.log(rng.uniform(0.05, 1.0, tree.shape)), axis=1)
         tried = (rng.random(tree.shape) < 0.7) & (tree >= 0)
         hit = tried & (rng.random(tree.shape) < 0.5)
