@@ -254,8 +254,8 @@ class Calibration:
     def error(self) -> dict[str, float]:
         """The expected calibration error over the nodes counted (per depth and cell, the
         gap between the summed estimates and the nodes accepted, over all nodes tried) of
-        the raw draft probabilities ("ece") and of the table's estimates as each round
-        found them ("calibrated_ece"), and the nodes counted."""
+        the raw draft probabilities ("ece") and of the table's estimates as each round's
+        nodes were counted ("calibrated_ece"), and the nodes counted."""
         self._count_recorded()
         total = float(self.tried.sum())
         if not total:
