@@ -26,7 +26,7 @@ from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.config import TreeShape
 from sgl_jax.speculative.proposal import align_proposals
 from sgl_jax.speculative.suffix_config import SuffixConfig
-from sgl_jax.speculative.suffix_index import SuffixIndex
+from sgl_jax.speculative.suffix_index import SuffixIndex, proposal_lists
 from sgl_jax.speculative.tree import DraftTree
 
 IN_STEP, IN_ROUND = 1, 2  # NgramHints.behind: what is in flight for the row
@@ -143,14 +143,12 @@ class NgramProposer:
     def hints(self, reqs: Sequence[Req], padded: int) -> NgramHints:
         """Each request's trie from the text read so far, padded to `padded` rows."""
         m, n = self.num_nodes, len(reqs)
-        # Every row's nodes as flat lists (root, proposed nodes, padding), made arrays once.
+        # Every row's nodes as flat lists, made arrays once.
         tokens, parents, probs = [], [], []
         for req in reqs:
-            root, nodes = self.index.propose_nodes(req.rid, m, self.depth)
-            pad = m - 1 - len(nodes)
-            tokens += [root, *(token for token, _, _ in nodes), *[0] * pad]
-            parents += [-1, *(parent for _, parent, _ in nodes), *[-1] * pad]
-            probs += [1.0, *(prob for _, _, prob in nodes), *[0.0] * pad]
+            row = proposal_lists(*self.index.propose_nodes(req.rid, m, self.depth), m)
+            for flat, part in zip((tokens, parents, probs), row, strict=True):
+                flat += part
         pad_rows = (padded - n) * m  # padding rows: no nodes, scores 0
         scores = np.zeros(padded * m, np.float32)
         scores[:n * m] = np.log(np.maximum(np.array(probs, np.float32), 1e-30))

@@ -309,12 +309,20 @@ def _grow(trie: SuffixTrie, root_children: list[Child], root_total: int, max_dep
     return _Candidate(score, nodes)
 
 
-def _to_proposal(root_token: int, nodes: list[tuple[int, int, float]], max_nodes: int
-                 ) -> Proposal:
+def proposal_lists(root_token: int, nodes: list[tuple[int, int, float]], max_nodes: int
+                   ) -> tuple[list[int], list[int], list[float]]:
+    """A Proposal's tokens, parents and probabilities as lists of max_nodes each (the root,
+    `propose_nodes`' nodes, then padding)."""
     pad = max_nodes - 1 - len(nodes)
     tokens = [root_token] + [token for token, _, _ in nodes] + [0] * pad
     parents = [-1] + [parent for _, parent, _ in nodes] + [-1] * pad
     probs = [1.0] + [prob for _, _, prob in nodes] + [0.0] * pad
+    return tokens, parents, probs
+
+
+def _to_proposal(root_token: int, nodes: list[tuple[int, int, float]], max_nodes: int
+                 ) -> Proposal:
+    tokens, parents, probs = proposal_lists(root_token, nodes, max_nodes)
     return Proposal(tokens=np.array(tokens, np.int32), parents=np.array(parents, np.int32),
                     probs=np.array(probs, np.float32))
 
