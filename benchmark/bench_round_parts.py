@@ -131,10 +131,10 @@ class Setup:
         from sgl_jax.model_executor.model_runner import ModelRunner
         from sgl_jax.models.loader import load_model, read_hf_config
         from sgl_jax.server_args import ServerArgs
-        from sgl_jax.speculative.config import TreeShape
-        from sgl_jax.speculative.factories import make_drafter, round_shapes
+        from sgl_jax.speculative.drafters.factories import make_drafter, round_shapes
+        from sgl_jax.speculative.round.verify import AcceptThresholds
+        from sgl_jax.speculative.spec_config import TreeShape
         from sgl_jax.speculative.spec_runner import SpecRunner
-        from sgl_jax.speculative.verify import AcceptThresholds
 
         self.shape = TreeShape(*shape)
         plain = shape[0] == 0  # compiled beside a one-step chain, as the adaptive policy does
@@ -191,8 +191,8 @@ def measure(setup: Setup, batch: int, context: int, repeats: int, shape_name: st
     from sgl_jax.layers.sampler import NO_LOGPROBS
     from sgl_jax.model_executor.forward_batch import SeqChunk
     from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-    from sgl_jax.speculative.round import CATCH_UP_WIDTH, CatchUpRow, RoundInputs, RoundRows
-    from sgl_jax.speculative.tree import DraftTree
+    from sgl_jax.speculative.round.program import CATCH_UP_WIDTH, CatchUpRow, RoundInputs, RoundRows
+    from sgl_jax.speculative.round.tree import DraftTree
 
     rng = np.random.default_rng(0)
     vocab = setup.runner.config.vocab_size

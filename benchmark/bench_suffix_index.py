@@ -39,7 +39,7 @@ if str(_HERE) not in sys.path:
 from bench_speculative import code_edits  # noqa: E402
 
 from sgl_jax import datasets  # noqa: E402
-from sgl_jax.speculative.suffix_index import SuffixIndex  # noqa: E402
+from sgl_jax.speculative.drafters.ngram.suffix_index import SuffixIndex  # noqa: E402
 
 MAX_PROMPT_TOKENS = 1500
 MAX_ANSWER_TOKENS = 400

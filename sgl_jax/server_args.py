@@ -2,7 +2,7 @@
 
 Subsystems read the part they need: the runtime its model and scheduling fields, the HTTP
 server `http`, speculative decoding `speculative` (None without --speculative-algorithm), a
-config each subsystem defines (speculative/config.py) and this module fills from the flags.
+config each subsystem defines (speculative/spec_config.py) and this module fills from the flags.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 from sgl_jax.model_executor.forward_batch import EXTEND_Q_BLOCK
 from sgl_jax.models.loader import DTYPE_CHOICES
-from sgl_jax.speculative.config import SpeculativeConfig
+from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
 from sgl_jax.speculative.flags import (
     NGRAM_MATCH_TYPES,
     SPECULATIVE_ALGORITHMS,
     add_ngram_flags,
     add_speculative_flags,
 )
-from sgl_jax.speculative.suffix_config import SuffixConfig
+from sgl_jax.speculative.spec_config import SpeculativeConfig
 
 DEVICE_CHOICES = ("cpu", "gpu", "cuda", "tpu")
 # `triton` is the name SGLang's GPU users pass; here it selects the same Pallas kernels as `fa`.

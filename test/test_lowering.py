@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from sgl_jax.layers.attention.pallas_gpu import ragged_paged_attention_gpu
-from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.attention import kernel_problem
 from sgl_jax.testing.dspark import write_tiny_dspark_draft

@@ -108,3 +108,15 @@ def test_files_stay_within_their_size_limits():
         if lines > limit:
             too_long.append(f"{path.relative_to(ROOT)}: {lines} lines (limit {limit})")
     assert not too_long, "\n".join(too_long)
+
+
+def test_speculative_file_names_are_its_own():
+    """A file name in speculative/ says what it holds there: none repeats another of its own
+    or one of the packages it works with (scheduler/, runtime/)."""
+    def names(folder: str) -> list[str]:
+        return [p.name for p in (PACKAGE / folder).rglob("*.py") if p.name != "__init__.py"]
+
+    speculative = names("speculative")
+    repeated = {name for name in speculative if speculative.count(name) > 1}
+    shared = set(speculative) & set(names("scheduler") + names("runtime"))
+    assert not repeated | shared, sorted(repeated | shared)

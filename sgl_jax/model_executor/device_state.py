@@ -3,10 +3,10 @@
 The plain decode step and every speculative program read and write the same KV cache, the
 same per-slot last tokens and (hybrid models) the same recurrent-state pool, so they live in
 one object that the engine's runners share; what only speculation keeps (a drafter's cache,
-the slots' round state) is the speculative runner's own (speculative/round.py). Programs take
-these arrays donated and return their successors, which the runner that dispatched the
-program stores back here: a donated buffer is gone after the call, so nothing else may keep a
-reference to one.
+the slots' round state) is the speculative runner's own (speculative/round/program.py).
+Programs take these arrays donated and return their successors, which the runner that
+dispatched the program stores back here: a donated buffer is gone after the call, so nothing
+else may keep a reference to one.
 """
 
 from __future__ import annotations

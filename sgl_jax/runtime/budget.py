@@ -16,7 +16,7 @@ from sgl_jax.model_executor.forward_batch import Buckets
 from sgl_jax.models.loader import LoadedModel
 from sgl_jax.parallel import bytes_per_device
 from sgl_jax.server_args import ServerArgs
-from sgl_jax.speculative.drafter import DraftCache
+from sgl_jax.speculative.drafters.interface import DraftCache
 
 logger = logging.getLogger(__name__)
 

@@ -50,10 +50,10 @@ from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.scheduler import OutputCallback, Scheduler
 from sgl_jax.scheduler.slot_table import SlotTable
 from sgl_jax.server_args import ServerArgs
-from sgl_jax.speculative.decoder import SpecDecoder
-from sgl_jax.speculative.factories import DrafterSetup, make_drafter, round_shapes
+from sgl_jax.speculative.decode_loop import SpecDecoder
+from sgl_jax.speculative.drafters.factories import DrafterSetup, make_drafter, round_shapes
+from sgl_jax.speculative.round.verify import AcceptThresholds
 from sgl_jax.speculative.spec_runner import SpecRunner
-from sgl_jax.speculative.verify import AcceptThresholds
 from sgl_jax.version import __version__
 
 logger = logging.getLogger(__name__)

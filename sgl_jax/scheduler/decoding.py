@@ -3,7 +3,7 @@
 The scheduler decides which requests run (admission, chunked prefill, retraction) and when a
 step's results are read; a `Decoding` decides how the step runs on the device and what its
 results append to each request. Plain decoding samples one token per request per step;
-speculative decoding (speculative/decoder.py) runs draft-and-verify rounds behind the same
+speculative decoding (speculative/decode_loop.py) runs draft-and-verify rounds behind the same
 methods. The scheduler knows no more of either than this interface.
 
 A step is launched, then settled a step later (the loop runs one step ahead of its results):

@@ -3,7 +3,7 @@ decoding (scheduler/decoding.py).
 
 The target's K/V at a position depend only on the tokens up to it, so plain decoding reuses
 every page of a matched prefix (`ReuseEveryPage`). A draft whose cache slot pairs a position
-with the token after it has a stricter rule (speculative/page_reuse.py).
+with the token after it has a stricter rule (speculative/next_token_pages.py).
 """
 
 from __future__ import annotations

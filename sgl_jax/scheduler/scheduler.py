@@ -17,7 +17,7 @@ runs them in order. A step that needs the host's view of every token settles fir
 retraction, and decode batches with a grammar-constrained request (its matcher must take
 the last token before it can mask the next). How a step runs on the device is the
 `Decoding`'s (scheduler/decoding.py): plain decoding, or speculative rounds run ahead of their
-results the same way (speculative/decoder.py).
+results the same way (speculative/decode_loop.py).
 """
 
 from __future__ import annotations

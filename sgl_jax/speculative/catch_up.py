@@ -14,10 +14,10 @@ import numpy as np
 
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative import spec_warmup
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
+from sgl_jax.speculative.policy.shape_policy import PLAIN, SpeculationPolicy
 from sgl_jax.speculative.request_state import DraftStates
-from sgl_jax.speculative.round import CATCH_UP_WIDTH, CatchUpRow
+from sgl_jax.speculative.round.program import CATCH_UP_WIDTH, CatchUpRow
+from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.speculative.spec_runner import SpecRunner
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.policy import Acceptance
-from sgl_jax.speculative.stats import AcceptanceStats
+from sgl_jax.speculative.policy.acceptance_stats import AcceptanceStats
+from sgl_jax.speculative.policy.shape_policy import Acceptance
 
 
 @dataclass

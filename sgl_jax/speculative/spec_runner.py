@@ -1,7 +1,7 @@
 """SpecRunner: the jitted steps of speculative decoding, beside the target's ModelRunner.
 
 Its programs, each built per bucket (model_executor/programs.py; a plain round where no
-request has a draft is the target's own decode step, run from speculative/decoder.py):
+request has a draft is the target's own decode step, run from speculative/decode_loop.py):
 
 - `prefill`: the target's extend (prompt chunks) with its captured hidden states and the
   draft's extend over the same tokens; for the requests whose prompt is now complete, the
@@ -11,7 +11,7 @@ request has a draft is the target's own decode step, run from speculative/decode
   the drafter proposes a tree per row, `round.verify_trees` runs every tree in one target
   forward with the tree mask, walks the accepted path and moves its nodes' target KV to
   consecutive slots, then the drafter advances over the accepted tokens (an EAGLE draft's
-  extend gives the next root). The parts are pure functions (round.py, drafter.py).
+  extend gives the next root). The parts are pure functions (round/, drafters/).
 - `catch_up`: the draft extended over the tokens that plain rounds committed without it (see
   below), from the target features those rounds returned.
 - `draft_trees` then `masked_verify`, the flags' shape as two programs: the draft's trees
@@ -21,9 +21,9 @@ request has a draft is the target's own decode step, run from speculative/decode
   call takes host arrays only, so other nodes can replay it.
 
 Trees are grown at the start of the round that verifies them, so each round may take another
-shape (the adaptive policy's choice) without a program per pair of shapes. What passes from
-one round to the next stays on the device (round.py), so a round can be dispatched before the
-host has read the one before it (`PendingRound`). Every program takes and returns the
+shape (the adaptive policy's choice) without a program per pair of shapes. What passes
+between rounds stays on the device (round/program.py), so a round can be dispatched before
+the host has read the one before it (`PendingRound`). Every program takes and returns the
 target's device state (KV cache, last tokens) and this runner's (`DraftDeviceState`),
 donated; every method that launches device work is a `device_call` (multi-host followers
 replay it). Warm-up, building and timing: spec_warmup.py.
@@ -68,9 +68,9 @@ from sgl_jax.model_executor.model_runner import (
 from sgl_jax.model_executor.packing import Layouts, Packing, unpack
 from sgl_jax.model_executor.programs import Programs
 from sgl_jax.parallel.multihost import device_call
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.drafter import Drafter, root_only_tree
-from sgl_jax.speculative.round import (
+from sgl_jax.speculative.drafters.interface import Drafter, root_only_tree
+from sgl_jax.speculative.policy.request_lengths import packed_counts, round_packing, rows_for
+from sgl_jax.speculative.round.program import (
     CatchUpRow,
     DraftDeviceState,
     PendingRound,
@@ -85,9 +85,9 @@ from sgl_jax.speculative.round import (
     target_features,
     verify_trees,
 )
-from sgl_jax.speculative.tree import DraftTree, limit_depth
-from sgl_jax.speculative.verify import AcceptThresholds
-from sgl_jax.speculative.verify_lengths import packed_counts, round_packing, rows_for
+from sgl_jax.speculative.round.tree import DraftTree, limit_depth
+from sgl_jax.speculative.round.verify import AcceptThresholds
+from sgl_jax.speculative.spec_config import TreeShape
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Compiling a SpecRunner's programs before they serve, and which programs a batch bucket
-may run meanwhile (round_timing.py times the round programs for the adaptive policy).
+may run meanwhile (policy/round_timing.py times the round programs for the adaptive policy).
 
 A runner given here may be rank 0's `Mirrored` view of one (several nodes): its device calls
 (rounds, catch-ups) reach the other ranks too, so whatever runs while serving
@@ -21,10 +21,10 @@ from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch, ready_batch_limit
 from sgl_jax.model_executor.programs import build_in_pairs
 from sgl_jax.process_maps import WarmupForecast
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN
-from sgl_jax.speculative.round import CatchUpRow, RoundRows, allow_every_id
-from sgl_jax.speculative.round_timing import keep_timings, time_rounds
+from sgl_jax.speculative.policy.round_timing import keep_timings, time_rounds
+from sgl_jax.speculative.policy.shape_policy import PLAIN
+from sgl_jax.speculative.round.program import CatchUpRow, RoundRows, allow_every_id
+from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.speculative.spec_runner import SpecRunner
 
 

@@ -51,7 +51,7 @@ def believe_round_costs(engine: Any, costs_ms: dict[str, float]) -> None:
     """The engine's adaptive policy believes a round of each shape costs costs_ms[its name]
     ("plain", "3/1/4", "3/1/4:2") whatever it measures, shapes it times while serving
     included: tests pick the shapes a round takes through the costs."""
-    from sgl_jax.speculative.policy import shape_name
+    from sgl_jax.speculative.policy.shape_policy import shape_name
 
     policy = engine.runtime.scheduler.decoding.policy
 

@@ -11,7 +11,7 @@ import pytest
 from sgl_jax.layers.attention.metadata import LayerKV, pack_mask_bits, window_visible
 from sgl_jax.layers.attention.native import native_attention, ragged_paged_attention_reference
 from sgl_jax.model_executor.forward_batch import Buckets, SeqChunk, build_forward_batch
-from sgl_jax.speculative.round import packed_nodes
+from sgl_jax.speculative.round.program import packed_nodes
 from sgl_jax.testing.attention import (
     BATCH_MODES,
     FP8_KV_DTYPES,

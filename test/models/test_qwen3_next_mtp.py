@@ -21,7 +21,7 @@ from sgl_jax.layers.attention import get_attention_backend
 from sgl_jax.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax.model_executor.forward_batch import BatchShape, SeqChunk, build_forward_batch
 from sgl_jax.models.loader import CheckpointError, load_model, load_nextn_draft
-from sgl_jax.speculative.drafts import NextnDraft
+from sgl_jax.speculative.drafters.head_networks import NextnDraft
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.mtp import mtp_layer_config, write_mtp_tensors
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.policy import PLAIN, SPECULATION_MARGIN
-from sgl_jax.speculative.round import CATCH_UP_WIDTH
+from sgl_jax.speculative.policy.shape_policy import PLAIN, SPECULATION_MARGIN
+from sgl_jax.speculative.round.program import CATCH_UP_WIDTH
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import cached_draft_keys, write_tiny_eagle3_draft
 from sgl_jax.testing.server import launch_server
@@ -122,7 +122,7 @@ def test_a_draft_that_predicts_everything_speculates_deepest_when_rounds_cost_al
     assert info["spec_believed_accept_rates"]["chain"][0] > 0.9
     assert info["spec_last_choice"]["accept_length"]["3/1/4"] > 3.5
     # A wave of four run to its end: three slots freed while others ran, none taken
-    # (batch_end.Refills), so the lone request after it is judged by its end.
+    # (refills.Refills), so the lone request after it is judged by its end.
     assert info["spec_freed_slots"] == {"taken": 0, "untaken": 3}
     assert info["spec_last_choice"]["judged_by"] == "batch end"
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.speculative.dflash_drafter import position_topk_tree
-from sgl_jax.speculative.tree import node_depths
+from sgl_jax.speculative.drafters.dflash import position_topk_tree
+from sgl_jax.speculative.round.tree import node_depths
 
 
 def tree_paths(tokens: np.ndarray, parents: np.ndarray) -> set[tuple[int, ...]]:

@@ -25,8 +25,8 @@ from sgl_jax.model_executor.forward_batch import SeqChunk
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
 from sgl_jax.models import llama_eagle3
 from sgl_jax.models.loader import load_eagle3_draft
-from sgl_jax.speculative.round import RoundInputs, packed_nodes, verify_trees
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.round.program import RoundInputs, packed_nodes, verify_trees
+from sgl_jax.speculative.round.tree import DraftTree
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.dflash import fit_dflash_draft, write_tiny_dflash_draft
 from sgl_jax.testing.dspark import write_tiny_dspark_draft

@@ -1,22 +1,22 @@
 """The adaptive speculation policy on synthetic acceptance and costs: the formula, the choice
 it implies at small and large batches, per-request estimates, cost drift and probing; rounds
-judged by the batch's end where freed slots stay free (batch_end.py)."""
+judged by the batch's end where freed slots stay free (policy/refills.py)."""
 
 import numpy as np
 import pytest
 
-from sgl_jax.speculative import acceptance as A
-from sgl_jax.speculative import batch_end as E
-from sgl_jax.speculative import policy as P
-from sgl_jax.speculative.batch_end import Refills, batch_end_progress
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import (
+from sgl_jax.speculative.policy import acceptance as A
+from sgl_jax.speculative.policy import refills as E
+from sgl_jax.speculative.policy import shape_policy as P
+from sgl_jax.speculative.policy.acceptance_stats import AcceptanceStats
+from sgl_jax.speculative.policy.refills import Refills, batch_end_progress
+from sgl_jax.speculative.policy.shape_policy import (
     PLAIN,
     SPECULATION_MARGIN,
     SpeculationPolicy,
     candidate_shapes,
 )
-from sgl_jax.speculative.stats import AcceptanceStats
+from sgl_jax.speculative.spec_config import TreeShape
 
 TREE = TreeShape(3, 4, 8)
 CHAIN1, CHAIN3 = TreeShape(1, 1, 2), TreeShape(3, 1, 4)

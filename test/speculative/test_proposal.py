@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from sgl_jax.speculative.proposal import align_proposals
-from sgl_jax.speculative.tree import node_depths
+from sgl_jax.speculative.drafters.ngram.alignment import align_proposals
+from sgl_jax.speculative.round.tree import node_depths
 
 align = jax.jit(align_proposals, static_argnames=("num_nodes", "max_depth"))
 

@@ -14,8 +14,8 @@ import pytest
 from sgl_jax.model_executor.forward_batch import Buckets
 from sgl_jax.model_executor.programs import BackgroundBuilder
 from sgl_jax.speculative import spec_warmup
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN
+from sgl_jax.speculative.policy.shape_policy import PLAIN
+from sgl_jax.speculative.spec_config import TreeShape
 
 SIZES = (1, 2, 4, 8)
 SHAPES = (PLAIN, TreeShape(3, 1, 4), TreeShape(3, 4, 8))  # an adaptive menu: two drafted

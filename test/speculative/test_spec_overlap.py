@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.policy import PLAIN
+from sgl_jax.speculative.policy.shape_policy import PLAIN
 from sgl_jax.testing import write_noisy_copy, write_tiny_checkpoint
 from sgl_jax.testing.eagle3 import write_tiny_eagle3_draft
 from sgl_jax.testing.engines import every_stop_rule, printable_stop, walk_away_mid_run

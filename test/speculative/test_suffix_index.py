@@ -13,9 +13,9 @@ import random
 import numpy as np
 import pytest
 
-from sgl_jax.speculative import suffix_trie
-from sgl_jax.speculative.suffix_config import SuffixConfig
-from sgl_jax.speculative.suffix_index import Proposal, SuffixIndex
+from sgl_jax.speculative.drafters.ngram import suffix_trie
+from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
+from sgl_jax.speculative.drafters.ngram.suffix_index import Proposal, SuffixIndex
 
 # ---------------------------------------------------------------- the brute-force reference
 

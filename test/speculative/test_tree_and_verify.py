@@ -10,14 +10,14 @@ import pytest
 
 from sgl_jax.layers.sampler import sample
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-from sgl_jax.speculative.tree import (
+from sgl_jax.speculative.round.tree import (
     DraftTree,
     ancestor_mask,
     host_node_depths,
     node_depths,
     select_tree,
 )
-from sgl_jax.speculative.verify import AcceptThresholds, verify_tree
+from sgl_jax.speculative.round.verify import AcceptThresholds, verify_tree
 
 # A fixed tree of 6 nodes: 0 -> {1, 2}, 1 -> {3, 4}, 3 -> {5}
 PARENTS = [-1, 0, 0, 1, 1, 3]

@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.speculative.acceptance import Acceptance, Calibration, calibration_cells
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy, candidate_shapes
-from sgl_jax.speculative.round import RoundOutput, keep_first_nodes, packed_nodes
-from sgl_jax.speculative.round_results import node_outcomes
-from sgl_jax.speculative.tree import DraftTree, host_node_depths
-from sgl_jax.speculative.verify_lengths import (
+from sgl_jax.speculative.policy.acceptance import Acceptance, Calibration, calibration_cells
+from sgl_jax.speculative.policy.request_lengths import (
     confident_packing,
     draft_counts,
     node_survival,
@@ -29,6 +24,11 @@ from sgl_jax.speculative.verify_lengths import (
     packed_shapes,
     round_tokens,
 )
+from sgl_jax.speculative.policy.shape_policy import PLAIN, SpeculationPolicy, candidate_shapes
+from sgl_jax.speculative.round.program import RoundOutput, keep_first_nodes, packed_nodes
+from sgl_jax.speculative.round.results import node_outcomes
+from sgl_jax.speculative.round.tree import DraftTree, host_node_depths
+from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.engines import believe_round_costs
 

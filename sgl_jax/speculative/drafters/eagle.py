@@ -3,7 +3,7 @@
 Its cache slot t pairs the target's features at t with token t+1, so after an extend its
 output at the last pair predicts the first draft token: that output is the request slot's
 row (`SlotState.draft`, f[S, H]) the next tree grows from. Trees are EAGLE-2's
-(drafts.grow_tree); after verification the head extends over the accepted path's pairs.
+(round/draft_growth.grow_tree); after verification the head extends over the accepted path's pairs.
 Plain rounds may leave it behind: it is caught up from the target features they returned.
 """
 
@@ -14,9 +14,10 @@ import jax.numpy as jnp
 
 from sgl_jax.layers.attention import ModelCache
 from sgl_jax.model_executor.forward_batch import window_metadata
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.drafter import DraftCache
-from sgl_jax.speculative.drafts import DraftModel, grow_tree
+from sgl_jax.speculative.drafters.head_networks import DraftModel
+from sgl_jax.speculative.drafters.interface import DraftCache
+from sgl_jax.speculative.round.draft_growth import grow_tree
+from sgl_jax.speculative.spec_config import TreeShape
 
 
 class HeadDrafter:

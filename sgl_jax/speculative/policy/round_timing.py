@@ -11,9 +11,9 @@ import numpy as np
 
 from sgl_jax.model_executor import decode_rows
 from sgl_jax.model_executor.model_runner import greedy_sampling_batch
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy import PLAIN
-from sgl_jax.speculative.round import RoundRows
+from sgl_jax.speculative.policy.shape_policy import PLAIN
+from sgl_jax.speculative.round.program import RoundRows
+from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.speculative.spec_runner import SpecRunner
 
 TIMINGS = "round_seconds"  # the executable store's record of them

@@ -52,8 +52,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_jax.speculative.suffix_config import SuffixConfig
-from sgl_jax.speculative.suffix_trie import Child, Handle, SuffixTrie
+from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
+from sgl_jax.speculative.drafters.ngram.suffix_trie import Child, Handle, SuffixTrie
 
 # A later candidate tree must score higher than the best by more than this to replace it:
 # scores are sums of float products, and two equal trees reached by different arithmetic

@@ -19,13 +19,13 @@ from sgl_jax.layers.attention import AttentionBackend, ModelCache
 from sgl_jax.model_executor.forward_batch import window_metadata
 from sgl_jax.models import qwen3_next
 from sgl_jax.models.loader import LoadedModel
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.drafter import DraftCache
-from sgl_jax.speculative.drafts import grow_tree
+from sgl_jax.speculative.drafters.interface import DraftCache
+from sgl_jax.speculative.round.draft_growth import grow_tree
+from sgl_jax.speculative.spec_config import TreeShape
 
 
 class StandaloneDraft:
-    """The draft network (drafts.DraftModel) over a loaded model."""
+    """The draft network (head_networks.DraftModel) over a loaded model."""
 
     uses_target_features = False
     feature_source = ""

@@ -1,4 +1,5 @@
-"""DFLASH: a DFlash head (models/dflash.py) behind the drafter interface (drafter.py).
+"""DFLASH: a DFlash head (models/dflash.py) behind the drafter interface
+(drafters/interface.py).
 
 Its cache holds, at every committed position t, each layer's context keys and values made
 from the target's captured layers at t (the prefill writes the prompt's, `advance` those of
@@ -17,10 +18,10 @@ from sgl_jax.layers.sampler import vocab_top_k
 from sgl_jax.model_executor.forward_batch import kv_slots, window_metadata
 from sgl_jax.models import dflash
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.drafter import DraftCache
-from sgl_jax.speculative.drafts import target_head, target_head_logits
-from sgl_jax.speculative.tree import DraftTree, select_tree
+from sgl_jax.speculative.drafters.head_networks import target_head, target_head_logits
+from sgl_jax.speculative.drafters.interface import DraftCache
+from sgl_jax.speculative.round.tree import DraftTree, select_tree
+from sgl_jax.speculative.spec_config import TreeShape
 
 
 class DFlashDrafter:

@@ -45,7 +45,7 @@ estimates come from:
 The batch's end: where slots that requests free by finishing stay free (an offline batch run
 to its end), speeding up some requests does not end the batch sooner; there each shape is
 scored by how much of the batch's remaining work a round does, which the request expected
-to end last decides (batch_end.py), in place of sum_r L_r(X).
+to end last decides (policy/refills.py), in place of sum_r L_r(X).
 
 Probes: plain rounds measure no acceptance, and a policy that keeps speculating never times
 plain rounds. So after a run of rounds on one side (plain, or speculating) the policy runs one
@@ -74,22 +74,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_jax.speculative.acceptance import (
+from sgl_jax.speculative.policy.acceptance import (
     Acceptance,
     Calibration,
     batch_rates,
     record_each,
 )
-from sgl_jax.speculative.batch_end import Refills, batch_end_progress
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.policy_report import Choice, policy_info, shape_name
-from sgl_jax.speculative.verify_lengths import (
+from sgl_jax.speculative.policy.refills import Refills, batch_end_progress
+from sgl_jax.speculative.policy.report import Choice, policy_info, shape_name
+from sgl_jax.speculative.policy.request_lengths import (
     draft_counts,
     node_survival,
     packed_budget,
     round_tokens,
     row_tokens,
 )
+from sgl_jax.speculative.spec_config import TreeShape
 
 PLAIN = TreeShape(num_steps=0, topk=1, num_draft_tokens=1)  # the root alone: one token
 REQUEST_DECAY = 0.9  # a request's counts fade over about ten rounds
@@ -126,7 +126,7 @@ class _Judged:
     seconds: dict[TreeShape, float]  # believed cost of a round
     rates: dict[TreeShape, float]  # what is maximised: tokens (or batch-end progress) a second
     winners: list[TreeShape]  # the speculative shapes that beat plain (beating_plain)
-    by_end: bool  # judged by the batch's end (batch_end)
+    by_end: bool  # judged by the batch's end (policy/refills.py)
 
 
 class SpeculationPolicy:
@@ -153,7 +153,7 @@ class SpeculationPolicy:
         self.streak = 0  # rounds in a row whose best shape was on the same side
         self.streak_plain = True  # that side: plain, or speculating
         self.finished_requests = {"with_draft": 0, "without_draft": 0}
-        self.refills = Refills()  # whether freed slots are taken: see batch_end
+        self.refills = Refills()  # whether freed slots are taken: see policy/refills.py
         self.last: Choice | None = None
         self._row_tokens: tuple | None = None  # expected_row_tokens' last (key, records, answer)
 
@@ -241,7 +241,7 @@ class SpeculationPolicy:
         grammar-constrained request may take only plain rounds and the flags' shape, whose
         trees the host masks. Only shapes timed in `bucket` are taken (_timed). With
         `remaining` (the tokens each request may still generate), a round is judged by the
-        batch's end while freed slots stay free (batch_end), else by its tokens a second.
+        batch's end while freed slots stay free (policy/refills.py), else by its tokens a second.
 
         `offered`, for a drafter that proposes on the host: which requests have a draft to
         offer this round (the others count as without one). It is asked only where the round
@@ -355,7 +355,7 @@ class SpeculationPolicy:
     def verify_counts(self, requests: Sequence[Acceptance | None], shape: TreeShape,
                       bucket: int) -> np.ndarray:
         """i32[R]: the draft nodes each request verifies in a packed round of `shape` (none
-        for a request without a draft); see verify_lengths."""
+        for a request without a draft); see policy/request_lengths.py."""
         counts = np.zeros(len(requests), np.int32)
         drafted = [i for i, r in enumerate(requests) if r is not None]
         if drafted:

@@ -27,16 +27,16 @@ from sgl_jax.models.loader import (
     load_model,
     load_nextn_draft,
 )
-from sgl_jax.speculative.config import SpeculativeConfig, TreeShape
-from sgl_jax.speculative.dflash_drafter import DFlashDrafter
-from sgl_jax.speculative.drafter import Drafter, NoProposer, Proposer
-from sgl_jax.speculative.drafts import Eagle3Draft, EagleDraft, NextnDraft
-from sgl_jax.speculative.dspark_drafter import DSparkDrafter
-from sgl_jax.speculative.head_drafter import HeadDrafter
-from sgl_jax.speculative.ngram import NgramDrafter, NgramProposer
-from sgl_jax.speculative.policy import PLAIN, candidate_shapes
-from sgl_jax.speculative.standalone import StandaloneDraft, StandaloneDrafter
-from sgl_jax.speculative.verify_lengths import packed_shapes
+from sgl_jax.speculative.drafters.dflash import DFlashDrafter
+from sgl_jax.speculative.drafters.dspark import DSparkDrafter
+from sgl_jax.speculative.drafters.eagle import HeadDrafter
+from sgl_jax.speculative.drafters.head_networks import Eagle3Draft, EagleDraft, NextnDraft
+from sgl_jax.speculative.drafters.interface import Drafter, NoProposer, Proposer
+from sgl_jax.speculative.drafters.ngram.drafter import NgramDrafter, NgramProposer
+from sgl_jax.speculative.drafters.standalone import StandaloneDraft, StandaloneDrafter
+from sgl_jax.speculative.policy.request_lengths import packed_shapes
+from sgl_jax.speculative.policy.shape_policy import PLAIN, candidate_shapes
+from sgl_jax.speculative.spec_config import SpeculativeConfig, TreeShape
 
 logger = logging.getLogger(__name__)
 

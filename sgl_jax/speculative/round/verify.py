@@ -34,7 +34,7 @@ from sgl_jax.layers.sampler import (
     row_uniform,
     vocab_argmax,
 )
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.round.tree import DraftTree
 
 _ACCEPT_STREAM, _BONUS_STREAM, _DRAFT_STREAM = 1, 2, 3  # apart from plain sampling's
 

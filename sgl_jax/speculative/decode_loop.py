@@ -41,13 +41,13 @@ from sgl_jax.scheduler.req import Req
 from sgl_jax.scheduler.slot_table import SlotTable
 from sgl_jax.speculative import spec_warmup
 from sgl_jax.speculative.catch_up import CatchUps
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.drafter import NoProposer, Proposer
-from sgl_jax.speculative.page_reuse import NextTokenPages
-from sgl_jax.speculative.policy import PLAIN, SpeculationPolicy
+from sgl_jax.speculative.drafters.interface import NoProposer, Proposer
+from sgl_jax.speculative.next_token_pages import NextTokenPages
+from sgl_jax.speculative.policy.acceptance_stats import AcceptanceStats
+from sgl_jax.speculative.policy.shape_policy import PLAIN, SpeculationPolicy
 from sgl_jax.speculative.request_state import DraftState, DraftStates
-from sgl_jax.speculative.round import PendingRound, RoundOutput, packed_nodes
-from sgl_jax.speculative.round_results import (
+from sgl_jax.speculative.round.program import PendingRound, RoundOutput, packed_nodes
+from sgl_jax.speculative.round.results import (
     emit_run,
     max_depth,
     node_outcomes,
@@ -56,8 +56,8 @@ from sgl_jax.speculative.round_results import (
     tree_masks,
     verified_in,
 )
+from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.speculative.spec_runner import SpecRunner
-from sgl_jax.speculative.stats import AcceptanceStats
 
 
 @dataclass(frozen=True)
@@ -229,9 +229,9 @@ class SpecDecoder:
 
     def verified_nodes(self, reqs: list[Req], shape: TreeShape, bucket: int,
                        records: list) -> list[int] | None:
-        """A packed round's draft nodes per request: the policy's shares (verify_lengths),
-        a chain's within each request's own cap (a tree's nodes past it are cut by the
-        round's program); None for any other round."""
+        """A packed round's draft nodes per request: the policy's shares
+        (policy/request_lengths.py), a chain's within each request's own cap (a tree's nodes
+        past it are cut by the round's program); None for any other round."""
         if not shape.verify_width:
             return None
         counts = self.policy.verify_counts(records, shape, bucket).tolist()

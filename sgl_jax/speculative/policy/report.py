@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.spec_config import TreeShape
 
 
 def shape_name(shape: TreeShape) -> str:
@@ -42,7 +42,7 @@ class Choice:
 
     @property
     def judged_by(self) -> str:
-        """"tokens": tokens_per_s; "batch end": batch_end.progress a second."""
+        """"tokens": tokens_per_s; "batch end": refills.progress a second."""
         return "batch end" if self.judged.by_end else "tokens"
 
 

@@ -26,7 +26,7 @@ class DraftTree:
     child_q: jax.Array | None = None
     # f32[B, N] or None: each node's log-survival by the draft's own estimate (its path's
     # summed draft log-probabilities, or a confidence head's; 0 at the root): what a packed
-    # round allocates its nodes by (verify_lengths.confident_packing). None: no estimate (the
+    # round allocates its nodes by (request_lengths.confident_packing). None: no estimate (the
     # host's allocation then stands)
     scores: jax.Array | None = None
 

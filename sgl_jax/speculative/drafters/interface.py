@@ -12,9 +12,10 @@ runner allocates it with the target's page ids) and in one row per request slot
 (`SlotState.draft`, `slot_width` wide). A drafter that works on the host (NGRAM) hands its
 proposals to the round as `RoundRows.hints`, made by its `Proposer`.
 
-The drafters: `HeadDrafter` (EAGLE3, EAGLE, NEXTN: head_drafter.py), `StandaloneDrafter`
-(standalone.py), `DFlashDrafter` (dflash_drafter.py), `NgramDrafter` (ngram.py); each
-algorithm's factory (factories.py) builds one with its proposer.
+The drafters, one module each in this folder: `HeadDrafter` (EAGLE3, EAGLE, NEXTN: eagle.py),
+`StandaloneDrafter` (standalone.py), `DFlashDrafter` (dflash.py), `DSparkDrafter` (dspark.py),
+`NgramDrafter` (ngram/drafter.py); each algorithm's factory (factories.py) builds one with its
+proposer.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from sgl_jax.model_executor.forward_batch import ForwardBatch
 from sgl_jax.models.config import ModelConfig
 from sgl_jax.parallel import TensorParallel
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.round import RoundInputs, Verified
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.round.program import RoundInputs, Verified
+from sgl_jax.speculative.round.tree import DraftTree
+from sgl_jax.speculative.spec_config import TreeShape
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Drafter(Protocol):
     full_depth: bool  # every tree reaches the round's depth (else its depth varies by row)
     # Its cache slot t pairs the target's features at t with token t+1 (EAGLE's heads), so a
     # prompt's last cached slot needs the token after the prompt, and a cached page's last
-    # slot the token after the page (speculative/page_reuse.py).
+    # slot the token after the page (speculative/next_token_pages.py).
     pairs_next_token: bool
     slot_width: int  # D: its per-slot state SlotState.draft [S, D]
     slot_dtype: Any
@@ -118,7 +119,7 @@ def root_only_tree(roots: jax.Array) -> DraftTree:
 
 class Proposer(Protocol):
     """The host half of a drafter that proposes on the host, fed every token the host reads
-    (speculative/decoder.py calls it)."""
+    (speculative/decode_loop.py calls it)."""
 
     on_host: bool  # whether `hints` does work on the host (then asked only where it may pay)
 

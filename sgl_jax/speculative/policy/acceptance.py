@@ -1,4 +1,4 @@
-"""Acceptance estimates for the adaptive policy (policy.py): per draft depth, how often a
+"""Acceptance estimates for the adaptive policy (shape_policy.py): per draft depth, how often a
 request's (or the server's) rounds that verified the depth accepted it, given the depth
 above was accepted; decayed counts, shrunk towards a prior."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.spec_config import TreeShape
 
 INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
 PRIOR_WEIGHT = 2.0  # a request's estimate counts the server-wide one as this many tries
@@ -193,7 +193,7 @@ class Calibration:
                tried: np.ndarray, accepted: np.ndarray) -> None:
         """Rounds' trees: scores f32[R, N] (DraftTree.scores), parents and node depths
         i32[R, N] each (tree.host_node_depths), and the nodes verification tried (its parent
-        accepted) and accepted, bool[R, N] each (round_results.node_outcomes)."""
+        accepted) and accepted, bool[R, N] each (results.node_outcomes)."""
         self._recorded.append((scores, parents, depths, tried, accepted))
         if len(self._recorded) >= self.FOLD_EVERY:
             self._count_recorded()

@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.speculative.acceptance import Calibration, calibration_cells, family
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.round import RoundRows, nodes_per_row, packed_nodes
-from sgl_jax.speculative.tree import DraftTree, node_depths
+from sgl_jax.speculative.policy.acceptance import Calibration, calibration_cells, family
+from sgl_jax.speculative.round.program import RoundRows, nodes_per_row, packed_nodes
+from sgl_jax.speculative.round.tree import DraftTree, node_depths
+from sgl_jax.speculative.spec_config import TreeShape
 
 
 def packed_shapes(shapes: Sequence[TreeShape]) -> tuple[TreeShape, ...]:
@@ -109,7 +109,7 @@ def row_tokens(shape: TreeShape, survival: Mapping[str, np.ndarray], bucket: int
                num_rows: int) -> np.ndarray:
     """f64[R]: the tokens a round of `shape` over `num_rows` requests in batch bucket
     `bucket` commits for each of the R with a draft (survival f64[R, D] by family): its root,
-    plus the survival of each draft node it verifies (a packed round's by verify_lengths)."""
+    plus the survival of each draft node it verifies (a packed round's by its packing)"""
     if shape.verify_width:
         return packed_row_tokens(node_survival(shape, survival),
                                  packed_budget(shape, bucket, num_rows))

@@ -1,7 +1,7 @@
 """What a round is judged by: the batch's tokens a second, or how soon its last request ends.
 
 The policy scores a shape by the tokens a round of it commits a second over the whole batch
-(policy.py). That is what a server gains where the slot a request frees by finishing early
+(shape_policy.py). That is what a server gains where the slot a request frees by finishing early
 takes another request at once: a queue, or clients that send their next request as one
 ends. Where nobody takes it (an offline batch run to its end, a server between bursts), the
 batch is done only when its last request is, and a drafted round that speeds up the requests
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from sgl_jax.speculative.config import TreeShape
+from sgl_jax.speculative.spec_config import TreeShape
 
 # A freed slot counts as not taken once it has stayed free this many rounds and seconds: a
 # client that sends its next request as one ends takes well under both.

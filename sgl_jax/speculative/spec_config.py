@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_jax.speculative.suffix_config import SuffixConfig
+from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class TreeShape:
     num_draft_tokens: int  # N: nodes sent to verify, the root included
     # W > 0: a packed round (per-request lengths): a batch bucket of B rows verifies W * B
     # nodes in all, each row a prefix of its chain (a subtree of its tree) as large as its
-    # expected acceptance earns (verify_lengths); 0: every row verifies all N nodes.
+    # expected acceptance earns (policy/request_lengths.py); 0: every row verifies all N nodes.
     verify_width: int = 0
 
     def __post_init__(self) -> None:

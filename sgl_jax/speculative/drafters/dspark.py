@@ -1,11 +1,12 @@
-"""DSPARK: a DSpark head (models/dspark.py) behind the drafter interface (drafter.py).
+"""DSPARK: a DSpark head (models/dspark.py) behind the drafter interface
+(drafters/interface.py).
 
-The DFlash drafter's cache and block (dflash_drafter.py), read anchor first: a round's chain
+The DFlash drafter's cache and block (drafters/dflash.py), read anchor first: a round's chain
 of S drafts (S at most the block size) is slots 0..S-1 of the block, each drawn from its
 lm_head logits plus the Markov term of the token drafted before it, filtered by the request's
 own sampling parameters (temperature, top-k, top-p, min-p; greedy rows: the argmax). That
 distribution goes to verification as q, which accepts with speculative sampling's rule
-(verify.py). The head's own copies of the target's embedding and lm_head are used.
+(round/verify.py). The head's own copies of the target's embedding and lm_head are used.
 Trees (our extension): each slot's top-k after each of the best nodes of the slot before,
 its Markov term conditioned on that parent's token (dspark.draft_candidates), chosen
 without a draw, so verification sees them as one-hot; so are the chains of a masked round
@@ -23,10 +24,10 @@ from sgl_jax.layers.attention import AttentionBackend
 from sgl_jax.layers.sampler import filtered_probs, penalised_logits, vocab_argmax
 from sgl_jax.models import dspark
 from sgl_jax.models.loader import LoadedDraft, LoadedModel
-from sgl_jax.speculative.dflash_drafter import DFlashDrafter
-from sgl_jax.speculative.round import RoundInputs, node_sampling
-from sgl_jax.speculative.tree import DraftTree, select_tree
-from sgl_jax.speculative.verify import draw_draft
+from sgl_jax.speculative.drafters.dflash import DFlashDrafter
+from sgl_jax.speculative.round.program import RoundInputs, node_sampling
+from sgl_jax.speculative.round.tree import DraftTree, select_tree
+from sgl_jax.speculative.round.verify import draw_draft
 
 
 class DSparkDrafter(DFlashDrafter):

@@ -8,7 +8,7 @@ import numpy as np
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
 from sgl_jax.model_executor.model_runner import bitmask_words
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.round import RoundOutput, RoundRows
+from sgl_jax.speculative.round.program import RoundOutput, RoundRows
 
 
 def tree_depths(output: RoundOutput, rows: int) -> list[int]:

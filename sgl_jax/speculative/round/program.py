@@ -1,8 +1,8 @@
 """One speculative round as pure functions: what enters it, what passes from one round to the
 next on the device, the target's verification of every draft tree, and what comes back.
 
-A round = the drafter proposes a tree per row (drafter.py), `verify_trees` runs the target over
-every tree with the tree mask and walks the accepted path (verify.py), the drafter advances
+A round = the drafter proposes a tree per row (drafters/), `verify_trees` runs the target over
+every tree with the tree mask and walks the accepted path (round/verify.py), the drafter advances
 over the accepted tokens, and `advance_slots` records the round in each request's slot. The
 runner (spec_runner.py) compiles and dispatches these; nothing here holds state.
 
@@ -47,8 +47,8 @@ from sgl_jax.model_executor.model_runner import (
     start_host_copies,
 )
 from sgl_jax.model_executor.target_forward import TargetForward, target_features
-from sgl_jax.speculative.tree import DraftTree, ancestor_mask, host_node_depths, node_depths
-from sgl_jax.speculative.verify import AcceptThresholds, Verdict, verify_tree
+from sgl_jax.speculative.round.tree import DraftTree, ancestor_mask, host_node_depths, node_depths
+from sgl_jax.speculative.round.verify import AcceptThresholds, Verdict, verify_tree
 
 # Pending tokens one catch-up program extends the draft over, per request.
 CATCH_UP_WIDTH = 8
@@ -74,7 +74,7 @@ class RoundRows:
     packed_nodes: np.ndarray | None = None
     # f32[S, 2K] or None: a packed round's calibration of the draft's own scores (acceptance
     # by depth and cell, acceptance.Calibration), where the drafter scores
-    # its drafts the round reallocates its nodes by (verify_lengths.confident_packing)
+    # its drafts the round reallocates its nodes by (request_lengths.confident_packing)
     calibration: np.ndarray | None = None
 
 

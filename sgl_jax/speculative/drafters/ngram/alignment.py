@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.round.tree import DraftTree
 
 
 def align_proposals(

@@ -3,7 +3,7 @@
 Two halves. On the host, `NgramProposer` keeps each request's text and recent responses in
 a SuffixIndex and, as each round is launched, proposes a token trie of likely continuations
 rooted at the last token the host has read (`NgramHints`). On the device, `NgramDrafter`
-aligns that trie with the tokens the round in flight committed meanwhile (proposal.py), which
+aligns that trie with the tokens the round in flight committed meanwhile (ngram/alignment.py), which
 gives the round's tree; verification is the same as for every drafter (a deterministic draft
 is a point mass: a node is accepted with the target's probability of its token).
 
@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.config import TreeShape
-from sgl_jax.speculative.proposal import align_proposals
-from sgl_jax.speculative.suffix_config import SuffixConfig
-from sgl_jax.speculative.suffix_index import SuffixIndex, proposal_lists
-from sgl_jax.speculative.tree import DraftTree
+from sgl_jax.speculative.drafters.ngram.alignment import align_proposals
+from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
+from sgl_jax.speculative.drafters.ngram.suffix_index import SuffixIndex, proposal_lists
+from sgl_jax.speculative.round.tree import DraftTree
+from sgl_jax.speculative.spec_config import TreeShape
 
 IN_STEP, IN_ROUND = 1, 2  # NgramHints.behind: what is in flight for the row
 

@@ -1,0 +1,1 @@
+"""The drafters: one module per drafter behind one interface, and their factories."""

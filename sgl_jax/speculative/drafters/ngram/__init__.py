@@ -1,0 +1,1 @@
+"""NGRAM: model-free drafts from suffix statistics of text already seen."""

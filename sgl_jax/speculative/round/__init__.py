@@ -1,0 +1,2 @@
+"""One speculative round: the draft tree and its growth, verification, the round program
+and its results."""
