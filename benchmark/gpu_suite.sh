@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/benchmarks.md, reproducible on any CUDA machine with JAX installed.
+# The GPU figures of docs/benchmarks/h100.md and h200.md, reproducible on any CUDA machine with JAX installed.
 #
 #   benchmark/gpu_suite.sh OUT_DIR [STAGE ...]
-#   benchmark/gpu_suite.sh OUT_DIR first                    # a 15-minute lend: this first
+#   benchmark/gpu_suite.sh OUT_DIR first                    # 15 minutes on a GPU: this first
 #   GPU_SUITE_TINY=1 benchmark/gpu_suite.sh OUT_DIR first   # the same on a CPU, tiny shapes
 #
 # `first` settles the most in about 8 minutes on an H100, each part in its own process under
@@ -22,12 +22,12 @@
 #              shape through the engine, batch 1 and 32, in a process of its own
 #   int8       the 8B shape with int8 weights at batch 1 and 32 (quantized on the host at
 #              load: last)
-# Sizes, from the H100 run of 2026-11-27 (docs/benchmarks.md): writing the demo-shaped
+# Sizes, from the H100 run of 2026-11-27: writing the demo-shaped
 # checkpoint and timing three batch sizes took 81 s; the attention part 9 s; writing the 8B
 # checkpoint, loading it and timing plain decode 140 s; a speculative engine of the demo
 # compiles 7-15 s a program, 16-22 of them for three batch sizes, so the demo parts run batch
 # 1 alone (8 prompts of 128 tokens; the EAGLE3 chain took 127 s in all). The 8B EAGLE3 engine
-# was not ready within 150 s; it comes after the demo parts. On the H200 lend (engines now
+# was not ready within 150 s; it comes after the demo parts. On an H200 (engines now
 # timed only once their background builds finish) attention, llama8b, spec8b and int8 took
 # 369 s together, and NGRAM at batch 1 113 s. Larger batches and datasets are the specdemo
 # and ngram stages.
@@ -46,7 +46,7 @@
 #   editschat  NGRAM on code edits alternating with MT-Bench questions, served at concurrency
 #              8 and 32: the one-shape policy against per-request lengths, each row with
 #              both engines' scheduler phases (on an H200 both read 0.27-0.38x of plain:
-#              docs/benchmarks.md, a seventh lend; these phases say where the time goes),
+#              docs/benchmarks/h200.md; these phases say where the time goes),
 #              after the engine ms per step of plain and of NGRAM's adaptive policy
 #   nextn      NEXTN on a Qwen3-Next-shaped random target (hidden 1024, 16 layers, 8 experts):
 #              the round in parts beside a plain step and an EAGLE3 round of the same shapes,
@@ -190,7 +190,7 @@ for stage in $stages; do
       python3 "$here/bench_attention.py" --modes decode,prefill --batch-sizes 32 \
         --context-lens 2048 --page-sizes 16,64 --dtype bfloat16 --json "$out/attention.json"
       # fp8 pages (--kv-cache-dtype fp8_e4m3) at 2k and 4k: on the 8B shape a 4k batch-32 step
-      # took as long with them as with bf16 pages (docs/benchmarks.md, a sixth lend)
+      # took as long with them as with bf16 pages (H100, 2026-11-28)
       python3 "$here/bench_attention.py" --modes decode --batch-sizes 32 \
         --context-lens 2048,4096 --page-sizes 16 --dtype bfloat16 --json "$out/attention_fp8.json" \
         --kv-dtype float8_e4m3fn ;;

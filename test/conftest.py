@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 # (in the user cache dir): the tests build many engines of the same tiny shapes. XLA:CPU once
 # aborted loading cached programs in long-lived test workers; that was the memory-mapping
 # limit, which the module-level release below keeps the workers away from. Measured on the
-# 2-core CI machine (docs/benchmarks.md, "The test suite"): four engine-heavy modules took
+# 2-core CI machine (docs/benchmarks/cpu.md, "The test suite"): four engine-heavy modules took
 # 1194 s without the cache, 915 s with an empty one and 230 s with a warm one.
 
 

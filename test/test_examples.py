@@ -77,7 +77,7 @@ def readme_eagle3_demo_args() -> list[str]:
 def test_readme_eagle3_demo_server_answers_within_the_mapping_budget():
     """The README's EAGLE3 demo command (no draft path: the demo ships its head) answers a
     chat, and once warmed up holds under 16,000 memory mappings: XLA:CPU maps every compiled
-    kernel into the process apart and a process may have 65,530 (docs/benchmarks.md)."""
+    kernel into the process apart and a process may have 65,530 (docs/benchmarks/cpu.md)."""
     args = readme_eagle3_demo_args()
     assert "--speculative-draft-model-path" not in args
     with launch_server(args, timeout_s=900) as server:

@@ -368,7 +368,7 @@ def test_a_shape_dearer_than_its_warm_up_timing_gives_way_once_plain_is_probed()
     assert policy.seconds(PLAIN, 1) == pytest.approx(0.010, rel=0.1)
 
 
-# The demo pair's warm-up timings at bucket 1 on an H100 (docs/benchmarks.md, fifth lend)
+# The demo model's EAGLE3 warm-up timings at bucket 1 on an H100 (2026-11-27, commit bb052c9)
 GPU_LIKE = costs({1: 3.33}, {1: {CHAIN1: 2.78, CHAIN3: 2.77, TREE: 2.93}}, buckets=(1,))
 
 

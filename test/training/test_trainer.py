@@ -256,7 +256,7 @@ def test_a_dflash_head_trained_here_loads_as_a_z_lab_head_and_serves(training_se
     written the z-lab way, same depth), loads, and serves the target's own answers
     (transformers'). (This random target's answers are noise re-tokenized from text, so
     what acceptance a trained head reaches is measured on the demo model, in
-    docs/benchmarks.md.)"""
+    docs/benchmarks/cpu.md.)"""
     out = tmp_path / "head"
     metrics = run_cli(training_setup, out, "--speculative-algorithm", "DFLASH",
                       "--regenerate", "--regenerate-temperature", "0",
