@@ -5,9 +5,11 @@ Without --model-path the built-in demo model, SmolLM2-135M-Instruct, is served.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 
@@ -50,9 +52,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         _serve(app, engine, args)
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has drained and stopped
+        engine.shutdown(abandon_builds=True)
+        _exit_now(130)
     finally:
         engine.shutdown()
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's exit, which would wait for a background build left
+    compiling (on SIGTERM uvicorn's re-raised signal ends the process the same way)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _select_platform(args: ServerArgs) -> None:
@@ -77,6 +91,11 @@ def _select_platform(args: ServerArgs) -> None:
                          ) from None
 
 
+# Seconds uvicorn waits for connections to close once the engine has drained (the aborted
+# streams end with their error events well within this); then it cuts what is left.
+CONNECTIONS_GRACE_S = 5.0
+
+
 def _serve(app, engine, args: ServerArgs) -> None:
     import uvicorn
 
@@ -85,13 +104,35 @@ def _serve(app, engine, args: ServerArgs) -> None:
         engine.start_background_builds()  # the app is built: its tracing delays nothing else
         yield
         # uvicorn re-raises SIGTERM/SIGINT once it has stopped, which ends the process before
-        # main's `finally`; shutting down here also releases the other nodes cleanly.
-        engine.shutdown()
+        # main's `finally`; shutting down here also releases the other nodes cleanly. The
+        # process exits next: a program still compiling must not hold it.
+        engine.shutdown(abandon_builds=True)
 
     app.router.lifespan_context = lifespan
     logger.info("Serving %s on http://%s:%d", args.http.served_model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_keep_alive=30,
+                            timeout_graceful_shutdown=CONNECTIONS_GRACE_S)
+    _draining_server(uvicorn.Server, engine, args.http.shutdown_drain_s)(config).run()
+
+
+def _draining_server(base: type, engine, drain_s: float) -> type:
+    """uvicorn's Server whose shutdown (SIGTERM, SIGINT) first drains the engine: no new
+    connections, new requests on open ones refused (503), the running ones given `drain_s`
+    seconds to finish and the rest aborted (a stream ends with an error event); then uvicorn
+    closes the connections and runs the lifespan's end (engine.shutdown)."""
+    class DrainingServer(base):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:
+                server.close()
+            logger.info("Shutting down: %d requests running, up to %.0f s to finish",
+                        engine.outputs.pending, drain_s)
+            aborted = await asyncio.to_thread(engine.drain, drain_s)
+            if aborted:
+                logger.info("Aborted %d requests still running after %.0f s", aborted, drain_s)
+            await super().shutdown(sockets)
+
+    return DrainingServer
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class HttpConfig:
     reasoning_parser: str | None
     tool_call_parser: str | None
     sampling_defaults: str  # "model": generation_config.json's where it sets them; "openai"
+    shutdown_drain_s: float  # on SIGTERM / SIGINT: how long running requests may still run
 
 
 SAMPLING_DEFAULTS = ("model", "openai")
@@ -138,6 +139,9 @@ class ServerArgs:
     # the model's generation_config.json, else OpenAI's default ("openai": always OpenAI's).
     sampling_defaults: str = "model"
     enable_metrics: bool = False
+    # On SIGTERM / SIGINT: seconds running requests may take to finish before the rest are
+    # aborted (Kubernetes kills a pod 30 s after its SIGTERM by default).
+    shutdown_drain_s: float = 20.0
     # Misc
     random_seed: int | None = None
     decode_log_interval: int = 40
@@ -208,6 +212,9 @@ class ServerArgs:
             least = 0 if name == "router_retry_max_retries" else 1
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_drain_s <= 3600:
+            raise ValueError(f"shutdown_drain_s must be in [0, 3600] s, got "
+                             f"{self.shutdown_drain_s}")
         if not self.replica_health_timeout > 0:
             raise ValueError(f"replica_health_timeout must be > 0 s, got "
                              f"{self.replica_health_timeout}")
@@ -361,7 +368,7 @@ class ServerArgs:
             served_model_name=self.served_model_name or self.model_path or "default",
             enable_metrics=self.enable_metrics, chat_template=self.chat_template,
             reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser,
-            sampling_defaults=self.sampling_defaults,
+            sampling_defaults=self.sampling_defaults, shutdown_drain_s=self.shutdown_drain_s,
         )
 
     def to_dict(self) -> dict:
@@ -540,6 +547,10 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
                             "repetition_penalty for OpenAI requests that leave them out: the "
                             "model's generation_config.json where it sets them (model), or "
                             "OpenAI's always (openai)")
+    group.add_argument("--shutdown-drain-s", type=float, default=20.0,
+                       help="on SIGTERM or SIGINT: stop taking requests, give the running ones "
+                            "this many seconds to finish, then end the rest with an error "
+                            "(streams get an error event) and exit")
 
 
 def _add_logging_args(group: argparse._ArgumentGroup) -> None:

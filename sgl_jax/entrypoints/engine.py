@@ -25,6 +25,8 @@ from sgl_jax.runtime.usage import RuntimeUsage
 from sgl_jax.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+# How often drain() looks whether the running requests have finished.
+DRAIN_POLL_S = 0.05
 
 Output = dict[str, Any] | list[dict[str, Any]]
 
@@ -101,7 +103,7 @@ class Engine:
         return await self.outputs.await_all(reqs, output_stream, single)
 
     def _make_requests(self, *args: Any) -> tuple[list, bool]:
-        self.runtime.ensure_running()  # a stopped engine refuses before tokenizing
+        self.runtime.ensure_admitting()  # a stopping engine refuses before tokenizing
         return self.front_door.make_requests(*args)
 
     @property
@@ -132,10 +134,24 @@ class Engine:
         builder = self.runtime.builder
         return builder is None or builder.wait_idle(timeout)
 
-    def shutdown(self) -> None:
+    def drain(self, timeout_s: float) -> int:
+        """Stop taking requests (new ones raise RuntimeError), give the running ones up to
+        `timeout_s` to finish, then abort the rest: their callers get an abort ("the server is
+        shutting down"; an HTTP stream, an error event). Returns how many were aborted."""
+        self.runtime.stop_admitting("the server is shutting down: it takes no new requests")
+        deadline = time.monotonic() + timeout_s
+        while self.outputs.pending and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+        left = self.outputs.pending
+        if left and self.runtime.running:
+            self.runtime.abort_all("the server is shutting down")
+        return left
+
+    def shutdown(self, abandon_builds: bool = False) -> None:
         """Abort what is still running, stop the engine thread, release the device memory;
-        every caller gets its last chunk."""
-        self.runtime.shutdown()
+        every caller gets its last chunk. A program compiling in the background is waited for
+        (up to a minute) unless `abandon_builds` (a process about to exit)."""
+        self.runtime.shutdown(abandon_builds)
         self.outputs.close()
 
     def _abort_if_running(self, rid: str) -> None:

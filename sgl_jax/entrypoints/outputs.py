@@ -67,6 +67,11 @@ class OutputRouter:
             self._targets[req.rid] = _Target(output_stream, index, stream)
         return output_stream
 
+    @property
+    def pending(self) -> int:
+        """Requests whose last chunk has not been put yet."""
+        return len(self._targets)
+
     def deliver(self, outputs: StepOutputs) -> None:
         """Engine thread: hand a step's new tokens to the output thread."""
         self._inbox.put(outputs)

@@ -49,6 +49,9 @@ _LAUNCHER_FLAGS = {"--dp-size": True, "--dp": True, "--router-policy": True, "--
                    "--dist-init-addr": True, "--replica-health-timeout": True,
                    **{f"--router-{name}": True for name in ROUTER_SETTINGS}}  # takes a value
 REPLICA_START_TIMEOUT_S = 1800  # a large model's load and warm-up
+# Seconds a stopping process may take beyond a replica's drain window (aborting what is left,
+# closing its connections, exiting) before it is killed.
+STOP_GRACE_S = 10
 # The router checks each replica this often, so a dead one leaves the rotation in seconds.
 HEALTH_CHECK_INTERVAL_S = 2
 
@@ -82,7 +85,7 @@ def serve_replicas(args: ServerArgs, argv: Sequence[str]) -> int:
                 meeting.report(local_urls)
                 return meeting.wait_for_rank_0(supervisor)
             urls = local_urls + meeting.gather()
-            router = subprocess.Popen(router_command(args, urls))
+            router = subprocess.Popen(router_command(args, urls), start_new_session=True)
             logger.info("Serving %d replicas (%s) behind SGLang's router on http://%s:%d",
                         len(urls), ", ".join(urls), args.host, args.port)
             while router.poll() is None:
@@ -92,9 +95,12 @@ def serve_replicas(args: ServerArgs, argv: Sequence[str]) -> int:
         except _Stopped:
             return 0
         finally:
-            _terminate([*([router] if router else []),
-                        *(supervisor.processes() if supervisor else
-                          [process for process, _ in replicas])])
+            # The replicas drain first, behind the router still running, so their streams
+            # end through it with their last chunks or error events.
+            _terminate(supervisor.processes() if supervisor else
+                       [process for process, _ in replicas],
+                       args.shutdown_drain_s + STOP_GRACE_S)
+            _terminate([router] if router else [], STOP_GRACE_S)
 
 
 class _Meeting:
@@ -284,18 +290,25 @@ class _Stopped(Exception):
 
 def _stop_on_signals() -> None:
     def stop(signum, frame) -> None:
+        for ignored in (signal.SIGTERM, signal.SIGINT):  # a repeat must not cut the drain
+            signal.signal(ignored, signal.SIG_IGN)
         raise _Stopped()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
 
 
-def _terminate(processes: Sequence[subprocess.Popen]) -> None:
+def _terminate(processes: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every process at once; SIGKILL those still running `timeout_s` s later."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
+    deadline = time.monotonic() + timeout_s
     for process in processes:
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
+            logger.warning("process %d still running %.0f s after SIGTERM: killed", process.pid,
+                           timeout_s)
             process.kill()
+            process.wait()

@@ -17,6 +17,7 @@ only what is built.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import heapq
@@ -338,6 +339,11 @@ def _key_text(key: Hashable) -> str:
     return ", ".join(str(p) for p in parts)
 
 
+# The most the interpreter's exit waits for a build a stopped builder left running (a stuck
+# job must not hang it).
+EXIT_WAIT_S = 600.0
+
+
 class BackgroundBuilder:
     """A thread that runs build jobs, the lowest priority number first; a job asked for
     twice runs once. It starts paused (`resume()`: tracing holds the GIL, so it would slow
@@ -387,16 +393,20 @@ class BackgroundBuilder:
         return True
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Drop the queue and wait up to `timeout` s for the running job; a job still running
-        then (a stuck one) is left to its daemon thread, so shutdown never hangs on it."""
+        """Drop the queue and wait up to `timeout` s for the running job. A job still running
+        then is left to its thread (the executable store writes whole files only: nothing
+        half-built is kept), so a stuck or long compile never holds a stopping server. The
+        interpreter's normal exit still waits for it: a thread inside XLA must not meet the
+        interpreter's finalization, which aborts the process; a server stopped by a signal
+        exits without either."""
         with self._wake:
             self._stopped = True
             self._jobs.clear()
             self._wake.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            logger.warning("A background build was still running %.0f s after shutdown began; "
-                           "leaving it to finish on its own", timeout)
+            logger.info("A background build is still running; shutdown goes on without it")
+            atexit.register(self._thread.join, EXIT_WAIT_S)
 
     def _run(self) -> None:
         while True:

@@ -90,6 +90,7 @@ class Runtime:
             warmup.warm_up(self.runner, self.spec_runner)
         self.loop: EngineLoop | None = None
         self._sender: StepSender | None = None
+        self._refusal: str | None = None  # why new requests are refused (shutting down)
         if args.node_rank > 0:
             self._follow_rank0()
             return
@@ -236,6 +237,21 @@ class Runtime:
                 scheduler.add_request(req)
         return self.submit(add_all)
 
+    def stop_admitting(self, why: str) -> None:
+        """Refuse new requests from now on (`ensure_admitting` raises with `why`); the running
+        ones go on."""
+        self._refusal = why
+
+    def ensure_admitting(self) -> None:
+        """A RuntimeError says why no new request is taken (shut down, or shutting down)."""
+        self.ensure_running()
+        if self._refusal is not None:
+            raise RuntimeError(self._refusal)
+
+    def abort_all(self, message: str) -> None:
+        """Abort every running and waiting request: each caller gets an abort with `message`."""
+        self.call(lambda scheduler: scheduler.abort_all(message))
+
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.submit(lambda scheduler: scheduler.abort(rid, message))
 
@@ -287,16 +303,17 @@ class Runtime:
     def running(self) -> bool:
         return self.loop is not None
 
-    def shutdown(self) -> None:
+    def shutdown(self, abandon_builds: bool = False) -> None:
         """Abort what is still running or waiting, stop the engine thread, release the device
-        memory."""
+        memory. A background build that is compiling is waited for, unless `abandon_builds`
+        (a server about to exit: see BackgroundBuilder.stop)."""
         if self.loop is None:
             return
         self.loop.call(lambda scheduler: scheduler.abort_all("engine shut down"))
         self.loop.stop()
         self.loop = None
         if self.builder is not None:
-            self.builder.stop()
+            self.builder.stop(BUILD_GRACE_S if abandon_builds else BUILD_WAIT_S)
         if self._sender is not None:
             self._sender.close()
             shutdown_distributed()
@@ -333,6 +350,13 @@ class Runtime:
     def _on_crash(self, exc: BaseException) -> None:
         """Engine thread: a step raised; fail every request instead of hanging its caller."""
         self.scheduler.abort_all(f"internal error: {exc!r}")
+
+
+# Seconds shutdown waits for a background build that is compiling: a while for an engine in
+# someone's process (the build's programs are let go of with the rest), a second for a server
+# about to exit.
+BUILD_WAIT_S = 60.0
+BUILD_GRACE_S = 1.0
 
 
 def _settled(args: ServerArgs) -> ServerArgs:

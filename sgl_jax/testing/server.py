@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from sgl_jax.entrypoints.router import free_port
 
@@ -29,13 +33,15 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def launch_server(args: list[str], *, timeout_s: float = 300,
-                  env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+                  env: dict[str, str] | None = None,
+                  launcher: tuple[str, ...] = ("-m", "sgl_jax.launch_server")
+                  ) -> Iterator[ServerProcess]:
     """Start the server with `args` (--port is added) and wait until /health answers; stop
-    it on exit. Its output goes to a log file, shown if it dies while starting."""
+    it on exit. Its output goes to a log file, shown if it dies while starting. `launcher`:
+    what the Python interpreter runs (a script that wraps launch_server.main, say)."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="sgl-jax-server-", suffix=".log")[1])
-    command = [sys.executable, "-m", "sgl_jax.launch_server", *args, "--host", "127.0.0.1",
-               "--port", str(port)]
+    command = [sys.executable, *launcher, *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
@@ -97,3 +103,37 @@ def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
         except OSError:
             time.sleep(0.5)
     raise TimeoutError(f"the server did not become healthy in {timeout_s} s:\n{server.log()}")
+
+
+class StreamedChat(threading.Thread):
+    """One streamed chat of `max_tokens` (ignore_eos) on its own thread; `chunks` read so far,
+    `ending`: "done" ([DONE] came), "error" (an error event in OpenAI's shape came, kept in
+    `error`) or "cut" (the stream closed without either)."""
+
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.chunks, self.ending, self.error = 0, "cut", None
+
+    def run(self) -> None:
+        body = {"model": "default", "messages": [{"role": "user", "content": "tell a story"}],
+                "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body,
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self._read(line.removeprefix("data: "))
+        except httpx.HTTPError:  # the stream broke off: "cut" unless it had ended already
+            pass
+
+    def _read(self, data: str) -> None:
+        if data == "[DONE]":
+            self.ending = "done"
+            return
+        event = json.loads(data)
+        if "error" in event:
+            self.error = event["error"]
+            self.ending = "error"
+        else:
+            self.chunks += 1

@@ -128,6 +128,24 @@ def test_shutdown_engine_refuses_work(model_dir):
         eng.generate(input_ids=[1], sampling_params=GREEDY)
 
 
+def test_drain_aborts_what_outlasts_it_and_refuses_new_requests(model_dir):
+    """What the HTTP server does on SIGTERM: a request still running when the window ends
+    ends with an abort saying why, new ones are refused, and no page stays held."""
+    with Engine(model_path=str(model_dir), **SMALL) as eng:
+        long = eng.generate(input_ids=[5, 6, 7], stream=True,
+                            sampling_params={**GREEDY, "max_new_tokens": 500})
+        first = next(long)  # running
+        assert eng.drain(timeout_s=0) == 1
+        with pytest.raises(RuntimeError, match="shutting down"):
+            eng.generate(input_ids=[1], sampling_params=GREEDY)
+        last = [first, *long][-1]["meta_info"]
+        assert last["finish_reason"] == {"type": "abort",
+                                         "message": "the server is shutting down"}
+        assert last["completion_tokens"] < 500
+        assert eng.drain(timeout_s=0) == 0  # nothing left: it returns at once
+        assert all_pages_free(eng)
+
+
 def test_server_and_model_info_name_the_dtype_that_runs(model_dir):
     with Engine(model_path=str(model_dir), **{**SMALL, "dtype": "auto"}) as engine:
         assert engine.get_server_info()["dtype"] == "float32"  # what auto means on CPU

@@ -21,7 +21,7 @@ import pytest
 
 from sgl_jax.entrypoints.router import healthy
 from sgl_jax.testing import write_tiny_checkpoint
-from sgl_jax.testing.server import free_port, launch_server
+from sgl_jax.testing.server import StreamedChat, free_port, launch_server
 
 pytest.importorskip("sglang_router")  # the test extra installs it; CI always has it
 
@@ -196,6 +196,7 @@ HEALTH_TIMEOUT_S = 3
 # launcher's 2 s check, the kill and the router's retry (10 s), plus the answer's own time
 # (under this test's load on 2 cores, up to 10 s).
 FROZEN_BOUND_S = HEALTH_TIMEOUT_S + 10 + 10
+DRAIN_S = 2  # --shutdown-drain-s of the launcher's replicas
 
 
 def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_path):
@@ -203,9 +204,13 @@ def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_pa
     again on their port, and the router sends them their share again. Requests sent while a
     replica freezes all end within the documented bound: those not streaming yet answered by
     the other replica, streams answered or ended with an error (after a kill, what was in
-    flight on the killed replica may end with an error too); no page stays in use."""
+    flight on the killed replica may end with an error too); no page stays in use. SIGTERM
+    with streams in flight: the replicas drain behind the router (--shutdown-drain-s), every
+    stream ends with [DONE] or an error event, and the launcher exits within the drain window
+    plus a few seconds."""
     flags = ["--model-path", str(model_dir), *SERVER_FLAGS, "--dp-size", "2",
-             "--router-policy", "round_robin", "--replica-health-timeout", str(HEALTH_TIMEOUT_S)]
+             "--router-policy", "round_robin", "--replica-health-timeout", str(HEALTH_TIMEOUT_S),
+             "--shutdown-drain-s", str(DRAIN_S)]
     with launch_server(flags, timeout_s=600) as launcher:
         answers = [chat(launcher.base_url, f"question {i}") for i in range(4)]
         assert all(answer.choices for answer in answers)
@@ -230,6 +235,19 @@ def test_dp_size_starts_replicas_and_the_router_and_stops_them(model_dir, tmp_pa
         for url in replicas:
             wait_until(lambda u=url: httpx.get(f"{u}/get_server_info").json()[
                 "kv_pages_in_use"] == 0, 60)
+        streams = [StreamedChat(launcher.base_url, 900) for _ in range(4)]
+        for stream in streams:
+            stream.start()
+        wait_until(lambda: all(stream.chunks > 0 for stream in streams), 60)
+        signalled = time.monotonic()
+        launcher.process.send_signal(signal.SIGTERM)
+        launcher.process.wait(timeout=DRAIN_S + 30)
+        exited_after = time.monotonic() - signalled
+        for stream in streams:
+            stream.join(timeout=10)
+    assert exited_after <= DRAIN_S + 10, exited_after
+    assert {stream.ending for stream in streams} <= {"done", "error"}, [
+        (stream.ending, stream.chunks) for stream in streams]
     assert not any(healthy(url) for url in replicas)  # stopped with it
 
 
