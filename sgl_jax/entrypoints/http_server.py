@@ -154,6 +154,8 @@ def _add_native_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> 
             result = await engine.async_generate(**body.engine_kwargs())
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+        except RuntimeError as exc:  # the engine is shutting down
+            raise APIError(503, str(exc), code="unavailable") from exc
         token_text = serving.token_text if body.return_text_in_logprobs else None
         if body.stream:
             return stream_response(generate_stream(result, token_text))

@@ -19,6 +19,7 @@ EXIT_GRACE_S = 8
 FLAGS = ["--dtype", "float32", "--precompile-token-paddings", "64,256",
          "--precompile-bs-paddings", "1,4,8", "--max-prefill-tokens", "256",
          "--context-length", "4096", "--shutdown-drain-s", str(DRAIN_S)]
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
 # Runs the launcher with one more background build, started after the others and never
 # finished: the server is stopped while it runs.
 HOLDING_LAUNCHER = '''
@@ -65,12 +66,18 @@ def test_sigterm_drains_then_aborts_and_exits_while_a_build_runs(model_dir, tmp_
             stream.start()
         wait_for(lambda: all(stream.chunks > 0 for stream in long), 120)
         wait_for(lambda: "holding a background build" in server.log(), 120)
+        kept = httpx.Client(base_url=server.base_url, timeout=5)
+        assert kept.get("/health").status_code == 200  # a connection kept alive
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        with pytest.raises(httpx.HTTPError):  # no new connection is taken
-            httpx.post(f"{server.base_url}/v1/chat/completions", timeout=5, json={
-                "model": "default", "messages": [{"role": "user", "content": "hi"}]})
+        with pytest.raises(httpx.HTTPError):  # no new connection is taken...
+            httpx.post(f"{server.base_url}/v1/chat/completions", timeout=5, json=CHAT)
+        for path, body in (("/v1/chat/completions", CHAT), ("/generate", {"text": "hi"})):
+            refused = kept.post(path, json=body)  # ...nor a request on an open one
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "unavailable", refused.text
+        kept.close()
         server.process.wait(timeout=DRAIN_S + EXIT_GRACE_S + 10)
         exited_after = time.monotonic() - signalled
         for stream in short + long:

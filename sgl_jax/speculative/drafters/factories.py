@@ -122,8 +122,8 @@ def nextn(spec: SpeculativeConfig, target: LoadedModel, context: DraftContext) -
             f"--speculative-algorithm NEXTN drafts with the target's own multi-token-"
             f"prediction layer, which this version runs for Qwen3-Next and "
             f"Qwen3-Coder-Next ({', '.join(qwen3_next.ARCHITECTURES)}); "
-            f"{target.config.architecture} is not one: use EAGLE3, EAGLE, STANDALONE "
-            "or NGRAM")
+            f"{target.config.architecture} is not one: use EAGLE3, EAGLE, DFLASH, DSPARK, "
+            "STANDALONE or NGRAM")
     formats = {**_formats(spec, target), "dtype": target.dtype}
     loaded = load_nextn_draft(spec.draft_model_path, target.config, **formats)
     draft = NextnDraft(loaded, target, context.attention)
