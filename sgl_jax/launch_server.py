@@ -113,15 +113,14 @@ def _serve(app, engine, args: ServerArgs) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=30,
                             timeout_graceful_shutdown=CONNECTIONS_GRACE_S)
-    _draining_server(uvicorn.Server, engine, args.http.shutdown_drain_s)(config).run()
+    drain_s = args.http.shutdown_drain_s
 
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's Server whose shutdown (SIGTERM, SIGINT) first drains the engine: no new
+        connections, new requests on open ones refused (503), the running ones given
+        `drain_s` seconds to finish and the rest aborted (a stream ends with an error event);
+        then uvicorn closes the connections and runs the lifespan's end (engine.shutdown)."""
 
-def _draining_server(base: type, engine, drain_s: float) -> type:
-    """uvicorn's Server whose shutdown (SIGTERM, SIGINT) first drains the engine: no new
-    connections, new requests on open ones refused (503), the running ones given `drain_s`
-    seconds to finish and the rest aborted (a stream ends with an error event); then uvicorn
-    closes the connections and runs the lifespan's end (engine.shutdown)."""
-    class DrainingServer(base):
         async def shutdown(self, sockets=None) -> None:
             for server in self.servers:
                 server.close()
@@ -132,7 +131,7 @@ def _draining_server(base: type, engine, drain_s: float) -> type:
                 logger.info("Aborted %d requests still running after %.0f s", aborted, drain_s)
             await super().shutdown(sockets)
 
-    return DrainingServer
+    DrainingServer(config).run()
 
 
 if __name__ == "__main__":

@@ -309,11 +309,13 @@ class Runtime:
         (a server about to exit: see BackgroundBuilder.stop)."""
         if self.loop is None:
             return
-        self.loop.call(lambda scheduler: scheduler.abort_all("engine shut down"))
+        self.abort_all("engine shut down")
         self.loop.stop()
         self.loop = None
-        if self.builder is not None:
-            self.builder.stop(BUILD_GRACE_S if abandon_builds else BUILD_WAIT_S)
+        if self.builder is not None and abandon_builds:
+            self.builder.stop(BUILD_GRACE_S)
+        elif self.builder is not None:
+            self.builder.stop()  # its default wait: the build's programs go with the rest
         if self._sender is not None:
             self._sender.close()
             shutdown_distributed()
@@ -352,10 +354,7 @@ class Runtime:
         self.scheduler.abort_all(f"internal error: {exc!r}")
 
 
-# Seconds shutdown waits for a background build that is compiling: a while for an engine in
-# someone's process (the build's programs are let go of with the rest), a second for a server
-# about to exit.
-BUILD_WAIT_S = 60.0
+# Seconds a server about to exit waits for a background build that is compiling.
 BUILD_GRACE_S = 1.0
 
 
