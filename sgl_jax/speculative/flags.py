@@ -60,7 +60,7 @@ def add_ngram_flags(group: argparse._ArgumentGroup) -> None:
                        help="NGRAM: the deepest continuation kept after a match (default 18)")
     group.add_argument("--speculative-ngram-capacity", type=int, default=1_000_000,
                        help="NGRAM: tokens of finished responses kept to draft repeats "
-                            "from, oldest evicted first (default 1,000,000; about 130 bytes "
+                            "from, oldest evicted first (default 1,000,000; about 50 bytes "
                             "of host memory each)")
     group.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1,
                        help="NGRAM: accepted for SGLang commands; trees here follow the "

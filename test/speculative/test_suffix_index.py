@@ -13,7 +13,6 @@ import random
 import numpy as np
 import pytest
 
-from sgl_jax.speculative.drafters.ngram import suffix_trie
 from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
 from sgl_jax.speculative.drafters.ngram.suffix_index import Proposal, SuffixIndex
 
@@ -158,19 +157,16 @@ def random_config(rng: random.Random) -> SuffixConfig:
         min_match=rng.randint(1, max_match), max_match=max_match,
         branch_length=rng.randint(1, 6), capacity=rng.choice([0, 20, 60, 150, 1000]),
         min_token_prob=rng.choice([0.05, 0.1, 0.25]),
-        spec_factor=rng.choice([0.5, 1.0, 2.0]), spec_offset=rng.choice([-0.5, 0.0, 1.0]),
-        bucket_size=rng.choice([1, 2, 3, 1000]))
+        spec_factor=rng.choice([0.5, 1.0, 2.0]), spec_offset=rng.choice([-0.5, 0.0, 1.0]))
 
 
 # ---------------------------------------------------------------- against the reference
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_matches_reference(seed, monkeypatch):
+def test_matches_reference(seed):
     rng = random.Random(seed)
     cfg = random_config(rng)
-    # Nodes with more children than WIDE_NODE keep a record of their frequent children.
-    monkeypatch.setattr(suffix_trie, "WIDE_NODE", rng.choice([0, 1, 3, 16]))
     vocab = rng.choice([2, 3, 4, 6])
     index, ref = SuffixIndex(cfg), RefIndex(cfg)
     pool: list[list[int]] = []
@@ -201,9 +197,9 @@ def test_matches_reference(seed, monkeypatch):
             assert_same(proposal, ref.propose(key, max_nodes, max_depth))
 
 
-def test_wide_nodes_under_churn_match_reference():
-    # One frequent token followed by many different ones, outputs coming and going: the
-    # records of frequent children must follow counts that rise and fall.
+def test_a_frequent_token_under_churn_matches_reference():
+    # One frequent token followed by many different ones, outputs coming and going: its
+    # counts rise and fall as the pool of responses turns over.
     rng = random.Random(5)
     cfg = SuffixConfig(capacity=400, min_token_prob=0.03, max_match=3, branch_length=3)
     index, ref = SuffixIndex(cfg), RefIndex(cfg)
@@ -224,21 +220,20 @@ def test_wide_nodes_under_churn_match_reference():
                 index.finish("probe", record=False)
                 ref.texts.pop("probe")
                 ref.prompt_lens.pop("probe")
-    assert index.responses.num_wide_records  # the case above did build records
 
 
 _SINGLES = [x for k in range(10, 25) for x in (0, k)]  # "0" followed by 15 different tokens
 
 
 @pytest.mark.parametrize("outputs", [
-    # After the first output is evicted, the total under "0" falls from 123 to 16, below
-    # half: the record of its frequent children (only 1) must be rebuilt.
+    # After the first output is evicted, the total under "0" falls from 123 to 16: tokens
+    # too rare to draft before become frequent enough.
     [[0, 1] * 100, [0, 2, 0, 3] * 4 + _SINGLES, [0, 30]],
-    # It falls from 123 to 73, not below half: 2 and 3 (4 of 123 when the record was made,
-    # 4 of 73 later) must be in it already.
+    # It falls from 123 to 73: 2 and 3 (4 of 123 before, 4 of 73 after) cross the
+    # threshold.
     [[0, 1] * 100, [0, 2, 0, 3] * 4 + _SINGLES, [0, 1] * 50],
 ])
-def test_wide_record_follows_falling_totals(outputs):
+def test_drafts_follow_falling_totals(outputs):
     capacity = sum(map(len, outputs)) - 1  # the last output evicts the first
     cfg = SuffixConfig(capacity=capacity, min_token_prob=0.04, max_match=1, branch_length=1)
     index, ref = SuffixIndex(cfg), RefIndex(cfg)
@@ -253,28 +248,6 @@ def test_wide_record_follows_falling_totals(outputs):
         index.finish("probe", record=False)
         ref.texts.pop("probe")
     assert ref.responses == outputs[1:]
-    assert index.responses.num_wide_records  # records were made and used
-
-
-def test_bucket_size_never_changes_drafts():
-    rng = random.Random(7)
-    texts = [random_text(rng, 5, 300, [])]
-    texts += [random_text(rng, 5, 200, texts) for _ in range(6)]
-    indexes = [SuffixIndex(SuffixConfig(bucket_size=b, capacity=900)) for b in (1, 4, 8, 10**4)]
-    for index in indexes:
-        for key, text in enumerate(texts[1:]):
-            index.add_request(key, [0])
-            index.extend(key, text)
-            index.finish(key)
-        index.add_request("probe", texts[0])
-    for end in range(1, 60):
-        proposals = []
-        for index in indexes:
-            index.extend("probe", [texts[0][end]])
-            proposals.append(index.propose("probe", 16, 8))
-        for other in proposals[1:]:
-            for field in ("tokens", "parents", "probs"):
-                assert np.array_equal(getattr(other, field), getattr(proposals[0], field))
 
 
 # ---------------------------------------------------------------- hand-worked cases
@@ -338,13 +311,13 @@ def test_finished_response_drafts_a_repeated_answer():
 
 def test_eviction_removes_exactly_the_oldest_response():
     responses = [[1, 2, 3, 4, 1, 2, 5], [1, 2, 6, 1, 2, 6, 7], [2, 6, 7, 1, 2, 3, 1, 2]]
-    kept = SuffixIndex(SuffixConfig(capacity=16, bucket_size=1))
+    kept = SuffixIndex(SuffixConfig(capacity=16))
     for key, response in enumerate(responses):
         kept.add_request(key, [50])
         kept.extend(key, response)
         kept.finish(key)
     assert kept.response_tokens == 15  # 7 + 8: the first response made room
-    fresh = SuffixIndex(SuffixConfig(capacity=16, bucket_size=1))
+    fresh = SuffixIndex(SuffixConfig(capacity=16))
     for key, response in enumerate(responses[1:]):
         fresh.add_request(key, [50])
         fresh.extend(key, response)
@@ -361,21 +334,31 @@ def test_eviction_removes_exactly_the_oldest_response():
     assert kept.propose("probe", 8, 4).num_nodes == 1
 
 
-def test_eviction_cycles_keep_counts_and_memory_bounded():
-    index = SuffixIndex(SuffixConfig(capacity=30, bucket_size=2))
+def test_eviction_cycles_keep_memory_bounded_and_drafts_exact():
+    cfg = SuffixConfig(capacity=30)
+    index, ref = SuffixIndex(cfg), RefIndex(cfg)
     rng = random.Random(3)
     for key in range(200):
-        index.add_request(key, [0])
-        index.extend(key, [rng.randrange(3) for _ in range(rng.randint(1, 12))])
-        index.finish(key)
-    trie = index.responses
-    assert index.response_tokens <= 30
-    assert len(trie.tokens) <= 2 * (30 + 30)  # the dead front of the token list is dropped
-    # Every kept token starts one suffix, counted once under the root.
-    assert sum(trie.root_counts().values()) == index.response_tokens
-    while index.evict_oldest_response():  # evicting everything leaves no node behind
+        output = [rng.randrange(3) for _ in range(rng.randint(1, 12))]
+        for target in (index, ref):
+            target.add_request(key, [0])
+            target.extend(key, output)
+            target.finish(key)
+        assert index.response_tokens == sum(map(len, ref.responses)) <= 30
+        # Evicted responses are dropped once they are most of the pool.
+        assert index.responses_held <= 2 * (30 + 30)
+        if key % 20 == 19:
+            for target in (index, ref):
+                target.add_request("probe", [1, 2])
+            assert_same(index.propose("probe", 8, 4), ref.propose("probe", 8, 4))
+            index.finish("probe", record=False)
+            ref.texts.pop("probe")
+            ref.prompt_lens.pop("probe")
+    while index.evict_oldest_response():  # evicting everything leaves nothing to draft from
         pass
-    assert trie.root_counts() == {} and trie.num_nodes == 1
+    assert index.response_tokens == 0
+    index.add_request("probe", [1, 2])
+    assert index.propose("probe", 8, 4).num_nodes == 1
 
 
 def test_no_match_proposes_only_the_root():
@@ -421,7 +404,6 @@ def test_api_errors():
     ("min_token_prob", 1.5, None),
     ("spec_factor", -1.0, None),
     ("spec_offset", float("nan"), None),
-    ("bucket_size", 0, None),
 ])
 def test_config_validation(field, value, flag):
     with pytest.raises(ValueError, match=rf"SuffixConfig\.{field}\b") as error:

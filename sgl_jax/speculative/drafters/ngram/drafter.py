@@ -25,7 +25,7 @@ import numpy as np
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.drafters.ngram.alignment import align_proposals
 from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
-from sgl_jax.speculative.drafters.ngram.suffix_index import SuffixIndex, proposal_lists
+from sgl_jax.speculative.drafters.ngram.suffix_index import SuffixIndex
 from sgl_jax.speculative.round.tree import DraftTree
 from sgl_jax.speculative.spec_config import TreeShape
 
@@ -141,23 +141,19 @@ class NgramProposer:
         self.index.forget_responses()
 
     def hints(self, reqs: Sequence[Req], padded: int) -> NgramHints:
-        """Each request's trie from the text read so far, padded to `padded` rows."""
+        """Each request's trie from the text read so far, padded to `padded` rows (one
+        compiled call for the batch)."""
         m, n = self.num_nodes, len(reqs)
-        # Every row's nodes as flat lists, made arrays once.
-        tokens, parents, probs = [], [], []
-        for req in reqs:
-            row = proposal_lists(*self.index.propose_nodes(req.rid, m, self.depth), m)
-            for flat, part in zip((tokens, parents, probs), row, strict=True):
-                flat += part
-        pad_rows = (padded - n) * m  # padding rows: no nodes, scores 0
-        scores = np.zeros(padded * m, np.float32)
-        scores[:n * m] = np.log(np.maximum(np.array(probs, np.float32), 1e-30))
-        behind = [(IN_ROUND if req.inflight_extra else IN_STEP) if req.num_inflight else 0
-                  for req in reqs]
-        return NgramHints(np.array(tokens + [0] * pad_rows, np.int32).reshape(padded, m),
-                          np.array(parents + [-1] * pad_rows, np.int32).reshape(padded, m),
-                          np.array(behind + [0] * (padded - n), np.int32),
-                          scores.reshape(padded, m))
+        tokens = np.zeros((padded, m), np.int32)
+        parents = np.full((padded, m), -1, np.int32)
+        probs = np.zeros((padded, m), np.float64)  # padding rows: no nodes, scores 0
+        self.index.propose_into([req.rid for req in reqs], self.depth, tokens, parents, probs)
+        scores = np.log(np.maximum(probs.astype(np.float32), 1e-30))
+        scores[n:] = 0.0
+        behind = np.zeros(padded, np.int32)
+        behind[:n] = [(IN_ROUND if req.inflight_extra else IN_STEP) if req.num_inflight else 0
+                      for req in reqs]
+        return NgramHints(tokens, parents, behind, scores)
 
     def offered(self, hints: NgramHints, rows: int) -> list[bool]:
         """Whether each request's trie holds more than its root."""

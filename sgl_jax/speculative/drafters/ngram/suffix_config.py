@@ -18,14 +18,14 @@ class SuffixConfig:
     # default). A match of m tokens drafts at most ceil(spec_factor * m + spec_offset)
     # tokens, so with the defaults this also bounds the draft's depth (13).
     max_match: int = 12
-    # --speculative-ngram-branch-length: the deepest draft (tokens after the root) the
-    # structures can supply. In SGLang it bounds the branch stored in its trie (match and
-    # draft together); here the stored depth is max_match + branch_length, so the longest
-    # match can still draft this deep. SGLang's default; with the other defaults drafts stop
-    # at 13 anyway, and the deeper storage costs little (nodes exist only where text repeats).
+    # --speculative-ngram-branch-length: the deepest draft (tokens after the root). In
+    # SGLang it bounds the branch stored in its trie (match and draft together); here every
+    # occurrence is kept whole, so the longest match can still draft this deep. SGLang's
+    # default; with the other defaults drafts stop at 13 anyway.
     branch_length: int = 18
     # --speculative-ngram-capacity: tokens of finished requests' outputs kept for drafting;
-    # the oldest outputs are evicted first. About 130 bytes of host memory per token.
+    # the oldest outputs are evicted first. About 50 bytes of host memory per token
+    # (up to twice that while evicted outputs wait to be dropped).
     capacity: int = 1_000_000
     # A draft node is kept only while its path probability is at least this (suffix
     # decoding's default): below it a node is more likely to waste its tree slot.
@@ -39,14 +39,6 @@ class SuffixConfig:
     # costs the device the same however full it is, and min_token_prob still prunes.
     spec_factor: float = 1.0
     spec_offset: float = 1.0
-    # Internal: a trie node keeps explicit children once more than this many suffixes pass
-    # through it. Changes speed and memory, never a draft.
-    bucket_size: int = 8
-
-    @property
-    def depth(self) -> int:
-        """Longest string the structures count: a full match plus the deepest draft."""
-        return self.max_match + self.branch_length
 
     def validate(self) -> None:
         _check_int("max_match", self.max_match, 1, 256, "--speculative-ngram-max-match-window-size")
@@ -57,7 +49,6 @@ class SuffixConfig:
         _check_float("min_token_prob", self.min_token_prob, 0.0, 1.0)
         _check_float("spec_factor", self.spec_factor, 0.0, 256.0)
         _check_float("spec_offset", self.spec_offset, -256.0, 256.0)
-        _check_int("bucket_size", self.bucket_size, 1, 1 << 16, None)
 
 
 def _check_int(name: str, value: object, low: int, high: int, flag: str | None) -> None:

@@ -3,8 +3,8 @@
 Drafts come from text already seen, in two places: each request's own text (prompt and output
 so far) and the outputs of recently finished requests (a bounded pool, oldest evicted first),
 so a repeated answer or agent step drafts from the previous one (suffix decoding,
-arXiv 2411.04975). The index is pure Python and runs on the host once per round per request
-while the device computes the previous round.
+arXiv 2411.04975). The index runs on the host, once per round for the batch, while the device
+computes the previous round.
 
 The statistic. For a text set and a string Q, let N(Q, c) be the number of places where Q
 occurs immediately followed by token c (inside one text; no match or continuation crosses
@@ -27,38 +27,31 @@ the two structures (the request's own first), the candidate tree for P = the las
 grown best-first by path probability: a node is kept while its path probability is at least
 min_token_prob and its depth at most min(max_depth, branch_length, ceil(spec_factor * m +
 spec_offset)), at most max_nodes - 1 nodes. The candidate with the largest expected number of
-tokens wins; a later candidate must beat the best so far by more than _SCORE_EPS, so float
+tokens wins; a later candidate must beat the best so far by more than SCORE_EPS, so float
 rounding never decides and ties go to the longer match, then to the request's own text.
 
-The data structure is a depth-bounded suffix trie (depth D = max_match + branch_length) that
-is explicit only where text repeats (`suffix_trie.SuffixTrie`). Measured on one CPU core
-(ShareGPT text, SmolLM2 tokenizer): a 2k-token prompt is indexed in 1.8 ms into ~1k nodes and
-205 KiB, where a plain trie of depth 30 takes 63 ms, 46k nodes and 11.7 MiB; `extend` costs
-1.2-2.6 us per token (up to 6 us on degenerate text such as one token repeated); `propose`
-(16 nodes, depth 8) with 800k tokens of responses kept took 40-75 us on average, 0.2 ms at
-the 99th percentile, before each structure's candidate matches were found by bisection
-(`_MatchSearch`), which took code edits and chat (benchmark/bench_suffix_index.py, 7 nodes,
-depth 6) from 87 to 52 us; kept responses cost 1.8 us per token to add and ~130 bytes per
-token.
+The data structure (text_chains.py, compiled): each text set is a token list in which every
+position links to the previous occurrence of its token and of its last two tokens, so the
+occurrences of a context are one chain walk away and counts are exact; the draft trees are
+grown there too, one call for a whole batch (benchmark/bench_suffix_index.py measures it;
+figures in docs/benchmarks/cpu.md).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
+from sgl_jax.speculative.drafters.ngram import text_chains
 from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
-from sgl_jax.speculative.drafters.ngram.suffix_trie import Child, Handle, SuffixTrie
 
-# A later candidate tree must score higher than the best by more than this to replace it:
-# scores are sums of float products, and two equal trees reached by different arithmetic
-# must not swap places on rounding.
-_SCORE_EPS = 1e-9
+_CHAINS = numba.types.Array(numba.int32, 2, "C")  # a text set's i32[3, capacity]
+_TABLE = numba.types.Array(numba.int64, 2, "C")  # its hash table, i64[2, capacity]
 
 
 @dataclass(frozen=True)
@@ -85,251 +78,215 @@ class Proposal:
         return float(self.probs[1:].sum(dtype=np.float64))
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    score: float  # sum of path probabilities: expected accepted draft tokens
-    nodes: list[tuple[int, int, float]]  # (token, parent index, path probability), in order
+class TextSet:
+    """A growable token list with its occurrence chains (text_chains.py)."""
+
+    def __init__(self, tokens: np.ndarray | None = None) -> None:
+        self.chains = np.zeros((3, 64), np.int32)  # i32[3, capacity]
+        self.table = text_chains.new_table(256)  # i64[2, capacity]
+        self.size = 0  # positions used
+        self.keys = 0  # hash-table entries used
+        if tokens is not None:
+            self.append(tokens)
+
+    def append(self, tokens: np.ndarray) -> bool:
+        """Append i64[k] tokens (END closes a text); True if the arrays were replaced."""
+        needed = self.size + len(tokens)
+        replaced = needed > self.chains.shape[1]
+        if replaced:
+            chains = np.zeros((3, _power_of_two(needed)), np.int32)
+            chains[:, :self.size] = self.chains[:, :self.size]
+            self.chains = chains
+        keys = self.keys + 2 * len(tokens)
+        if 2 * keys > self.table.shape[1]:  # kept at most half full: short probes
+            self.table = text_chains.new_table(_power_of_two(4 * keys))
+            self.keys = text_chains.relink(self.chains, self.size, self.table)
+            replaced = True
+        self.size, self.keys = text_chains.append_tokens(self.chains, self.size, self.table,
+                                                         self.keys, tokens)
+        return replaced
 
 
 class SuffixIndex:
     """Suffix statistics of running requests and of recent responses; proposes draft trees.
 
     Keys are any hashable request ids. Per round: `extend` with the tokens a request
-    committed, then `propose`.
+    committed, then `propose` (one request) or `propose_into` (a batch, one compiled call).
     """
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config if config is not None else SuffixConfig()
         self.config.validate()
-        self._requests: dict[Hashable, tuple[SuffixTrie, int]] = {}  # key -> (text, prompt len)
-        self._responses = self._new_trie()
-        self._kept: deque[tuple[int, int]] = deque()  # (start, length) per response, oldest first
-        self._kept_tokens = 0
-        self._caps: dict[tuple[int, int], list[int]] = {}  # (max_nodes, max_depth) -> caps
+        # Running requests' texts, by slot: the compiled code reads them from typed lists.
+        self._slots: dict[Hashable, int] = {}
+        self._prompt_lens: dict[Hashable, int] = {}
+        self._texts: list[TextSet | None] = []
+        self._chains = numba.typed.List.empty_list(_CHAINS)
+        self._tables = numba.typed.List.empty_list(_TABLE)
+        self._sizes = np.zeros(0, np.int64)  # i64[slots]: each text's length
+        self._free: list[int] = []
+        self._new_pool()
+        self._shapes: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._requests
+        return key in self._slots
 
     def __len__(self) -> int:
         """Requests indexed (running ones: a finished request leaves)."""
-        return len(self._requests)
+        return len(self._slots)
 
     @property
     def response_tokens(self) -> int:
         """Tokens of finished outputs currently kept (at most config.capacity)."""
         return self._kept_tokens
 
+    @property
+    def responses_held(self) -> int:
+        """Positions the pool of recent responses holds: kept outputs, their ends, and
+        evicted ones not dropped yet (at most about twice the kept ones)."""
+        return self._pool.size
+
     def forget_responses(self) -> None:
         """Drop every kept output (a flushed cache); running requests keep their text."""
-        self._responses = self._new_trie()
-        self._kept.clear()
-        self._kept_tokens = 0
+        self._new_pool()
 
     def add_request(self, key: Hashable, prompt_ids: Sequence[int]) -> None:
-        """Start a request's own structure from its prompt (i32[prompt_len], non-empty)."""
-        if key in self._requests:
+        """Start a request's own text from its prompt (i32[prompt_len], non-empty)."""
+        if key in self._slots:
             raise ValueError(f"request {key!r} is already indexed")
-        ids = _token_list(prompt_ids)
-        if not ids:
+        ids = _token_array(prompt_ids)
+        if not len(ids):
             raise ValueError(f"request {key!r}: the prompt must have at least one token")
-        text = self._new_trie()
-        for token in ids:
-            text.append(token)
-        self._requests[key] = (text, len(ids))
+        slot = self._free.pop() if self._free else self._new_slot()
+        self._slots[key], self._prompt_lens[key] = slot, len(ids)
+        self._texts[slot] = TextSet(ids)
+        self._publish(slot)
 
     def extend(self, key: Hashable, token_ids: Sequence[int]) -> None:
         """Append committed output tokens (i32[k]: a round's accepted drafts and bonus)."""
-        text = self._requests[key][0]
-        for token in _token_list(token_ids):
-            text.append(token)
+        slot = self._slots[key]
+        text = self._texts[slot]
+        if text.append(_token_array(token_ids)):
+            self._publish(slot)
+        else:
+            self._sizes[slot] = text.size
 
     def finish(self, key: Hashable, *, record: bool = True) -> None:
-        """The request ended: free its structure and, with `record`, keep its output (not its
+        """The request ended: free its text and, with `record`, keep its output (not its
         prompt) for later requests, evicting the oldest outputs beyond capacity. An output
         longer than the capacity keeps its first `capacity` tokens, the ones a repeat needs
         first. Pass record=False for an aborted request."""
-        text, prompt_len = self._requests.pop(key)
-        output = text.tokens[prompt_len:][: self.config.capacity]
-        if record and output:
-            self._remember(output)
+        slot = self._slots.pop(key)
+        prompt_len = self._prompt_lens.pop(key)
+        text = self._texts[slot]
+        output = text.chains[text_chains.TOKENS, prompt_len:text.size][: self.config.capacity]
+        if record and len(output):
+            self._remember(output.astype(np.int64))
+        self._texts[slot] = None
+        self._chains[slot], self._tables[slot] = _EMPTY_CHAINS, _EMPTY_TABLE
+        self._free.append(slot)
 
     def propose(self, key: Hashable, max_nodes: int, max_depth: int) -> Proposal:
         """The best-scoring draft tree for the request, at most max_nodes nodes (root
         included) and max_depth tokens below the root; just the root where nothing matches."""
-        return _to_proposal(*self.propose_nodes(key, max_nodes, max_depth), max_nodes)
+        tokens, parents = np.empty((2, 1, max_nodes), np.int32)
+        probs = np.empty((1, max_nodes), np.float64)
+        self.propose_into([key], max_depth, tokens, parents, probs)
+        return Proposal(tokens[0], parents[0], probs[0].astype(np.float32))
 
-    def propose_nodes(self, key: Hashable, max_nodes: int, max_depth: int
-                      ) -> tuple[int, list[tuple[int, int, float]]]:
-        """`propose`'s tree as its root token and the nodes below it, (token, parent index,
-        path probability) in node order, for a caller that builds a batch's arrays at once."""
+    def propose_into(self, keys: Sequence[Hashable], max_depth: int, tokens: np.ndarray,
+                     parents: np.ndarray, probs: np.ndarray) -> None:
+        """`propose` for each request keys[r] into row r of tokens, parents (i32[B, M]) and
+        probs (f64[B, M]), M = max_nodes, B >= len(keys): rows past the keys are left as
+        they are."""
+        max_nodes = tokens.shape[1]
         if max_nodes < 1 or max_depth < 0:
             raise ValueError(f"max_nodes must be >= 1 and max_depth >= 0, "
                              f"got {max_nodes} and {max_depth}")
-        own = self._requests[key][0]
-        text = own.tokens
-        caps = self._tree_caps(max_nodes, max_depth)
-        tries = (own, self._responses)
-        longest = min(self.config.max_match, len(text))
-        searches = [_MatchSearch(trie, text, longest) for trie in tries]
-        best = _Candidate(0.0, [])
-        found = [search.next(self._shortest_useful(caps, best.score)) for search in searches]
-        while any(found):
-            m = max(hit[0] for hit in found if hit is not None)
-            # A tree's score is at most its cap (path probabilities at one depth sum to at
-            # most 1, and it has at most max_nodes - 1 nodes); caps shrink with m, so no
-            # shorter match can win.
-            if caps[m] <= best.score + _SCORE_EPS:
-                break
-            for slot, trie in enumerate(tries):  # at equal m, the request's own text first
-                if found[slot] is None or found[slot][0] != m:
-                    continue
-                total, children = trie.continuations(found[slot][1])
-                candidate = _grow(trie, children, total, self._draft_depth(m, max_depth),
-                                  max_nodes - 1, self.config.min_token_prob)
-                if candidate.score > best.score + _SCORE_EPS:
-                    best = candidate
-                found[slot] = searches[slot].next(self._shortest_useful(caps, best.score))
-        return text[-1], best.nodes
+        slots = np.fromiter((self._slots[key] for key in keys), np.int64, len(keys))
+        caps, depths = self._tree_limits(max_nodes, max_depth)
+        pool = self._pool
+        text_chains.propose_rows(
+            self._chains, self._tables, self._sizes, slots, pool.chains, pool.size, pool.table,
+            self._dead, caps, depths, self.config.min_match, self.config.min_token_prob,
+            tokens, parents, probs)
 
-    def _new_trie(self) -> SuffixTrie:
-        return SuffixTrie(self.config.depth, self.config.bucket_size, self.config.min_token_prob)
+    def evict_oldest_response(self) -> bool:
+        """Drop the oldest recent response; False when none is kept."""
+        if not self._kept:
+            return False
+        start, length = self._kept.popleft()
+        self._dead = start + length + 1  # its tokens and its END
+        self._kept_tokens -= length
+        if 2 * self._dead > self._pool.size:  # drop the dead front once it is most of the list
+            self._compact_pool()
+        return True
 
-    def _tree_caps(self, max_nodes: int, max_depth: int) -> list[int]:
-        """caps[m]: the most a match of m tokens can score, min(its draft depth, nodes below
-        the root); cached per shape. Non-decreasing in m."""
+    def _tree_limits(self, max_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """(caps, depths), i64[max_match + 1] each, cached per shape: the draft depth of a
+        match of m tokens, and the most its tree can score, min(its depth, nodes below the
+        root). Non-decreasing in m."""
         key = (max_nodes, max_depth)
-        caps = self._caps.get(key)
-        if caps is None:
-            caps = self._caps[key] = [min(self._draft_depth(m, max_depth), max_nodes - 1)
-                                      for m in range(self.config.max_match + 1)]
-        return caps
-
-    def _shortest_useful(self, caps: list[int], best_score: float) -> int:
-        """The shortest match whose tree could beat `best_score`."""
-        for m in range(self.config.min_match, len(caps)):
-            if caps[m] > best_score + _SCORE_EPS:
-                return m
-        return len(caps)
+        if key not in self._shapes:
+            depths = np.array([self._draft_depth(m, max_depth)
+                               for m in range(self.config.max_match + 1)], np.int64)
+            self._shapes[key] = (np.minimum(depths, max_nodes - 1), depths)
+        return self._shapes[key]
 
     def _draft_depth(self, match_len: int, max_depth: int) -> int:
         trusted = math.ceil(self.config.spec_factor * match_len + self.config.spec_offset)
         return max(0, min(max_depth, self.config.branch_length, trusted))
 
-    @property
-    def responses(self) -> SuffixTrie:
-        """The trie of recent responses (read it; evict_oldest_response removes from it)."""
-        return self._responses
+    def _new_slot(self) -> int:
+        slot = len(self._texts)
+        self._texts.append(None)
+        self._chains.append(_EMPTY_CHAINS)
+        self._tables.append(_EMPTY_TABLE)
+        if slot >= len(self._sizes):
+            self._sizes = np.concatenate([self._sizes, np.zeros(max(slot, 8), np.int64)])
+        return slot
 
-    def evict_oldest_response(self) -> bool:
-        """Drop the oldest recent response from the trie; False when none is kept."""
-        if not self._kept:
-            return False
-        start, length = self._kept.popleft()
-        self._responses.remove_text(start, length)
-        self._kept_tokens -= length
-        return True
+    def _publish(self, slot: int) -> None:
+        """Hand a text's (new) arrays to the compiled code's lists."""
+        text = self._texts[slot]
+        self._chains[slot], self._tables[slot] = text.chains, text.table
+        self._sizes[slot] = text.size
 
-    def _remember(self, output: list[int]) -> None:
-        """Add one output to the recent responses, oldest evicted first to make room."""
+    def _new_pool(self) -> None:
+        self._pool = TextSet()
+        self._dead = 0  # pool positions below this belong to evicted responses
+        self._kept: deque[tuple[int, int]] = deque()  # (start, length) per response, oldest first
+        self._kept_tokens = 0
+
+    def _remember(self, output: np.ndarray) -> None:
+        """Add one output (i64[k]) to the recent responses, oldest evicted first to make
+        room."""
         while self._kept and self._kept_tokens + len(output) > self.config.capacity:
             self.evict_oldest_response()
-        self._kept.append((self._responses.add_text(output), len(output)))
+        start = self._pool.size
+        self._pool.append(np.append(output, text_chains.END))
+        self._kept.append((start, len(output)))
         self._kept_tokens += len(output)
 
-
-class _MatchSearch:
-    """One structure's candidate matches, longest first: the lengths m whose match has more
-    continuations than the match one token longer (with equal counts the occurrences are the
-    same, and so is the tree, under a shallower cap). The count is non-increasing in m (each
-    occurrence of the longer match is one of the shorter), so each next candidate is found
-    by bisection: a few lookups instead of one per length."""
-
-    def __init__(self, trie: SuffixTrie, text: list[int], longest: int) -> None:
-        self.trie, self.text = trie, text
-        self.upper = longest  # no candidate is left above this length
-        self.floor = 0  # continuations of the last candidate: the next one needs more
-        self._totals: dict[int, tuple[Handle | None, int]] = {}  # m -> (handle, count)
-
-    def next(self, shortest: int) -> tuple[int, Handle] | None:
-        """(m, handle) of the next candidate no shorter than `shortest`; None when none is."""
-        low, high = shortest, self.upper
-        if high < low or self._count(low) <= self.floor:
-            self.upper = 0
-            return None
-        while low < high:  # invariant: count(low) > floor
-            mid = (low + high + 1) // 2
-            if self._count(mid) > self.floor:
-                low = mid
-            else:
-                high = mid - 1
-        handle, self.floor = self._totals[low]
-        self.upper = low - 1
-        return low, handle
-
-    def _count(self, m: int) -> int:
-        """Occurrences of the last m tokens that are followed by a token."""
-        entry = self._totals.get(m)
-        if entry is None:
-            handle = self.trie.locate(self.text[len(self.text) - m:])
-            entry = (handle, self.trie.total(handle) if handle is not None else 0)
-            self._totals[m] = entry
-        return entry[1]
+    def _compact_pool(self) -> None:
+        """Rebuild the pool from its live positions (the kept responses)."""
+        dead, pool = self._dead, self._pool
+        self._pool = TextSet(pool.chains[text_chains.TOKENS, dead:pool.size].astype(np.int64))
+        self._kept = deque((start - dead, length) for start, length in self._kept)
+        self._dead = 0
 
 
-def _grow(trie: SuffixTrie, root_children: list[Child], root_total: int, max_depth: int,
-          budget: int, min_prob: float) -> _Candidate:
-    """Best-first draft tree under a located match.
-
-    Pops nodes in the order (-path probability, depth, parent's index, token). A child's key
-    is greater than its parent's (probability no larger, depth larger), so the pops come out
-    sorted: the first `budget` pops are the best `budget` nodes, closed under ancestors.
-    """
-    heap = []
-    for count, token, handle in root_children:  # the most frequent first
-        prob = count / root_total  # the root's path probability is 1
-        if prob < min_prob:
-            break
-        heap.append((-prob, 1, 0, token, handle))
-    heapq.heapify(heap)
-    nodes: list[tuple[int, int, float]] = []
-    score = 0.0
-    while heap and len(nodes) < budget:
-        neg_prob, depth, parent, token, handle = heapq.heappop(heap)
-        prob = -neg_prob
-        nodes.append((token, parent, prob))
-        score += prob
-        if depth >= max_depth:
-            continue
-        total, children = trie.continuations(handle)
-        for count, child_token, child_handle in children:
-            child_prob = prob * (count / total)
-            if child_prob < min_prob:
-                break
-            heapq.heappush(heap, (-child_prob, depth + 1, len(nodes), child_token, child_handle))
-    return _Candidate(score, nodes)
+_EMPTY_CHAINS = np.zeros((3, 1), np.int32)
+_EMPTY_TABLE = text_chains.new_table(1)
 
 
-def proposal_lists(root_token: int, nodes: list[tuple[int, int, float]], max_nodes: int
-                   ) -> tuple[list[int], list[int], list[float]]:
-    """A Proposal's tokens, parents and probabilities as lists of max_nodes each (the root,
-    `propose_nodes`' nodes, then padding)."""
-    pad = max_nodes - 1 - len(nodes)
-    tokens = [root_token] + [token for token, _, _ in nodes] + [0] * pad
-    parents = [-1] + [parent for _, parent, _ in nodes] + [-1] * pad
-    probs = [1.0] + [prob for _, _, prob in nodes] + [0.0] * pad
-    return tokens, parents, probs
+def _power_of_two(at_least: int) -> int:
+    return 1 << max(at_least - 1, 1).bit_length()
 
 
-def _to_proposal(root_token: int, nodes: list[tuple[int, int, float]], max_nodes: int
-                 ) -> Proposal:
-    tokens, parents, probs = proposal_lists(root_token, nodes, max_nodes)
-    return Proposal(tokens=np.array(tokens, np.int32), parents=np.array(parents, np.int32),
-                    probs=np.array(probs, np.float32))
-
-
-def _token_list(token_ids: Sequence[int]) -> list[int]:
-    """Token ids (a sequence or an integer array) as a list of non-negative Python ints."""
-    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
-    if ids and min(ids) < 0:
-        raise ValueError(f"token ids must be >= 0, got {min(ids)}")
+def _token_array(token_ids: Sequence[int]) -> np.ndarray:
+    """Token ids (a sequence or an integer array) as i64[k], each checked >= 0."""
+    ids = np.asarray(token_ids, np.int64).reshape(-1)
+    if len(ids) and ids.min() < 0:
+        raise ValueError(f"token ids must be >= 0, got {int(ids.min())}")
     return ids
