@@ -25,7 +25,7 @@ import numpy as np
 from sgl_jax.scheduler.req import Req
 from sgl_jax.speculative.drafters.ngram.alignment import align_proposals
 from sgl_jax.speculative.drafters.ngram.suffix_config import SuffixConfig
-from sgl_jax.speculative.drafters.ngram.suffix_index import SuffixIndex
+from sgl_jax.speculative.drafters.ngram.suffix_index import SuffixIndex, load_compiled_code
 from sgl_jax.speculative.round.tree import DraftTree
 from sgl_jax.speculative.spec_config import TreeShape
 
@@ -120,6 +120,7 @@ class NgramProposer:
     def __init__(self, config: SuffixConfig, shapes: Sequence[TreeShape]):
         self.index = SuffixIndex(config)
         self.num_nodes, self.depth = proposal_shape(shapes)
+        load_compiled_code()
 
     def add_request(self, req: Req) -> None:
         """From its first admission on (a retracted request is admitted again)."""
