@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_jax.speculative.policy.acceptance_stats import rows_reaching
 from sgl_jax.speculative.spec_config import TreeShape
 
 INITIAL_RATE = 0.6  # the server-wide prior of every depth's acceptance before any round
@@ -40,12 +41,12 @@ class DepthCounts:
         if np.ndim(num_accepted) == 0 and np.ndim(steps) == 0:  # one request's round
             self._record_one(int(steps), int(num_accepted))
             return
-        accepted = np.atleast_1d(np.asarray(num_accepted))[:, None]  # [R, 1]
-        steps = np.asarray(steps)[..., None] if np.ndim(steps) else steps  # [R, 1] or int
-        depths = np.arange(self.depth)[None, :]
-        scale = self.decay ** accepted.shape[0]
-        self.tried = self.tried * scale + (depths < np.minimum(accepted + 1, steps)).sum(0)
-        self.accepted = self.accepted * scale + (depths < accepted).sum(0)
+        accepted = [int(a) for a in np.atleast_1d(num_accepted)]
+        steps = [int(s) for s in steps] if np.ndim(steps) else [int(steps)] * len(accepted)
+        scale = self.decay ** len(accepted)
+        self.tried = self.tried * scale + rows_reaching(
+            [min(a + 1, s) for a, s in zip(accepted, steps, strict=True)], self.depth)
+        self.accepted = self.accepted * scale + rows_reaching(accepted, self.depth)
         self.version += 1
 
     def _record_one(self, steps: int, num_accepted: int) -> None:
@@ -192,7 +193,7 @@ class Calibration:
     def record(self, scores: np.ndarray, parents: np.ndarray, depths: np.ndarray,
                tried: np.ndarray, accepted: np.ndarray) -> None:
         """Rounds' trees: scores f32[R, N] (DraftTree.scores), parents and node depths
-        i32[R, N] each (tree.host_node_depths), and the nodes verification tried (its parent
+        i32[R, N] each (RoundOutput.node_depths), and the nodes verification tried (its parent
         accepted) and accepted, bool[R, N] each (results.node_outcomes)."""
         self._recorded.append((scores, parents, depths, tried, accepted))
         if len(self._recorded) >= self.FOLD_EVERY:
