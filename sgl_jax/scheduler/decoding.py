@@ -191,6 +191,8 @@ def emit_tokens(reqs: list[Req], output: StepOutput, emits: list[bool] | None = 
     row does); a request that ended while the step ran (it stopped at the step before, or
     was aborted) drops its token."""
     tokens = output.tokens.tolist()
+    if emits is None and output.logprobs is None and output.top_logprob_ids is None:
+        return _emit_one_each(reqs, tokens)
     logprobs = output.logprobs.tolist() if output.logprobs is not None else None
     emitted = []
     for row, req in enumerate(reqs):
@@ -203,6 +205,19 @@ def emit_tokens(reqs: list[Req], output: StepOutput, emits: list[bool] | None = 
         req.append_tokens(run, logprobs and logprobs[row: row + 1],
                           _top_logprobs(output, row) if req.top_logprobs_num else None)
         emitted.append((req, run, req.finish_reason is not None))
+    return emitted
+
+
+def _emit_one_each(reqs: list[Req], tokens: list[int]) -> Emitted:
+    """emit_tokens of a decode step that no request asked log-probabilities of: the loop
+    the engine runs every step, without the per-row checks it does not need."""
+    emitted = []
+    for req, token in zip(reqs, tokens, strict=True):
+        req.num_inflight -= 1
+        if req.finish_reason is None:
+            run = [token]
+            req.append_tokens(run)
+            emitted.append((req, run, req.finish_reason is not None))
     return emitted
 
 

@@ -125,9 +125,9 @@ class SlotTable:
             if self._pages_changed(req):
                 self._write_page_row(req)
             extra = req.inflight_extra
-            changing.append((req.state_slot, -1 if extra else req.kv_len,
-                             -1 if req.num_inflight else req.last_token,
-                             -1 if extra else req.num_sampled))
+            changing += (req.state_slot, -1 if extra else req.kv_len,  # flat: one conversion
+                         -1 if req.num_inflight else req.last_token,
+                         -1 if extra else req.num_sampled)
             if req.grammar is not None:
                 constrained.append((req.grammar, row))
         ints, floats = self.ints[slots], self.floats[slots]
