@@ -46,15 +46,15 @@ from sgl_jax.speculative.next_token_pages import NextTokenPages
 from sgl_jax.speculative.policy.acceptance_stats import AcceptanceStats
 from sgl_jax.speculative.policy.shape_policy import PLAIN, SpeculationPolicy
 from sgl_jax.speculative.request_state import DraftState, DraftStates
-from sgl_jax.speculative.round.program import PendingRound, RoundOutput, packed_nodes
+from sgl_jax.speculative.round.output import PendingRound, RoundOutput
+from sgl_jax.speculative.round.program import packed_nodes
 from sgl_jax.speculative.round.results import (
     emit_run,
     max_depth,
     node_outcomes,
     round_rows,
-    tree_depths,
     tree_masks,
-    verified_in,
+    verified_depths,
 )
 from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.speculative.spec_runner import SpecRunner
@@ -83,7 +83,6 @@ class LaunchedRound:
     output: PendingRound | PendingStep  # a PendingStep: the target's own decode step
     launched_at: float
     compiled: bool = False  # its dispatch compiled a program: its time says nothing of a round
-    verified: list[int] | None = None  # a packed round's draft nodes verified, per request
 
 
 class SpecDecoder:
@@ -225,7 +224,7 @@ class SpecDecoder:
             output = self._dispatch(reqs, bucket, shape, masked, hints, verified)
         return LaunchedRound(
             reqs, shape, bucket, records, masked, defers, output, start,
-            compiled=self.spec.target.num_compilations != compilations, verified=verified)
+            compiled=self.spec.target.num_compilations != compilations)
 
     def verified_nodes(self, reqs: list[Req], shape: TreeShape, bucket: int,
                        records: list) -> list[int] | None:
@@ -252,8 +251,7 @@ class SpecDecoder:
             self._last_result_at = time.perf_counter()
         else:
             emitted = self._settle_round(launched.output)
-        for req, tokens, _ in emitted:
-            self.proposer.extend(req, tokens)
+        self.proposer.extend(emitted)
         return emitted
 
     def _settle_round(self, launched: LaunchedRound) -> Emitted:
@@ -265,7 +263,7 @@ class SpecDecoder:
         accepted = output.num_accepted.tolist()
         live = [row for row, req in enumerate(launched.reqs) if not req.finished]
         steps = launched.shape.num_steps
-        nodes, depths = verified_in(output, launched.verified, steps, len(launched.reqs))
+        depths = verified_depths(output, steps)
         self.policy.observe(launched.shape, launched.bucket, seconds,
                             [(launched.records[row], accepted[row], depths[row])
                              for row in live],
@@ -276,7 +274,7 @@ class SpecDecoder:
         drafted = [min(d, v) for d, v in zip(self._drafted_depths(launched, output), depths,
                                              strict=True)]
         if output.tree_scores is not None and live:
-            self.policy.calibration.record(*node_outcomes(output, live, nodes))
+            self.policy.calibration.record(*node_outcomes(output, live))
         self.stats.record_rounds([accepted[row] for row in live], [drafted[row] for row in live])
         emitted = []
         for row in live:
@@ -314,7 +312,7 @@ class SpecDecoder:
         if self.spec.drafter.full_depth:
             steps = launched.shape.num_steps
             return [max_depth(req, steps) for req in launched.reqs]
-        return tree_depths(output, len(launched.reqs))
+        return output.deepest.tolist()
 
     def _dispatch(self, reqs: list[Req], padded: int, shape: TreeShape, masked: bool,
                   hints: Any, verified: list[int] | None) -> PendingRound:

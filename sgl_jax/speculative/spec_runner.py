@@ -70,10 +70,10 @@ from sgl_jax.model_executor.programs import Programs
 from sgl_jax.parallel.multihost import device_call
 from sgl_jax.speculative.drafters.interface import Drafter, root_only_tree
 from sgl_jax.speculative.policy.request_lengths import packed_counts, round_packing, rows_for
+from sgl_jax.speculative.round.output import PendingRound, round_result
 from sgl_jax.speculative.round.program import (
     CatchUpRow,
     DraftDeviceState,
-    PendingRound,
     RoundInputs,
     RoundRows,
     SlotState,
@@ -332,11 +332,9 @@ class SpecRunner:
                                                    inputs, rows.page_table, rows.state_slots)
         slot_state, lengths, last_tokens = advance_slots(
             slot_state, lengths, last_tokens, rows.slots, inputs, verified.verdict, slot_rows)
+        counts = None if packed is None else packed_counts(packed, tree.tokens.shape)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
-            (slot_state, lengths, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree.structure(),
-              None if packed is None else packed_counts(packed, tree.tokens.shape),
-              tree.scores)))
+            (slot_state, lengths, last_tokens, round_result(verified, tree, counts)))
 
     def _draft_trees_impl(self, draft_params, draft_kv, slot_state, lengths, last_tokens,
                           rows: RoundRows, *, shape: TreeShape):
@@ -357,9 +355,7 @@ class SpecRunner:
         slot_state, lengths, last_tokens = advance_slots(
             slot_state, lengths, last_tokens, rows.slots, inputs, verified.verdict, slot_rows)
         return target_kv, draft_kv, *self.tp.constrain_replicated(
-            (slot_state, lengths, last_tokens,
-             (verified.verdict, verified.logprobs, verified.top, tree.structure(), None,
-             None)))
+            (slot_state, lengths, last_tokens, round_result(verified, tree.structure(), None)))
 
     def propose(self, draft_params, draft_kv, inputs: RoundInputs, rows: RoundRows,
                  shape: TreeShape) -> tuple[DraftTree, list]:

@@ -250,6 +250,32 @@ def test_drafts_follow_falling_totals(outputs):
     assert ref.responses == outputs[1:]
 
 
+def test_a_batch_extends_and_proposes_as_each_request_alone():
+    # The engine feeds a round's tokens to every request in one call and asks for every
+    # tree in one call; texts grow well past their first arrays (relinked on the way).
+    rng = random.Random(13)
+    one_by_one, batched = SuffixIndex(), SuffixIndex()
+    keys = list(range(5))
+    for index in (one_by_one, batched):
+        for key in keys:
+            index.add_request(key, [key, 1, 2])
+    for _ in range(40):
+        runs = [random_text(rng, 30, rng.randint(0, 9), []) for _ in keys]
+        for key, run in zip(keys, runs, strict=True):
+            one_by_one.extend(key, run)
+        batched.extend_many(keys, runs)
+        tokens, parents = np.empty((2, len(keys) + 1, 9), np.int32)
+        probs = np.empty((len(keys) + 1, 9))
+        parents[-1] = 7  # a row past the keys is left as it is
+        batched.propose_into(keys, 5, tokens, parents, probs)
+        assert (parents[-1] == 7).all()
+        for row, key in enumerate(keys):
+            alone = one_by_one.propose(key, 9, 5)
+            assert tokens[row].tolist() == alone.tokens.tolist()
+            assert parents[row].tolist() == alone.parents.tolist()
+            np.testing.assert_array_equal(probs[row].astype(np.float32), alone.probs)
+
+
 # ---------------------------------------------------------------- hand-worked cases
 
 

@@ -25,9 +25,11 @@ from sgl_jax.speculative.policy.request_lengths import (
     round_tokens,
 )
 from sgl_jax.speculative.policy.shape_policy import PLAIN, SpeculationPolicy, candidate_shapes
-from sgl_jax.speculative.round.program import RoundOutput, keep_first_nodes, packed_nodes
+from sgl_jax.speculative.round.output import PendingRound, RoundOutput, round_result
+from sgl_jax.speculative.round.program import Verified, keep_first_nodes, packed_nodes
 from sgl_jax.speculative.round.results import node_outcomes
 from sgl_jax.speculative.round.tree import DraftTree, host_node_depths
+from sgl_jax.speculative.round.verify import Verdict
 from sgl_jax.speculative.spec_config import TreeShape
 from sgl_jax.testing import write_tiny_checkpoint
 from sgl_jax.testing.engines import believe_round_costs
@@ -245,18 +247,31 @@ def test_calibration_counts_rounds_together_as_it_would_one_by_one():
         np.testing.assert_allclose(getattr(one_by_one, name), counts, rtol=1e-9)
 
 
+def round_output(parents: np.ndarray, tokens: np.ndarray, path: np.ndarray,
+                 emitted: np.ndarray, counts: np.ndarray | None, scores: np.ndarray | None,
+                 num_rows: int) -> RoundOutput:
+    """The host's view of a round of trees `parents` and `tokens` i32[B, N] whose accepted
+    path is `path` i32[B, S+1] (emitting `emitted`; `counts`: a packed round's verified
+    draft nodes i32[B]), as its program hands it back for the first `num_rows` rows."""
+    accepted = (path[:, 1:] >= 0).sum(axis=1).astype(np.int32)
+    logprobs = np.linspace(-1, 0, path.size, dtype=np.float32).reshape(path.shape)
+    top = (np.zeros((*path.shape, 2), np.int32), np.zeros((*path.shape, 2), np.float32))
+    verified = Verified(Verdict(path, accepted, emitted), logprobs, top, None)
+    result = jax.jit(round_result)(verified, DraftTree(tokens, parents, scores=scores), counts)
+    return PendingRound(num_rows, result, want_logprobs=True, want_top_logprobs=False).result()
+
+
 def test_node_outcomes_read_the_accepted_path_of_each_tree():
-    """Which nodes verification tried (parent on the accepted path) and accepted, from the
-    round's accepted path, against a walk of the emitted tokens down each tree; a packed
-    round counts only the nodes each row verified."""
-    parents = np.array([[-1, 0, 0, 1, 1, 3, -1], [-1, 0, 1, 0, 3, 2, 2]])
-    tokens = np.array([[7, 4, 5, 8, 9, 6, 0], [3, 1, 2, 2, 4, 5, 6]])
-    path = np.array([[0, 1, 3, 5], [0, 3, -1, -1]])  # node at each depth, -1 past the path
+    """Which nodes verification tried (parent on the accepted path) and accepted, as the
+    round's program finds them from its accepted path, against a walk of the emitted tokens
+    down each tree; a packed round counts only the nodes each row verified."""
+    parents = np.array([[-1, 0, 0, 1, 1, 3, -1], [-1, 0, 1, 0, 3, 2, 2]], np.int32)
+    tokens = np.array([[7, 4, 5, 8, 9, 6, 0], [3, 1, 2, 2, 4, 5, 6]], np.int32)
+    path = np.array([[0, 1, 3, 5], [0, 3, -1, -1]], np.int32)  # -1 past the path
     accepted = (path[:, 1:] >= 0).sum(axis=1)
     emitted = np.where(path[:, 1:] >= 0, np.take_along_axis(tokens, np.maximum(path, 0),
-                                                            axis=1)[:, 1:], 0)
-    output = RoundOutput(emitted, accepted, None, None, None, tokens, parents,
-                         tree_scores=np.zeros(parents.shape, np.float32), path=path)
+                                                            axis=1)[:, 1:], 0).astype(np.int32)
+    emitted = np.concatenate([emitted, np.zeros((2, 1), np.int32)], axis=1)  # the bonus
     on_path = np.zeros(parents.shape, bool)
     for row in range(2):  # walk the emitted tokens from the root
         node, on_path[row, 0] = 0, True
@@ -264,14 +279,58 @@ def test_node_outcomes_read_the_accepted_path_of_each_tree():
             node = next(n for n in range(7) if parents[row, n] == node and tokens[row, n] == token)
             on_path[row, node] = True
     expect_tried = (parents >= 0) & on_path[np.arange(2)[:, None], np.maximum(parents, 0)]
+    scores = np.zeros(parents.shape, np.float32)
     for verified in (None, [5, 2]):
-        _, _, depths, tried, hit = node_outcomes(output, [0, 1], verified)
+        counts = None if verified is None else np.array(verified, np.int32)
+        output = round_output(parents, tokens, path, emitted, counts, scores, 2)
         counted = np.ones(parents.shape, bool) if verified is None else (
             np.arange(7)[None, :] <= np.array(verified)[:, None])
-        np.testing.assert_array_equal(tried, expect_tried & counted)
-        np.testing.assert_array_equal(hit, expect_tried & counted & on_path)
-        np.testing.assert_array_equal(depths, host_node_depths(parents))
+        for rows in ([0, 1], [1]):
+            _, kept, depths, tried, hit = node_outcomes(output, rows)
+            np.testing.assert_array_equal(kept, parents[rows])
+            np.testing.assert_array_equal(tried, (expect_tried & counted)[rows])
+            np.testing.assert_array_equal(hit, (expect_tried & counted & on_path)[rows])
+            np.testing.assert_array_equal(depths, host_node_depths(parents)[rows])
+    _, _, _, _, hit = node_outcomes(output, [0, 1])
     assert hit[0].tolist() == [False, True, False, True, False, True, False]
+
+
+@pytest.mark.parametrize(("packed", "scored"), [(False, False), (False, True), (True, True)])
+def test_a_rounds_integer_results_come_back_as_views_of_one_array(packed, scored):
+    """A round's program packs its integer results into one array, with each node's depth,
+    each tree's deepest node and, in a packed round, the deepest node each row verified
+    (cut-off nodes, parent -1, count from themselves), and the accepted path where the tree
+    has scores; the host reads the first rows back, each field a view of one copy equal to
+    the array it came from."""
+    rng = np.random.default_rng(3)
+    parents = np.array([[-1, 0, 0, 1, 1, 3, -1], [-1, 0, 1, 0, 3, 2, 2],
+                        [-1, 0, 1, 2, 3, 4, 5]], np.int32)
+    tokens = rng.integers(0, 50, parents.shape).astype(np.int32)
+    path = np.array([[0, 1, 3, 5], [0, 3, -1, -1], [0, 1, 2, 3]], np.int32)
+    accepted = (path[:, 1:] >= 0).sum(axis=1).astype(np.int32)
+    emitted = rng.integers(0, 50, path.shape).astype(np.int32)
+    logprobs = np.linspace(-1, 0, path.size, dtype=np.float32).reshape(path.shape)  # as sent
+    scores = rng.normal(size=parents.shape).astype(np.float32) if scored else None
+    counts = np.array([5, 2, 6], np.int32) if packed else None
+    output = round_output(parents, tokens, path, emitted, counts, scores, 2)
+    depths = host_node_depths(parents)
+    expected = {"tokens": emitted, "num_accepted": accepted, "tree_tokens": tokens,
+                "tree_parents": parents, "node_depths": depths, "logprobs": logprobs}
+    if scored:
+        expected |= {"path": path, "tree_scores": scores}
+    else:
+        assert output.path is None and output.tree_scores is None
+    for name, array in expected.items():
+        np.testing.assert_array_equal(getattr(output, name), array[:2])
+    assert output.deepest.tolist() == [3, 3]
+    assert output.tokens.base is output.node_depths.base is not None  # one copy
+    assert output.node_depths.flags.c_contiguous
+    assert output.top_logprob_ids is None and output.top_logprobs is None
+    if packed:
+        assert output.verified_nodes.tolist() == [5, 2]
+        assert output.deepest_verified.tolist() == [3, 2]
+    else:
+        assert output.verified_nodes is None and output.deepest_verified is None
 
 
 def test_packed_variants_of_chains_and_trees():

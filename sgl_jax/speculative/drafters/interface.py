@@ -126,7 +126,8 @@ class Proposer(Protocol):
     def add_request(self, req: Req) -> None:
         """A request is admitted (again, after a retraction)."""
 
-    def extend(self, req: Req, tokens: Sequence[int]) -> None: ...
+    def extend(self, emitted: Sequence[tuple[Req, list[int], bool]]) -> None:
+        """A settled step's new tokens: (request, its token ids, whether they finished it)."""
 
     def finish(self, req: Req) -> None: ...
 
@@ -148,7 +149,7 @@ class NoProposer:
     def add_request(self, req: Req) -> None:
         pass
 
-    def extend(self, req: Req, tokens: Sequence[int]) -> None:
+    def extend(self, emitted: Sequence[tuple[Req, list[int], bool]]) -> None:
         pass
 
     def finish(self, req: Req) -> None:

@@ -1,5 +1,6 @@
 """One speculative round as pure functions: what enters it, what passes from one round to the
-next on the device, the target's verification of every draft tree, and what comes back.
+next on the device, and the target's verification of every draft tree (what comes back:
+round/output.py).
 
 A round = the drafter proposes a tree per row (drafters/), `verify_trees` runs the target over
 every tree with the tree mask and walks the accepted path (round/verify.py), the drafter advances
@@ -16,7 +17,6 @@ the round reads the slot's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,13 +41,9 @@ from sgl_jax.model_executor.forward_batch import (
     token_positions,
     window_metadata,
 )
-from sgl_jax.model_executor.model_runner import (
-    MAX_TOP_LOGPROBS,
-    bitmask_words,
-    start_host_copies,
-)
+from sgl_jax.model_executor.model_runner import MAX_TOP_LOGPROBS, bitmask_words
 from sgl_jax.model_executor.target_forward import TargetForward, target_features
-from sgl_jax.speculative.round.tree import DraftTree, ancestor_mask, host_node_depths, node_depths
+from sgl_jax.speculative.round.tree import DraftTree, ancestor_mask, node_depths
 from sgl_jax.speculative.round.verify import AcceptThresholds, Verdict, verify_tree
 
 # Pending tokens one catch-up program extends the draft over, per request.
@@ -107,53 +103,6 @@ class CatchUpRow:
     draft_len: int  # tokens the draft's cache holds (kv_len minus the pending ones)
     next_tokens: Sequence[int]  # per pending position p, the token at p + 1 (CATCH_UP_WIDTH)
     features: np.ndarray  # f[len(next_tokens), F]: the target's features at those positions
-
-
-@dataclass(frozen=True)
-class RoundOutput:
-    """Host copies of one round's results, one row per request."""
-
-    tokens: np.ndarray  # i32[B, S+1]: accepted tokens then the bonus token
-    num_accepted: np.ndarray  # i32[B]: a; the row emits tokens[:a+1]
-    logprobs: np.ndarray | None  # f32[B, S+1]: raw target log-probability (None: not asked)
-    top_logprob_ids: np.ndarray | None  # i32[B, S+1, MAX_TOP_LOGPROBS] (None: not asked)
-    top_logprobs: np.ndarray | None  # f32[B, S+1, MAX_TOP_LOGPROBS]
-    # i32[B, N]: the tree this round verified (node 0 = the root)
-    tree_tokens: np.ndarray
-    tree_parents: np.ndarray
-    # i32[B]: the draft nodes each row verified in a packed round (None: not packed)
-    verified_nodes: np.ndarray | None = None
-    # f32[B, N]: the draft's own log-survival of each node (DraftTree.scores; None: none)
-    tree_scores: np.ndarray | None = None
-    # i32[B, S+1]: the accepted path's node at each depth, -1 past it (Verdict.path; copied
-    # only with tree_scores, for calibration)
-    path: np.ndarray | None = None
-
-    @functools.cached_property
-    def node_depths(self) -> np.ndarray:
-        """i32[B, N]: each node's depth in its tree (root and unused nodes 0), for the
-        round's bookkeeping: drafted depths, the deepest verified, calibration cells."""
-        return host_node_depths(self.tree_parents)
-
-
-class PendingRound:
-    """A dispatched round's results, still on the device: their copy to the host starts at
-    once, and `result()` waits for it. Log-probabilities are copied only when asked for."""
-
-    def __init__(self, num_rows: int, result: tuple, *, want_logprobs: bool,
-                 want_top_logprobs: bool):
-        verdict, logprobs, top, tree, verified_nodes, scores = result
-        self._num_rows = num_rows
-        self._arrays = (verdict.tokens, verdict.num_accepted,
-                        logprobs if want_logprobs else None,
-                        *(top if want_top_logprobs else (None, None)),
-                        tree.tokens, tree.parents, verified_nodes, scores,
-                        None if scores is None else verdict.path)
-        start_host_copies(self._arrays)
-
-    def result(self) -> RoundOutput:
-        n = self._num_rows
-        return RoundOutput(*(None if a is None else np.asarray(a)[:n] for a in self._arrays))
 
 
 @jax.tree_util.register_dataclass

@@ -8,51 +8,28 @@ import numpy as np
 from sgl_jax.grammar import allow_eos_at_dead_ends, fill_tree_bitmasks
 from sgl_jax.model_executor.model_runner import bitmask_words
 from sgl_jax.scheduler.req import Req
-from sgl_jax.speculative.round.program import RoundOutput, RoundRows
+from sgl_jax.speculative.round.output import NODE_ACCEPTED, NODE_UNTRIED, RoundOutput
+from sgl_jax.speculative.round.program import RoundRows
 
 
-def tree_depths(output: RoundOutput, rows: int) -> list[int]:
-    """Per row of a round's trees (none: a decode step), the deepest draft node it verified:
-    the draft positions the round tried (0 where a row had no draft)."""
-    if output.tree_parents is None:
-        return [0] * rows
-    return output.node_depths.max(axis=1).tolist()
+def verified_depths(output: RoundOutput, steps: int) -> list[int]:
+    """The deepest draft node each row of a round verified: in a packed round the deepest of
+    those its program chose, in any other the shape's depth `steps`."""
+    if output.deepest_verified is None:
+        return [steps] * len(output.num_accepted)
+    return output.deepest_verified.tolist()
 
 
-def deepest_verified(output: RoundOutput, counts: list[int]) -> list[int]:
-    """Per row of a packed round's trees (in the order the round verified them), the deepest
-    of the first counts[r] draft nodes it verified: a chain's count."""
-    depths = output.node_depths  # i32[B, N]
-    kept = np.arange(depths.shape[1])[None, :] <= np.asarray(counts)[:, None]
-    return np.where(kept, depths, 0).max(axis=1).tolist()
-
-
-def verified_in(output: RoundOutput, host_counts: list[int] | None, steps: int, rows: int
-                ) -> tuple[list[int] | None, list[int]]:
-    """What each row of a round verified: its draft nodes (a packed round's, by the round's
-    program where it chose them, else the host's `host_counts`; None: every node) and the
-    deepest of them (the shape's depth `steps` for a round not packed)."""
-    nodes = host_counts if output.verified_nodes is None else output.verified_nodes.tolist()
-    if nodes is None:
-        return None, [steps] * rows
-    return nodes, deepest_verified(output, nodes)
-
-
-def node_outcomes(output: RoundOutput, rows: list[int], verified: list[int] | None
-                  ) -> tuple[np.ndarray, ...]:
+def node_outcomes(output: RoundOutput, rows: list[int]) -> tuple[np.ndarray, ...]:
     """For acceptance.Calibration: `rows`' draft scores f32[R, N], parents and node depths
     i32[R, N] each, and which nodes verification tried (verified, with their parent on the
-    accepted path) and accepted (on it), bool[R, N] each. `verified`: a packed round's draft
-    nodes per row (its first ones), None: every node of the tree."""
-    parents, path = output.tree_parents[rows], output.path[rows]
-    on_path = np.zeros(parents.shape, bool)
-    reached = path >= 0  # the root and each accepted node
-    on_path[np.nonzero(reached)[0], path[reached]] = True
-    counted = parents >= 0
-    if verified is not None:
-        counted &= np.arange(parents.shape[1])[None, :] <= np.take(verified, rows)[:, None]
-    tried = counted & np.take_along_axis(on_path, np.maximum(parents, 0), axis=1)
-    return output.tree_scores[rows], parents, output.node_depths[rows], tried, tried & on_path
+    accepted path) and accepted (on it), bool[R, N] each (a packed round's: among the nodes
+    it verified)."""
+    # every row (the usual case): views of the round's results, not copies
+    pick = slice(None) if len(rows) == len(output.num_accepted) else rows
+    outcomes = output.outcomes[pick]
+    return (output.tree_scores[pick], output.tree_parents[pick], output.node_depths[pick],
+            outcomes != NODE_UNTRIED, outcomes == NODE_ACCEPTED)
 
 
 def max_depth(req: Req, num_steps: int) -> int:

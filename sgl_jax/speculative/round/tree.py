@@ -47,9 +47,9 @@ def node_depths(parents: jax.Array) -> jax.Array:
 
 
 def host_node_depths(parents: np.ndarray) -> np.ndarray:
-    """node_depths on the host, for a round's results: parents i32[B, N] -> i32[B, N]. By
-    pointer jumping (each node counts the edges to where it points, then points twice as
-    far up): log2(N) rounds of a few array operations, not one round per node."""
+    """node_depths in numpy, the tests' reference for the depths a round's program hands
+    back (RoundOutput.node_depths): parents i32[B, N] -> i32[B, N]. By pointer jumping (each
+    node counts the edges to where it points, then points twice as far up)."""
     parentless = parents < 0
     up = np.where(parentless, np.arange(parents.shape[1])[None, :], parents)
     depths = (~parentless).astype(np.int32)  # the root, and unused nodes, point to themselves

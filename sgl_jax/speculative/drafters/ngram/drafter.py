@@ -127,9 +127,11 @@ class NgramProposer:
         if req.rid not in self.index:
             self.index.add_request(req.rid, req.prompt_ids)
 
-    def extend(self, req: Req, tokens: Sequence[int]) -> None:
-        if req.rid in self.index:
-            self.index.extend(req.rid, tokens)
+    def extend(self, emitted: Sequence[tuple[Req, list[int], bool]]) -> None:
+        runs = [(req.rid, tokens) for req, tokens, _ in emitted
+                if tokens and req.rid in self.index]
+        if runs:
+            self.index.extend_many(*zip(*runs, strict=True))
 
     def finish(self, req: Req) -> None:
         """A finished request's output joins the recent responses; an aborted one's does

@@ -39,6 +39,7 @@ figures in docs/benchmarks/cpu.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -89,22 +90,10 @@ class TextSet:
         if tokens is not None:
             self.append(tokens)
 
-    def append(self, tokens: np.ndarray) -> bool:
-        """Append i64[k] tokens (END closes a text); True if the arrays were replaced."""
-        needed = self.size + len(tokens)
-        replaced = needed > self.chains.shape[1]
-        if replaced:
-            chains = np.zeros((3, _power_of_two(needed)), np.int32)
-            chains[:, :self.size] = self.chains[:, :self.size]
-            self.chains = chains
-        keys = self.keys + 2 * len(tokens)
-        if 2 * keys > self.table.shape[1]:  # kept at most half full: short probes
-            self.table = text_chains.new_table(_power_of_two(4 * keys))
-            self.keys = text_chains.relink(self.chains, self.size, self.table)
-            replaced = True
-        self.size, self.keys = text_chains.append_tokens(self.chains, self.size, self.table,
-                                                         self.keys, tokens)
-        return replaced
+    def append(self, tokens: np.ndarray) -> None:
+        """Append i64[k] tokens (END closes a text)."""
+        self.chains, self.table, self.size, self.keys = text_chains.appended(
+            self.chains, self.table, self.size, self.keys, tokens)
 
 
 class SuffixIndex:
@@ -120,10 +109,10 @@ class SuffixIndex:
         # Running requests' texts, by slot: the compiled code reads them from typed lists.
         self._slots: dict[Hashable, int] = {}
         self._prompt_lens: dict[Hashable, int] = {}
-        self._texts: list[TextSet | None] = []
         self._chains = numba.typed.List.empty_list(_CHAINS)
         self._tables = numba.typed.List.empty_list(_TABLE)
         self._sizes = np.zeros(0, np.int64)  # i64[slots]: each text's length
+        self._keys = np.zeros(0, np.int64)  # i64[slots]: its hash-table entries
         self._free: list[int] = []
         self._new_pool()
         self._shapes: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -159,17 +148,25 @@ class SuffixIndex:
             raise ValueError(f"request {key!r}: the prompt must have at least one token")
         slot = self._free.pop() if self._free else self._new_slot()
         self._slots[key], self._prompt_lens[key] = slot, len(ids)
-        self._texts[slot] = TextSet(ids)
-        self._publish(slot)
+        text = TextSet(ids)
+        self._chains[slot], self._tables[slot] = text.chains, text.table
+        self._sizes[slot], self._keys[slot] = text.size, text.keys
 
     def extend(self, key: Hashable, token_ids: Sequence[int]) -> None:
         """Append committed output tokens (i32[k]: a round's accepted drafts and bonus)."""
-        slot = self._slots[key]
-        text = self._texts[slot]
-        if text.append(_token_array(token_ids)):
-            self._publish(slot)
-        else:
-            self._sizes[slot] = text.size
+        tokens = np.asarray(token_ids, np.int64).reshape(-1)
+        text_chains.extend_texts(self._chains, self._tables, self._sizes, self._keys,
+                                 np.array([self._slots[key]]), tokens,
+                                 np.array([0, len(tokens)]))
+
+    def extend_many(self, keys: Sequence[Hashable], runs: Sequence[Sequence[int]]) -> None:
+        """`extend` for each request keys[r] with runs[r], in one compiled call."""
+        slots = np.fromiter((self._slots[key] for key in keys), np.int64, len(keys))
+        offsets = np.zeros(len(runs) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, runs), np.int64, len(runs)), out=offsets[1:])
+        tokens = np.fromiter(itertools.chain.from_iterable(runs), np.int64, offsets[-1])
+        text_chains.extend_texts(self._chains, self._tables, self._sizes, self._keys, slots,
+                                 tokens, offsets)
 
     def finish(self, key: Hashable, *, record: bool = True) -> None:
         """The request ended: free its text and, with `record`, keep its output (not its
@@ -178,11 +175,10 @@ class SuffixIndex:
         first. Pass record=False for an aborted request."""
         slot = self._slots.pop(key)
         prompt_len = self._prompt_lens.pop(key)
-        text = self._texts[slot]
-        output = text.chains[text_chains.TOKENS, prompt_len:text.size][: self.config.capacity]
+        tokens = self._chains[slot][text_chains.TOKENS]
+        output = tokens[prompt_len:self._sizes[slot]][: self.config.capacity]
         if record and len(output):
             self._remember(output.astype(np.int64))
-        self._texts[slot] = None
         self._chains[slot], self._tables[slot] = _EMPTY_CHAINS, _EMPTY_TABLE
         self._free.append(slot)
 
@@ -238,19 +234,14 @@ class SuffixIndex:
         return max(0, min(max_depth, self.config.branch_length, trusted))
 
     def _new_slot(self) -> int:
-        slot = len(self._texts)
-        self._texts.append(None)
+        slot = len(self._chains)
         self._chains.append(_EMPTY_CHAINS)
         self._tables.append(_EMPTY_TABLE)
         if slot >= len(self._sizes):
-            self._sizes = np.concatenate([self._sizes, np.zeros(max(slot, 8), np.int64)])
+            more = np.zeros(max(slot, 8), np.int64)
+            self._sizes, self._keys = (np.concatenate([self._sizes, more]),
+                                       np.concatenate([self._keys, more]))
         return slot
-
-    def _publish(self, slot: int) -> None:
-        """Hand a text's (new) arrays to the compiled code's lists."""
-        text = self._texts[slot]
-        self._chains[slot], self._tables[slot] = text.chains, text.table
-        self._sizes[slot] = text.size
 
     def _new_pool(self) -> None:
         self._pool = TextSet()
@@ -289,10 +280,6 @@ def load_compiled_code() -> None:
 
 _EMPTY_CHAINS = np.zeros((3, 1), np.int32)
 _EMPTY_TABLE = text_chains.new_table(1)
-
-
-def _power_of_two(at_least: int) -> int:
-    return 1 << max(at_least - 1, 1).bit_length()
 
 
 def _token_array(token_ids: Sequence[int]) -> np.ndarray:

@@ -107,6 +107,52 @@ def relink(chains: np.ndarray, size: int, table: np.ndarray) -> int:
 
 
 @_jit
+def appended(chains: np.ndarray, table: np.ndarray, size: int, keys: int,
+             tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """append_tokens with room made first: (chains, table, size, keys) after appending
+    `tokens` (i64[k]), the arrays replaced by larger ones where they were too small (the
+    table kept at most half full, so probes stay short)."""
+    needed = size + tokens.shape[0]
+    if needed > chains.shape[1]:
+        grown = np.zeros((3, _power_of_two(needed)), np.int32)
+        grown[:, :size] = chains[:, :size]
+        chains = grown
+    if 4 * (keys + tokens.shape[0]) > table.shape[1]:  # 2 keys a token at most
+        table = np.full((2, _power_of_two(8 * (keys + tokens.shape[0]))), EMPTY, np.int64)
+        keys = relink(chains, size, table)
+    size, keys = append_tokens(chains, size, table, keys, tokens)
+    return chains, table, size, keys
+
+
+@_jit
+def extend_texts(texts, tables, sizes: np.ndarray, keys: np.ndarray, slots: np.ndarray,
+                 tokens: np.ndarray, offsets: np.ndarray) -> None:
+    """`appended` for each text slots[r] (texts, tables: typed lists by slot; sizes, keys
+    i64[slots]) with tokens[offsets[r]:offsets[r + 1]] (i64, each >= 0), in place."""
+    for token in tokens:
+        if token < 0:
+            raise ValueError("token ids must be >= 0")
+    for row in range(slots.shape[0]):
+        slot, run = slots[row], tokens[offsets[row]:offsets[row + 1]]
+        chains, table = texts[slot], tables[slot]
+        size, count = sizes[slot], keys[slot]
+        if size + run.shape[0] <= chains.shape[1] and 4 * (count + run.shape[0]) <= \
+                table.shape[1]:  # room for it: the common case, no list written
+            sizes[slot], keys[slot] = append_tokens(chains, size, table, count, run)
+        else:
+            texts[slot], tables[slot], sizes[slot], keys[slot] = appended(
+                chains, table, size, count, run)
+
+
+@_jit
+def _power_of_two(at_least: int) -> int:
+    power = 2
+    while power < at_least:
+        power *= 2
+    return power
+
+
+@_jit
 def _match_length(chains: np.ndarray, e: int, low: int, own: np.ndarray, n: int,
                   longest: int) -> int:
     """How many tokens ending at e equal the last tokens of own[:n] (at most `longest`,
