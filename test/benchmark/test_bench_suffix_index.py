@@ -11,5 +11,5 @@ def test_edits_draft_from_their_prompt(capsys):
     # An answer of n tokens takes n / (tokens a proposal commits) proposals; without drafts
     # every proposal would commit exactly the bonus token.
     assert result["tokens_per_proposal"] > 1.5
-    assert result["propose_us_mean"] > 0 and len(result["digest"]) == 16
+    assert result["propose_us_per_request"] > 0 and len(result["digest"]) == 16
     assert "proposals (7 nodes, depth 6, batch 2)" in capsys.readouterr().out
